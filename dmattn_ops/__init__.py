@@ -1,0 +1,7 @@
+"""Dynamic Mask Attention as PyTorch custom ops (``torch.ops.dmattn``) backed by Triton kernels."""
+
+from dmattn_ops import ops, reference
+from dmattn_ops.api import attention
+
+__all__ = ["attention", "ops", "reference"]
+__version__ = "0.1.0"

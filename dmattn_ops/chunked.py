@@ -1,0 +1,216 @@
+"""Memory-efficient PyTorch implementation of the forward and backward passes.
+
+Queries and keys are processed in tiles with an online softmax, FlashAttention-2 style, so the
+largest temporary is (B, H, block_q, block_k) and B*H*Lq*Lk is never allocated. It is the CPU
+kernel of the registered ops and the fallback wherever Triton cannot run.
+
+Heads are laid out as (Hkv, G) with G = H // Hkv, so a mask or bias whose head dim is H, Hkv or 1
+is a plain broadcasting view of shape (B|1, Hkv|1, G|1, Lq|1, Lk) and GQA needs no copies of K/V.
+Arithmetic is float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dmattn_ops._alloc import empty
+
+_MAX_TILE_ELEMENTS = 1 << 22
+
+
+def heads_5d(t: torch.Tensor | None, h: int, hkv: int) -> torch.Tensor | None:
+    """(B|1, H|Hkv|1, Lq|1, Lk) -> (B|1, Hkv|1, G|1, Lq|1, Lk), a view."""
+    if t is None:
+        return None
+    bt, ht, lqt, lk = t.shape
+    if ht == h:
+        return t.unflatten(1, (hkv, h // hkv))
+    if ht == hkv:
+        return t.unsqueeze(2)
+    return t.view(bt, 1, 1, lqt, lk)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _blocks(b: int, h: int, lq: int, lk: int, block_q, block_k) -> tuple[int, int]:
+    block_k = block_k or max(16, min(256, lk))
+    block_q = block_q or max(16, min(256, lq))
+    while block_q > 16 and b * h * block_q * block_k > _MAX_TILE_ELEMENTS:
+        block_q //= 2
+    return block_q, block_k
+
+
+class _Problem:
+    """Everything a tile needs, fixed once per call."""
+
+    def __init__(self, query, key, value, mask, bias, scale, is_causal, softcap, seqused_k):
+        self.b, self.lq, self.h, self.d = query.shape
+        self.lk, self.hkv, self.dv = key.shape[1], key.shape[2], value.shape[3]
+        self.g = self.h // self.hkv
+        self.ct = compute_dtype(query.dtype)
+        self.scale, self.is_causal, self.softcap = scale, is_causal, softcap
+        device = query.device
+        # [B, Hkv, G, Lq, D] and [B, Hkv, 1, Lk, D]: views, no copies.
+        self.q = query.permute(0, 2, 1, 3).unflatten(1, (self.hkv, self.g))
+        self.k = key.permute(0, 2, 1, 3).unsqueeze(2)
+        self.v = value.permute(0, 2, 1, 3).unsqueeze(2)
+        self.mask = heads_5d(mask, self.h, self.hkv)
+        self.bias = heads_5d(bias, self.h, self.hkv)
+        self.n = (
+            seqused_k.to(torch.long).clamp(0, self.lk)
+            if seqused_k is not None
+            else torch.full((self.b,), self.lk, dtype=torch.long, device=device)
+        )
+        self.device = device
+
+    def tile(self, q0: int, q1: int, k0: int, k1: int):
+        """Scores of one tile: (s, allowed, tanh term, q, k, v), all [B, Hkv, G, bq, bk]-shaped.
+
+        K/V rows at or beyond seqused_k are zeroed before any product, so NaN in an unused
+        KV-cache slot cannot leak through 0 * NaN; disallowed scores are exactly -inf.
+        """
+        ct = self.ct
+        i = torch.arange(q0, q1, device=self.device)
+        j = torch.arange(k0, k1, device=self.device)
+        key_ok = j[None, :] < self.n[:, None]  # [B, bk]
+        key_ok5 = key_ok[:, None, None, :, None]
+        q = self.q[:, :, :, q0:q1].to(ct)  # [B, Hkv, G, bq, D]
+        k = torch.where(key_ok5, self.k[:, :, :, k0:k1], 0).to(ct)  # [B, Hkv, 1, bk, D]
+        v = torch.where(key_ok5, self.v[:, :, :, k0:k1], 0).to(ct)  # [B, Hkv, 1, bk, Dv]
+        x = self.scale * (q @ k.transpose(-1, -2))  # [B, Hkv, G, bq, bk]
+        t = None
+        if self.softcap > 0:
+            t = torch.tanh(x / self.softcap)
+            x = self.softcap * t
+        allowed = key_ok[:, None, None, None, :]  # [B, 1, 1, 1, bk]
+        if self.mask is not None:
+            allowed = allowed & _rows(self.mask, q0, q1)[..., k0:k1]
+        if self.is_causal:
+            diag = i[None, :, None] + (self.n - self.lq)[:, None, None]  # [B, bq, 1]
+            allowed = allowed & (j[None, None, :] <= diag)[:, None, None]
+        if self.bias is not None:
+            x = x + _rows(self.bias, q0, q1)[..., k0:k1].to(ct)
+        s = torch.where(allowed, x, float("-inf"))
+        return s, allowed, t, q, k, v
+
+
+def _rows(t: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
+    return t if t.shape[3] == 1 else t[:, :, :, q0:q1]
+
+
+def forward(
+    query,
+    key,
+    value,
+    mask,
+    bias,
+    scale,
+    is_causal,
+    softcap,
+    seqused_k,
+    *,
+    block_q=None,
+    block_k=None,
+):
+    """Returns out (B, Lq, H, Dv) in query's dtype and lse float32 (B, H, Lq)."""
+    pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
+    b, lq, h, lk, hkv, g, dv, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.dv, pb.ct
+    out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
+    lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
+    out5 = out.permute(0, 2, 1, 3).unflatten(1, (hkv, g))  # [B, Hkv, G, Lq, Dv] view
+    lse5 = lse.unflatten(1, (hkv, g))  # [B, Hkv, G, Lq] view
+    block_q, block_k = _blocks(b, h, lq, lk, block_q, block_k)
+    neg_inf = float("-inf")
+    for q0 in range(0, lq, block_q):
+        q1 = min(q0 + block_q, lq)
+        shape = (b, hkv, g, q1 - q0)
+        m = torch.full(shape, neg_inf, dtype=ct, device=query.device)
+        denom = torch.zeros(shape, dtype=ct, device=query.device)
+        acc = torch.zeros((*shape, dv), dtype=ct, device=query.device)
+        for k0 in range(0, lk, block_k):
+            s, _, _, _, _, v = pb.tile(q0, q1, k0, min(k0 + block_k, lk))
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            m_safe = torch.where(m_new == neg_inf, 0, m_new)
+            alpha = torch.exp(m - m_safe)
+            p = torch.exp(s - m_safe[..., None])
+            denom = denom * alpha + p.sum(dim=-1)
+            acc = acc * alpha[..., None] + p @ v
+            m = m_new
+        nonempty = denom > 0
+        out5[:, :, :, q0:q1] = (acc / torch.where(nonempty, denom, 1)[..., None]).to(out.dtype)
+        safe = torch.where(nonempty, denom, 1)
+        lse5[:, :, :, q0:q1] = torch.where(nonempty, torch.log(safe) + m, neg_inf).float()
+    return out, lse
+
+
+def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    dims = tuple(d for d, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
+    return x.sum(dim=dims, keepdim=True) if dims else x
+
+
+def backward(
+    grad_out,
+    grad_lse,
+    query,
+    key,
+    value,
+    out,
+    lse,
+    mask,
+    bias,
+    scale,
+    is_causal,
+    softcap,
+    seqused_k,
+    compute_dbias,
+    *,
+    block_q=None,
+    block_k=None,
+):
+    """Returns dq, dk, dv in their inputs' shapes and dtypes, and dbias in bias's shape and dtype
+    (an empty tensor when compute_dbias is False). P is recomputed from lse."""
+    pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
+    b, lq, h, lk, hkv, g, d, dv, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.d, pb.dv, pb.ct
+    dev = query.device
+    do = grad_out.permute(0, 2, 1, 3).unflatten(1, (hkv, g))  # [B, Hkv, G, Lq, Dv]
+    delta = (grad_out.to(ct) * out.to(ct)).sum(dim=-1).transpose(1, 2)  # [B, H, Lq]
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(ct)
+    delta = delta.unflatten(1, (hkv, g))  # [B, Hkv, G, Lq]
+    lse5 = lse.unflatten(1, (hkv, g)).to(ct)
+    lse5 = torch.where(lse5 == float("-inf"), 0, lse5)
+
+    dq = torch.zeros((b, hkv, g, lq, d), dtype=ct, device=dev)
+    dk = torch.zeros((b, hkv, 1, lk, d), dtype=ct, device=dev)
+    dvv = torch.zeros((b, hkv, 1, lk, dv), dtype=ct, device=dev)
+    dbias = None
+    if compute_dbias:
+        dbias = torch.zeros(pb.bias.shape, dtype=ct, device=dev)
+    block_q, block_k = _blocks(b, h, lq, lk, block_q, block_k)
+    for q0 in range(0, lq, block_q):
+        q1 = min(q0 + block_q, lq)
+        doc = do[:, :, :, q0:q1].to(ct)  # [B, Hkv, G, bq, Dv]
+        for k0 in range(0, lk, block_k):
+            k1 = min(k0 + block_k, lk)
+            s, allowed, t, q, k, v = pb.tile(q0, q1, k0, k1)
+            p = torch.exp(s - lse5[:, :, :, q0:q1, None])  # [B, Hkv, G, bq, bk]
+            dp = doc @ v.transpose(-1, -2)
+            ds = torch.where(allowed, p * (dp - delta[:, :, :, q0:q1, None]), 0)
+            if dbias is not None:
+                target = dbias[..., k0:k1] if dbias.shape[3] == 1 else dbias[:, :, :, q0:q1, k0:k1]
+                target += _sum_to(ds, target.shape)
+            dvv[:, :, :, k0:k1] += (p.transpose(-1, -2) @ doc).sum(dim=2, keepdim=True)
+            if t is not None:
+                ds = ds * (1 - t * t)
+            dq[:, :, :, q0:q1] += scale * (ds @ k)
+            dk[:, :, :, k0:k1] += scale * (ds.transpose(-1, -2) @ q).sum(dim=2, keepdim=True)
+    grad_query = dq.flatten(1, 2).transpose(1, 2).to(query.dtype).contiguous()
+    grad_key = dk.squeeze(2).transpose(1, 2).to(key.dtype).contiguous()
+    grad_value = dvv.squeeze(2).transpose(1, 2).to(value.dtype).contiguous()
+    if dbias is None:
+        grad_bias = torch.empty((0,), dtype=query.dtype, device=dev)
+    else:
+        grad_bias = dbias.reshape(bias.shape).to(bias.dtype).contiguous()
+    return grad_query, grad_key, grad_value, grad_bias

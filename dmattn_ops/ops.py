@@ -1,0 +1,486 @@
+"""torch.library registrations of the dmattn ops: schemas, backend kernels, fake kernels,
+autograd and vmap rules.
+
+Three ops:
+
+* ``dmattn::attention`` -- the public op of SPEC.md, differentiable in query, key, value, bias.
+* ``dmattn::attention_forward`` -> (out, lse) -- carries the forward kernel; differentiable in
+  query, key, value and bias through both outputs (a gradient of lse folds into delta).
+* ``dmattn::attention_backward`` -> (dq, dk, dv, dbias) -- carries the backward kernel. dbias has
+  bias's shape and dtype when ``compute_dbias``, else it is an empty (0,) tensor.
+
+Autograd: ``torch.library.register_autograd`` builds an autograd.Function without
+``setup_context``, which torch.func refuses (pytorch#168393, #170834). So the Autograd kernels
+here are written by hand and apply an autograd.Function that has ``setup_context``. Inside a
+torch.func transform the Autograd kernel already runs at the transform's level, on its wrapped
+tensors, like any built-in op's Autograd kernel; there the Function is applied as a
+single-level function instead of being routed back through ``custom_function_call``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch._functorch.autograd_function import enable_single_level_autograd_function
+
+from dmattn_ops import launch
+from dmattn_ops.validate import check_inputs
+
+ATTENTION_SCHEMA = (
+    "attention(Tensor query, Tensor key, Tensor value, Tensor? mask=None, Tensor? bias=None, "
+    "float? scale=None, bool is_causal=False, float softcap=0.0, Tensor? seqused_k=None, "
+    "bool deterministic=False) -> Tensor"
+)
+FORWARD_SCHEMA = (
+    "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? bias, "
+    "float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic=False) "
+    "-> (Tensor out, Tensor lse)"
+)
+BACKWARD_SCHEMA = (
+    "attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, "
+    "Tensor value, Tensor out, Tensor lse, Tensor? mask, Tensor? bias, float scale, "
+    "bool is_causal, float softcap, Tensor? seqused_k, bool deterministic, bool compute_dbias) "
+    "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)"
+)
+
+_lib = torch.library.Library("dmattn", "DEF")
+for _schema in (ATTENTION_SCHEMA, FORWARD_SCHEMA, BACKWARD_SCHEMA):
+    _lib.define(_schema)
+
+
+def default_scale(query: torch.Tensor) -> float:
+    return 1.0 / math.sqrt(int(query.shape[-1]))
+
+
+@dataclass(frozen=True)
+class Options:
+    """The non-tensor arguments that travel from forward to backward."""
+
+    scale: float
+    is_causal: bool
+    softcap: float
+    deterministic: bool
+
+
+# Backend kernels.
+
+
+def _forward_impl(
+    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic=False
+):
+    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn::attention")
+    return launch.attention_forward(
+        query, key, value, mask, bias, scale, is_causal, softcap, seqused_k
+    )
+
+
+def _backward_impl(
+    grad_out,
+    grad_lse,
+    query,
+    key,
+    value,
+    out,
+    lse,
+    mask,
+    bias,
+    scale,
+    is_causal,
+    softcap,
+    seqused_k,
+    deterministic,
+    compute_dbias,
+):
+    return launch.attention_backward(
+        grad_out,
+        grad_lse,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        mask,
+        bias,
+        scale,
+        is_causal,
+        softcap,
+        seqused_k,
+        deterministic,
+        compute_dbias and bias is not None,
+    )
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("attention_forward", _forward_impl, _key)
+    _lib.impl("attention_backward", _backward_impl, _key)
+
+
+def _attention_impl(
+    query,
+    key,
+    value,
+    mask=None,
+    bias=None,
+    scale=None,
+    is_causal=False,
+    softcap=0.0,
+    seqused_k=None,
+    deterministic=False,
+):
+    scale = default_scale(query) if scale is None else scale
+    out, _ = torch.ops.dmattn.attention_forward(
+        query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
+    )
+    return out
+
+
+_lib.impl("attention", _attention_impl, "CompositeExplicitAutograd")
+
+
+# Fake kernels: exactly the shapes, dtypes and (contiguous) strides the real kernels return.
+
+
+@torch.library.register_fake("dmattn::attention_forward")
+def _forward_fake(
+    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic=False
+):
+    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn::attention")
+    b, lq, h, _ = query.shape
+    out = query.new_empty((b, lq, h, value.shape[-1]))
+    lse = query.new_empty((b, h, lq), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("dmattn::attention_backward")
+def _backward_fake(
+    grad_out,
+    grad_lse,
+    query,
+    key,
+    value,
+    out,
+    lse,
+    mask,
+    bias,
+    scale,
+    is_causal,
+    softcap,
+    seqused_k,
+    deterministic,
+    compute_dbias,
+):
+    dq = query.new_empty(query.shape)
+    dk = key.new_empty(key.shape)
+    dv = value.new_empty(value.shape)
+    if compute_dbias and bias is not None:
+        dbias = bias.new_empty(bias.shape)
+    else:
+        dbias = query.new_empty((0,))
+    return dq, dk, dv, dbias
+
+
+# Autograd.
+
+
+def _apply(function: type[torch.autograd.Function], *args):
+    if torch._C._are_functorch_transforms_active():
+        with enable_single_level_autograd_function():
+            return super(torch.autograd.Function, function).apply(*args)
+    return function.apply(*args)
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class AttentionFunction(torch.autograd.Function):
+    """(query, key, value, mask, bias, seqused_k, Options) -> (out, lse)."""
+
+    @staticmethod
+    def forward(query, key, value, mask, bias, seqused_k, options: Options):
+        return torch.ops.dmattn.attention_forward(
+            query,
+            key,
+            value,
+            mask,
+            bias,
+            options.scale,
+            options.is_causal,
+            options.softcap,
+            seqused_k,
+            options.deterministic,
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        query, key, value, mask, bias, seqused_k, options = inputs
+        out, lse = output
+        ctx.save_for_backward(query, key, value, mask, bias, seqused_k, out, lse)
+        ctx.options = options
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, mask, bias, seqused_k, out, lse = ctx.saved_tensors
+        if grad_out is None and grad_lse is None:
+            return (None,) * 7
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        o = ctx.options
+        compute_dbias = bias is not None and ctx.needs_input_grad[4]
+        dq, dk, dv, dbias = torch.ops.dmattn.attention_backward(
+            grad_out,
+            grad_lse,
+            query,
+            key,
+            value,
+            out,
+            lse,
+            mask,
+            bias,
+            o.scale,
+            o.is_causal,
+            o.softcap,
+            seqused_k,
+            o.deterministic,
+            compute_dbias,
+        )
+        return dq, dk, dv, None, (dbias if compute_dbias else None), None, None
+
+
+DOUBLE_BACKWARD_ERROR = (
+    "dmattn: double backward (a gradient of a gradient of attention) is not supported; "
+    "differentiate the attention output once, or use dmattn_ops.reference.attention, which "
+    "plain autograd differentiates to any order"
+)
+
+
+class _BackwardFunction(torch.autograd.Function):
+    """attention_backward's own autograd: usable once, refuses to be differentiated."""
+
+    @staticmethod
+    def forward(*args):
+        return torch.ops.dmattn.attention_backward(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+
+def _attention_autograd(
+    keyset,
+    query,
+    key,
+    value,
+    mask=None,
+    bias=None,
+    scale=None,
+    is_causal=False,
+    softcap=0.0,
+    seqused_k=None,
+    deterministic=False,
+):
+    if _needs_grad(query, key, value, bias):
+        scale = default_scale(query) if scale is None else scale
+        options = Options(scale, is_causal, softcap, deterministic)
+        out, _ = _apply(AttentionFunction, query, key, value, mask, bias, seqused_k, options)
+        return out
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.dmattn.attention.default.redispatch(
+            keyset & torch._C._after_autograd_keyset,
+            query,
+            key,
+            value,
+            mask,
+            bias,
+            scale,
+            is_causal,
+            softcap,
+            seqused_k,
+            deterministic,
+        )
+
+
+def _forward_autograd(
+    keyset, query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic=False
+):
+    if _needs_grad(query, key, value, bias):
+        options = Options(scale, is_causal, softcap, deterministic)
+        return _apply(AttentionFunction, query, key, value, mask, bias, seqused_k, options)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.dmattn.attention_forward.default.redispatch(
+            keyset & torch._C._after_autograd_keyset,
+            query,
+            key,
+            value,
+            mask,
+            bias,
+            scale,
+            is_causal,
+            softcap,
+            seqused_k,
+            deterministic,
+        )
+
+
+def _backward_autograd(keyset, *args):
+    if _needs_grad(*(a for a in args if isinstance(a, torch.Tensor))):
+        return _apply(_BackwardFunction, *args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.dmattn.attention_backward.default.redispatch(
+            keyset & torch._C._after_autograd_keyset, *args
+        )
+
+
+_lib.impl("attention", _attention_autograd, "Autograd", with_keyset=True)
+_lib.impl("attention_forward", _forward_autograd, "Autograd", with_keyset=True)
+_lib.impl("attention_backward", _backward_autograd, "Autograd", with_keyset=True)
+
+
+# vmap: the vmapped dim is folded into the batch dim B, one launch for all of it.
+
+
+def _fold(t, dim, n: int, b: int, *, keep_broadcast: bool = False):
+    """[N, b|1, ...] (or unbatched [b|1, ...]) -> [N * b, ...].
+
+    With keep_broadcast an unbatched operand whose batch dim is 1 stays as it is: it broadcasts
+    over the folded batch just as it did over B.
+    """
+    if t is None:
+        return None
+    if dim is None:
+        if keep_broadcast and t.shape[0] == 1:
+            return t
+        t = t.expand(n, *t.shape)
+    else:
+        t = t.movedim(dim, 0)
+    return t.expand(n, b, *t.shape[2:]).reshape(n * b, *t.shape[2:])
+
+
+def _unfold(t: torch.Tensor, n: int, b: int) -> torch.Tensor:
+    return t.unflatten(0, (n, b))
+
+
+def _pad_dims(in_dims, count: int) -> tuple:
+    """The dispatcher drops trailing arguments left at their defaults, and their in_dims."""
+    return (*in_dims, *([None] * (count - len(in_dims))))
+
+
+def _batch_size(query: torch.Tensor, dim) -> int:
+    return query.shape[0 if dim is None else 1]
+
+
+@torch.library.register_vmap("dmattn::attention")
+def _attention_vmap(
+    info,
+    in_dims,
+    query,
+    key,
+    value,
+    mask=None,
+    bias=None,
+    scale=None,
+    is_causal=False,
+    softcap=0.0,
+    seqused_k=None,
+    deterministic=False,
+):
+    in_dims = _pad_dims(in_dims, 10)
+    n, b = info.batch_size, _batch_size(query, in_dims[0])
+    out = torch.ops.dmattn.attention(
+        _fold(query, in_dims[0], n, b),
+        _fold(key, in_dims[1], n, b),
+        _fold(value, in_dims[2], n, b),
+        _fold(mask, in_dims[3], n, b, keep_broadcast=True),
+        _fold(bias, in_dims[4], n, b, keep_broadcast=True),
+        scale,
+        is_causal,
+        softcap,
+        _fold(seqused_k, in_dims[8], n, b),
+        deterministic,
+    )
+    return _unfold(out, n, b), 0
+
+
+@torch.library.register_vmap("dmattn::attention_forward")
+def _forward_vmap(
+    info,
+    in_dims,
+    query,
+    key,
+    value,
+    mask,
+    bias,
+    scale,
+    is_causal,
+    softcap,
+    seqused_k,
+    deterministic=False,
+):
+    in_dims = _pad_dims(in_dims, 10)
+    n, b = info.batch_size, _batch_size(query, in_dims[0])
+    out, lse = torch.ops.dmattn.attention_forward(
+        _fold(query, in_dims[0], n, b),
+        _fold(key, in_dims[1], n, b),
+        _fold(value, in_dims[2], n, b),
+        _fold(mask, in_dims[3], n, b, keep_broadcast=True),
+        _fold(bias, in_dims[4], n, b, keep_broadcast=True),
+        scale,
+        is_causal,
+        softcap,
+        _fold(seqused_k, in_dims[8], n, b),
+        deterministic,
+    )
+    return (_unfold(out, n, b), _unfold(lse, n, b)), (0, 0)
+
+
+@torch.library.register_vmap("dmattn::attention_backward")
+def _backward_vmap(
+    info,
+    in_dims,
+    grad_out,
+    grad_lse,
+    query,
+    key,
+    value,
+    out,
+    lse,
+    mask,
+    bias,
+    scale,
+    is_causal,
+    softcap,
+    seqused_k,
+    deterministic,
+    compute_dbias,
+):
+    n, b = info.batch_size, _batch_size(query, in_dims[2])
+    compute_dbias = compute_dbias and bias is not None
+    # Each vmapped sample needs its own dbias, so a bias shared over the batch is expanded here
+    # and its batch dim summed back below.
+    tensors = (grad_out, grad_lse, query, key, value, out, lse)
+    folded = [_fold(t, d, n, b) for t, d in zip(tensors, in_dims)]
+    dq, dk, dv, dbias = torch.ops.dmattn.attention_backward(
+        *folded,
+        _fold(mask, in_dims[7], n, b, keep_broadcast=True),
+        _fold(bias, in_dims[8], n, b, keep_broadcast=not compute_dbias),
+        scale,
+        is_causal,
+        softcap,
+        _fold(seqused_k, in_dims[12], n, b),
+        deterministic,
+        compute_dbias,
+    )
+    grads = (_unfold(dq, n, b), _unfold(dk, n, b), _unfold(dv, n, b))
+    if not compute_dbias:
+        return (*grads, dbias), (0, 0, 0, None)
+    dbias = _unfold(dbias, n, b)
+    if _batch_size(bias, in_dims[8]) == 1 and b != 1:
+        dbias = dbias.float().sum(dim=1, keepdim=True).to(bias.dtype)
+    return (*grads, dbias), (0, 0, 0, 0)

@@ -1,0 +1,153 @@
+"""Input checks shared by the public functions and the registered ops.
+
+Every check here looks at shapes, dtypes and devices only, so it runs unchanged on fake tensors
+while torch.compile traces; `check_seqused_k_values` is the one check that reads data and is
+skipped while tracing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+BACKENDS = ("auto", "triton", "flex", "reference")
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check_tensor(name: str, t, fn: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_broadcast_operand(
+    name: str, t: torch.Tensor, full: tuple[int, int, int, int], hkv: int, fn: str
+) -> None:
+    """A mask or bias of shape (B|1, H|Hkv|1, Lq|1, Lk) against full = (B, H, Lq, Lk)."""
+    b, h, lq, lk = full
+    expected = f"(B|1, H|Hkv|1, Lq|1, Lk) with B={b}, H={h}, Hkv={hkv}, Lq={lq}, Lk={lk}"
+    if t.dim() != 4:
+        raise ValueError(f"{fn}: {name} must be 4-D {expected}; got shape {_shape(t)}")
+    tb, th, tq, tk = t.shape
+    if tb not in (b, 1) or th not in (h, hkv, 1) or tq not in (lq, 1) or tk != lk:
+        raise ValueError(
+            f"{fn}: {name} of shape {_shape(t)} does not broadcast to the scores; expected {expected}"
+        )
+
+
+def check_inputs(
+    query,
+    key,
+    value,
+    mask=None,
+    bias=None,
+    seqused_k=None,
+    scale=None,
+    softcap=0.0,
+    fn: str = "dmattn.attention",
+) -> None:
+    """Raise TypeError/ValueError for any call that breaks the contract in SPEC.md "Bad input"."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, t, fn)
+    if query.dim() != 4:
+        raise ValueError(f"{fn}: query must be 4-D (B, Lq, H, D); got shape {_shape(query)}")
+    if key.dim() != 4:
+        raise ValueError(f"{fn}: key must be 4-D (B, Lk, Hkv, D); got shape {_shape(key)}")
+    if value.dim() != 4:
+        raise ValueError(f"{fn}: value must be 4-D (B, Lk, Hkv, Dv); got shape {_shape(value)}")
+    if query.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{fn}: query must be float16, bfloat16, float32 or float64; got {query.dtype}"
+        )
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(f"{fn}: {name} dtype {t.dtype} differs from query dtype {query.dtype}")
+    for name, t in (("key", key), ("value", value), ("mask", mask), ("bias", bias)):
+        if t is not None and isinstance(t, torch.Tensor) and t.device != query.device:
+            raise ValueError(
+                f"{fn}: {name} is on {t.device} but query is on {query.device}; "
+                "all tensors must be on one device"
+            )
+    b, lq, h, d = query.shape
+    bk, lk, hkv, dk = key.shape
+    bv, lkv, hv, dv = value.shape
+    if bk != b or dk != d:
+        raise ValueError(
+            f"{fn}: key must have shape (B, Lk, Hkv, D) = ({b}, Lk, Hkv, {d}) to match query "
+            f"{_shape(query)}; got {_shape(key)}"
+        )
+    if (bv, lkv, hv) != (b, lk, hkv):
+        raise ValueError(
+            f"{fn}: value must have shape (B, Lk, Hkv, Dv) = ({b}, {lk}, {hkv}, Dv) to match key "
+            f"{_shape(key)}; got {_shape(value)}"
+        )
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(
+            f"{fn}: the number of query heads H={h} must be a multiple of the number of "
+            f"key/value heads Hkv={hkv} (query {_shape(query)}, key {_shape(key)})"
+        )
+    if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
+        raise ValueError(
+            f"{fn}: head dims must be at most {MAX_HEAD_DIM}; got D={d} (query/key) and "
+            f"Dv={dv} (value)"
+        )
+    full = (b, h, lq, lk)
+    if mask is not None:
+        _check_tensor("mask", mask, fn)
+        if mask.dtype != torch.bool:
+            raise TypeError(f"{fn}: mask must be a bool tensor; got {mask.dtype}")
+        check_broadcast_operand("mask", mask, full, hkv, fn)
+    if bias is not None:
+        _check_tensor("bias", bias, fn)
+        if bias.dtype not in (query.dtype, torch.float32):
+            raise TypeError(
+                f"{fn}: bias dtype must be query's ({query.dtype}) or torch.float32; "
+                f"got {bias.dtype}"
+            )
+        check_broadcast_operand("bias", bias, full, hkv, fn)
+    if seqused_k is not None:
+        _check_tensor("seqused_k", seqused_k, fn)
+        if seqused_k.dtype != torch.int32:
+            raise TypeError(f"{fn}: seqused_k must be int32; got {seqused_k.dtype}")
+        if _shape(seqused_k) != (b,):
+            raise ValueError(
+                f"{fn}: seqused_k must have shape (B,) = ({b},); got {_shape(seqused_k)}"
+            )
+        if seqused_k.device != query.device:
+            raise ValueError(
+                f"{fn}: seqused_k is on {seqused_k.device} but query is on {query.device}"
+            )
+    check_scalars(scale, softcap, fn)
+
+
+def check_scalars(scale, softcap, fn: str) -> None:
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"{fn}: scale must be a float or None; got {type(scale).__name__}")
+        if not math.isfinite(scale):
+            raise ValueError(f"{fn}: scale must be finite; got {scale}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"{fn}: softcap must be a float; got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"{fn}: softcap must be finite and >= 0 (0 disables it); got {softcap}")
+
+
+def check_seqused_k_values(seqused_k: torch.Tensor | None, lk: int, fn: str) -> None:
+    """Range check of seqused_k; reads the tensor, so callers skip it while tracing."""
+    if seqused_k is None or seqused_k.numel() == 0:
+        return
+    lo, hi = int(seqused_k.min()), int(seqused_k.max())
+    if lo < 0 or hi > lk:
+        raise ValueError(
+            f"{fn}: seqused_k values must lie in [0, Lk={lk}]; got values from {lo} to {hi}"
+        )
+
+
+def check_backend(backend) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"dmattn.attention: backend must be one of {BACKENDS}; got {backend!r}")
