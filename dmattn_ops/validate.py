@@ -36,7 +36,8 @@ def check_broadcast_operand(
     tb, th, tq, tk = t.shape
     if tb not in (b, 1) or th not in (h, hkv, 1) or tq not in (lq, 1) or tk != lk:
         raise ValueError(
-            f"{fn}: {name} of shape {_shape(t)} does not broadcast to the scores; expected {expected}"
+            f"{fn}: {name} of shape {_shape(t)} does not broadcast to the scores; "
+            f"expected {expected}"
         )
 
 
