@@ -1,0 +1,121 @@
+"""Input builders and error bounds shared by the tests.
+
+Bounds follow STYLE.md: a low-precision result passes when its error against the float64 oracle
+is at most twice the error of the same computation done by PyTorch in that precision
+(`reference.attention` on the low-precision inputs), plus a rounding term of the output dtype.
+NaN never passes: every comparison first checks that the pattern of non-finite values matches.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dmattn_ops import reference
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# lse is float32 by contract and backward recomputes P = exp(s - lse): in float64 the gradients
+# carry a relative error of about |lse| * 2^-24 from that rounding (a few such terms add up).
+LSE_ROUNDING = 2.0**-24
+
+
+@dataclass(frozen=True)
+class Case:
+    b: int
+    lq: int
+    lk: int
+    h: int
+    hkv: int
+    d: int
+    dv: int
+
+    @property
+    def id(self) -> str:
+        return f"B{self.b}-Lq{self.lq}-Lk{self.lk}-H{self.h}-Hkv{self.hkv}-D{self.d}-Dv{self.dv}"
+
+
+def param(case: Case, *marks):
+    return pytest.param(case, id=case.id, marks=marks)
+
+
+# Every broadcast pattern of a mask or bias: batch (B|1) x head (H|Hkv|1) x query (Lq|1).
+PATTERNS = [
+    "".join(p) for p in itertools.product(("B", "b"), ("H", "G", "h"), ("Q", "q"))
+]
+
+
+def operand_shape(pattern: str, c: Case) -> tuple[int, int, int, int]:
+    """'BHQ' is (B, H, Lq, Lk); lower case b/h/q means 1; G is the KV-group head dim Hkv."""
+    batch = c.b if pattern[0] == "B" else 1
+    head = {"H": c.h, "G": c.hkv, "h": 1}[pattern[1]]
+    rows = c.lq if pattern[2] == "Q" else 1
+    return (batch, head, rows, c.lk)
+
+
+def make_qkv(c: Case, dtype=torch.float64, device="cpu", requires_grad=False):
+    q = torch.randn(c.b, c.lq, c.h, c.d, dtype=dtype, device=device)
+    k = torch.randn(c.b, c.lk, c.hkv, c.d, dtype=dtype, device=device)
+    v = torch.randn(c.b, c.lk, c.hkv, c.dv, dtype=dtype, device=device)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def make_mask(shape, density=0.6, device="cpu") -> torch.Tensor:
+    return torch.rand(shape, device=device) < density
+
+
+def make_bias(shape, dtype=torch.float64, device="cpu", requires_grad=False) -> torch.Tensor:
+    return torch.randn(shape, dtype=dtype, device=device).requires_grad_(requires_grad)
+
+
+def assert_finite_like(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    assert not torch.isnan(actual).any(), f"{name}: NaN in result"
+    same = (actual.isfinite() == expected.isfinite()) & (
+        actual.isfinite() | (actual == expected)
+    )
+    assert same.all(), f"{name}: non-finite entries differ from the oracle's"
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    fin = b.isfinite()
+    if not fin.any():
+        return 0.0
+    return (a.double()[fin] - b.double()[fin]).abs().max().item()
+
+
+def assert_close(actual, expected, atol: float, name: str) -> None:
+    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+    assert_finite_like(actual, expected, name)
+    err = max_err(actual, expected)
+    assert err <= atol, f"{name}: max error {err:.3e} exceeds bound {atol:.3e}"
+
+
+def rounding(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """Error of merely storing the float64 oracle in dtype."""
+    fin = ref.isfinite()
+    if not fin.any():
+        return 0.0
+    r = ref[fin]
+    return (r.to(dtype).double() - r).abs().max().item()
+
+
+def low_precision_bound(ref64, ref_lowp, dtype) -> float:
+    return 2 * max_err(ref_lowp, ref64) + 2 * rounding(ref64, dtype) + 1e-6
+
+
+def float64_grad_bound(ref_grad: torch.Tensor, lse_ref: torch.Tensor) -> float:
+    finite = lse_ref[lse_ref.isfinite()]
+    lse_max = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+    g_max = max(1.0, ref_grad.abs().max().item()) if ref_grad.numel() else 1.0
+    return 16 * LSE_ROUNDING * lse_max * g_max
+
+
+def reference_grads(inputs, kwargs, grad_out, mask=None):
+    """Float64 oracle output, lse and gradients of <out, grad_out> w.r.t. the inputs given."""
+    q, k, v, bias = inputs
+    out, lse = reference.attention(q, k, v, mask, bias, return_lse=True, **kwargs)
+    wrt = [t for t in inputs if t is not None and t.requires_grad]
+    grads = torch.autograd.grad((out * grad_out).sum(), wrt, allow_unused=True)
+    return out, lse, grads
