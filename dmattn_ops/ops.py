@@ -372,8 +372,9 @@ def _pad_dims(in_dims, count: int) -> tuple:
     return (*in_dims, *([None] * (count - len(in_dims))))
 
 
-def _batch_size(query: torch.Tensor, dim) -> int:
-    return query.shape[0 if dim is None else 1]
+def _batch_size(t: torch.Tensor, dim) -> int:
+    """Size of the per-sample batch dim B of t, whose vmapped dim (if any) is at dim."""
+    return t.shape[0] if dim is None else t.movedim(dim, 0).shape[1]
 
 
 @torch.library.register_vmap("dmattn::attention")

@@ -30,14 +30,19 @@ def check_broadcast_operand(
 ) -> None:
     """A mask or bias of shape (B|1, H|Hkv|1, Lq|1, Lk) against full = (B, H, Lq, Lk)."""
     b, h, lq, lk = full
-    expected = f"(B|1, H|Hkv|1, Lq|1, Lk) with B={b}, H={h}, Hkv={hkv}, Lq={lq}, Lk={lk}"
+
+    def expected() -> str:  # built only when raising: formatting a SymInt specializes it
+        return f"(B|1, H|Hkv|1, Lq|1, Lk) with B={b}, H={h}, Hkv={hkv}, Lq={lq}, Lk={lk}"
+
     if t.dim() != 4:
-        raise ValueError(f"{fn}: {name} must be 4-D {expected}; got shape {_shape(t)}")
+        raise ValueError(f"{fn}: {name} must be 4-D {expected()}; got shape {_shape(t)}")
     tb, th, tq, tk = t.shape
-    if tb not in (b, 1) or th not in (h, hkv, 1) or tq not in (lq, 1) or tk != lk:
+    # Explicit == rather than `in (...)`: dynamo evaluates `symint in tuple` as False.
+    ok = (tb == b or tb == 1) and (th == h or th == hkv or th == 1) and (tq == lq or tq == 1)
+    if not ok or tk != lk:
         raise ValueError(
             f"{fn}: {name} of shape {_shape(t)} does not broadcast to the scores; "
-            f"expected {expected}"
+            f"expected {expected()}"
         )
 
 
@@ -82,7 +87,7 @@ def check_inputs(
             f"{fn}: key must have shape (B, Lk, Hkv, D) = ({b}, Lk, Hkv, {d}) to match query "
             f"{_shape(query)}; got {_shape(key)}"
         )
-    if (bv, lkv, hv) != (b, lk, hkv):
+    if bv != b or lkv != lk or hv != hkv:
         raise ValueError(
             f"{fn}: value must have shape (B, Lk, Hkv, Dv) = ({b}, {lk}, {hkv}, Dv) to match key "
             f"{_shape(key)}; got {_shape(value)}"
@@ -115,7 +120,7 @@ def check_inputs(
         _check_tensor("seqused_k", seqused_k, fn)
         if seqused_k.dtype != torch.int32:
             raise TypeError(f"{fn}: seqused_k must be int32; got {seqused_k.dtype}")
-        if _shape(seqused_k) != (b,):
+        if seqused_k.dim() != 1 or seqused_k.shape[0] != b:
             raise ValueError(
                 f"{fn}: seqused_k must have shape (B,) = ({b},); got {_shape(seqused_k)}"
             )
@@ -130,11 +135,12 @@ def check_scalars(scale, softcap, fn: str) -> None:
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"{fn}: scale must be a float or None; got {type(scale).__name__}")
-        if not math.isfinite(scale):
+        # Comparisons, not math.isfinite: under dynamic=True these may be symbolic floats.
+        if not (-math.inf < scale < math.inf):
             raise ValueError(f"{fn}: scale must be finite; got {scale}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"{fn}: softcap must be a float; got {type(softcap).__name__}")
-    if not math.isfinite(softcap) or softcap < 0:
+    if not (0 <= softcap < math.inf):
         raise ValueError(f"{fn}: softcap must be finite and >= 0 (0 disables it); got {softcap}")
 
 
