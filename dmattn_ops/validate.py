@@ -38,7 +38,7 @@ def check_broadcast_operand(
         raise ValueError(f"{fn}: {name} must be 4-D {expected()}; got shape {_shape(t)}")
     tb, th, tq, tk = t.shape
     # Explicit == rather than `in (...)`: dynamo evaluates `symint in tuple` as False.
-    ok = (tb == b or tb == 1) and (th == h or th == hkv or th == 1) and (tq == lq or tq == 1)
+    ok = (tb == b or tb == 1) and (th == h or th == hkv or th == 1) and (tq == lq or tq == 1)  # noqa: SIM109
     if not ok or tk != lk:
         raise ValueError(
             f"{fn}: {name} of shape {_shape(t)} does not broadcast to the scores; "

@@ -42,9 +42,7 @@ def param(case: Case, *marks):
 
 
 # Every broadcast pattern of a mask or bias: batch (B|1) x head (H|Hkv|1) x query (Lq|1).
-PATTERNS = [
-    "".join(p) for p in itertools.product(("B", "b"), ("H", "G", "h"), ("Q", "q"))
-]
+PATTERNS = ["".join(p) for p in itertools.product(("B", "b"), ("H", "G", "h"), ("Q", "q"))]
 
 
 def operand_shape(pattern: str, c: Case) -> tuple[int, int, int, int]:
@@ -72,9 +70,7 @@ def make_bias(shape, dtype=torch.float64, device="cpu", requires_grad=False) -> 
 
 def assert_finite_like(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     assert not torch.isnan(actual).any(), f"{name}: NaN in result"
-    same = (actual.isfinite() == expected.isfinite()) & (
-        actual.isfinite() | (actual == expected)
-    )
+    same = (actual.isfinite() == expected.isfinite()) & (actual.isfinite() | (actual == expected))
     assert same.all(), f"{name}: non-finite entries differ from the oracle's"
 
 

@@ -39,8 +39,17 @@ def run_direct(c, q, k, v, mask, bias, grad_out, kwargs, block_q, block_k):
     args = (q, k, v, mask, bias, scale, kwargs["is_causal"], kwargs["softcap"], kwargs["seqused_k"])
     out, lse = chunked.forward(*args, block_q=block_q, block_k=block_k)
     grads = chunked.backward(
-        grad_out, None, q, k, v, out, lse, *args[3:], bias is not None,
-        block_q=block_q, block_k=block_k,
+        grad_out,
+        None,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *args[3:],
+        bias is not None,
+        block_q=block_q,
+        block_k=block_k,
     )
     return out, lse, grads
 
@@ -57,8 +66,9 @@ def test_float64_shapes(case, is_causal, blocks):
     kwargs = dict(is_causal=is_causal, softcap=0.0, seqused_k=seqused)
     grad_out = torch.randn(c.b, c.lq, c.h, c.dv, dtype=torch.float64)
     ref_out, ref_lse, ref_grads = reference_grads((q, k, v, bias), kwargs, grad_out, mask)
-    out, lse, grads = run_direct(c, q.detach(), k.detach(), v.detach(), mask, bias.detach(),
-                                 grad_out, kwargs, *blocks)
+    out, lse, grads = run_direct(
+        c, q.detach(), k.detach(), v.detach(), mask, bias.detach(), grad_out, kwargs, *blocks
+    )
     assert_close(out, ref_out, 1e-12, "out")
     assert_close(lse, ref_lse, 0.0, "lse")
     for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
@@ -107,8 +117,9 @@ def test_mixed_mask_and_bias_patterns(mask_pattern, bias_pattern):
 def test_low_precision_against_oracle(dtype, bias_fp32):
     c = Case(2, 65, 97, 4, 2, 64, 64)
     q, k, v = make_qkv(c, dtype=dtype, requires_grad=True)
-    bias = make_bias((c.b, c.hkv, 1, c.lk), dtype=torch.float32 if bias_fp32 else dtype,
-                     requires_grad=True)
+    bias = make_bias(
+        (c.b, c.hkv, 1, c.lk), dtype=torch.float32 if bias_fp32 else dtype, requires_grad=True
+    )
     mask = make_mask((c.b, 1, c.lq, c.lk), density=0.5)
     kwargs = dict(is_causal=True, softcap=0.0, seqused_k=None)
     grad_out = torch.randn(c.b, c.lq, c.h, c.dv, dtype=dtype)
@@ -132,8 +143,9 @@ def test_gradcheck_float64():
     seqused = torch.tensor([6], dtype=torch.int32)
 
     def f(q, k, v, bias):
-        return dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, softcap=2.0,
-                                    seqused_k=seqused)
+        return dmattn_ops.attention(
+            q, k, v, mask, bias, is_causal=True, softcap=2.0, seqused_k=seqused
+        )
 
     assert torch.autograd.gradcheck(f, (q, k, v, bias), atol=1e-5, rtol=1e-3)
 
@@ -155,8 +167,11 @@ def test_lse_gradient():
 
 @pytest.mark.parametrize(
     "case",
-    [param(Case(0, 5, 7, 2, 1, 8, 8)), param(Case(2, 0, 7, 2, 1, 8, 8)),
-     param(Case(2, 5, 0, 2, 1, 8, 8))],
+    [
+        param(Case(0, 5, 7, 2, 1, 8, 8)),
+        param(Case(2, 0, 7, 2, 1, 8, 8)),
+        param(Case(2, 5, 0, 2, 1, 8, 8)),
+    ],
 )
 def test_empty_inputs(case):
     c = case
@@ -231,7 +246,8 @@ def test_nonfinite_bias_where_not_allowed_is_never_used():
     junk = torch.tensor([math.nan, math.inf, -math.inf]).repeat(c.lk)[: c.lk].double()
     causal_out = torch.ones(c.lq, c.lk, dtype=torch.bool).triu(c.lk - c.lq + 1)
     outside = ((~mask) | (j >= seqused[:, None, None, None]) | causal_out).expand(
-        c.b, c.h, c.lq, c.lk)
+        c.b, c.h, c.lq, c.lk
+    )
     poisoned = torch.where(outside, junk.expand_as(poisoned), poisoned).requires_grad_()
     clean.requires_grad_()
     kwargs = dict(is_causal=True, seqused_k=seqused)
@@ -269,11 +285,17 @@ def test_nan_in_kv_beyond_seqused_k_and_lk(dtype):
         assert torch.isfinite(g).all()
     assert (grads[1][0, 23:] == 0).all() and (grads[3][0, ..., 23:] == 0).all()
     clean = [t.detach().double().nan_to_num(0.0, 0.0, 0.0) for t in (k, v)]
-    ref = dmattn_ops.reference.attention(q.detach().double(), *clean, None,
-                                         bias.detach().double(), seqused_k=seqused, is_causal=True)
+    ref = dmattn_ops.reference.attention(
+        q.detach().double(), *clean, None, bias.detach().double(), seqused_k=seqused, is_causal=True
+    )
     ref_lp = dmattn_ops.reference.attention(
-        q.detach(), *(t.detach().nan_to_num(0.0, 0.0, 0.0) for t in (k, v)), None,
-        bias.detach(), seqused_k=seqused, is_causal=True)
+        q.detach(),
+        *(t.detach().nan_to_num(0.0, 0.0, 0.0) for t in (k, v)),
+        None,
+        bias.detach(),
+        seqused_k=seqused,
+        is_causal=True,
+    )
     bound = low_precision_bound(ref, ref_lp, dtype) if dtype != torch.float64 else 1e-12
     assert_close(out.double(), ref, bound, "out")
 

@@ -8,7 +8,6 @@ import torch
 from helpers import Case, assert_close, float64_grad_bound, make_bias, make_mask, make_qkv
 
 import dmattn_ops
-from dmattn_ops import ops
 
 OPS = {
     "attention": torch.ops.dmattn.attention.default,
@@ -21,19 +20,19 @@ class TestSchemas(expecttest.TestCase):
     def test_attention_schema(self):
         self.assertExpectedInline(
             str(OPS["attention"]._schema),
-            """dmattn::attention(Tensor query, Tensor key, Tensor value, Tensor? mask=None, Tensor? bias=None, float? scale=None, bool is_causal=False, float softcap=0., Tensor? seqused_k=None, bool deterministic=False) -> Tensor""",  # noqa: E501
+            """dmattn::attention(Tensor query, Tensor key, Tensor value, Tensor? mask=None, Tensor? bias=None, float? scale=None, bool is_causal=False, float softcap=0., Tensor? seqused_k=None, bool deterministic=False) -> Tensor""",
         )
 
     def test_forward_schema(self):
         self.assertExpectedInline(
             str(OPS["attention_forward"]._schema),
-            """dmattn::attention_forward(Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic=False) -> (Tensor out, Tensor lse)""",  # noqa: E501
+            """dmattn::attention_forward(Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic=False) -> (Tensor out, Tensor lse)""",
         )
 
     def test_backward_schema(self):
         self.assertExpectedInline(
             str(OPS["attention_backward"]._schema),
-            """dmattn::attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic, bool compute_dbias) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)""",  # noqa: E501
+            """dmattn::attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic, bool compute_dbias) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)""",
         )
 
 
@@ -48,10 +47,14 @@ def samples(dtype=torch.float64, requires_grad=True):
     ]:
         q, k, v = make_qkv(c, dtype=dtype, requires_grad=requires_grad)
         mask = make_mask((c.b, c.hkv, 1, c.lk)) if with_operands else None
-        bias = (make_bias((1, c.h, c.lq, c.lk), dtype=dtype, requires_grad=requires_grad)
-                if with_operands else None)
-        out.append((name, (q, k, v, mask, bias), dict(is_causal=causal, softcap=softcap,
-                                                      seqused_k=seq)))
+        bias = (
+            make_bias((1, c.h, c.lq, c.lk), dtype=dtype, requires_grad=requires_grad)
+            if with_operands
+            else None
+        )
+        out.append(
+            (name, (q, k, v, mask, bias), dict(is_causal=causal, softcap=softcap, seqused_k=seq))
+        )
     return out
 
 
@@ -80,12 +83,28 @@ def test_opcheck_attention_backward(sample, with_grad_lse):
     _, (q, k, v, mask, bias), kw = sample
     q, k, v = (t.detach() for t in (q, k, v))
     bias = bias.detach() if bias is not None else None
-    out, lse = OPS["attention_forward"](q, k, v, mask, bias, 0.3, kw["is_causal"], kw["softcap"],
-                                        kw["seqused_k"], False)
+    out, lse = OPS["attention_forward"](
+        q, k, v, mask, bias, 0.3, kw["is_causal"], kw["softcap"], kw["seqused_k"], False
+    )
     grad_out = torch.randn_like(out)
     grad_lse = torch.randn_like(lse) if with_grad_lse else None
-    args = (grad_out, grad_lse, q, k, v, out, lse, mask, bias, 0.3, kw["is_causal"], kw["softcap"],
-            kw["seqused_k"], False, bias is not None)
+    args = (
+        grad_out,
+        grad_lse,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        mask,
+        bias,
+        0.3,
+        kw["is_causal"],
+        kw["softcap"],
+        kw["seqused_k"],
+        False,
+        bias is not None,
+    )
     torch.library.opcheck(OPS["attention_backward"], args, test_utils="ALL")
 
 
@@ -128,9 +147,11 @@ def test_compile_fullgraph_forward_backward(entry):
     mask = make_mask((c.b, 1, c.lq, c.lk))
 
     if entry == "op":
+
         def f(q, k, v, bias):
             return torch.ops.dmattn.attention(q, k, v, mask, bias, None, True, 0.0, None, False)
     else:
+
         def f(q, k, v, bias):
             return dmattn_ops.attention(q, k, v, mask, bias, is_causal=True)
 
@@ -182,7 +203,7 @@ ENTRIES = {
     "op": lambda q, k, v, m, b: torch.ops.dmattn.attention(q, k, v, m, b, None, True),
     "api": lambda q, k, v, m, b: dmattn_ops.attention(q, k, v, m, b, is_causal=True),
 }
-REF = lambda q, k, v, m, b: dmattn_ops.reference.attention(q, k, v, m, b, is_causal=True)  # noqa: E731
+REF = lambda q, k, v, m, b: dmattn_ops.reference.attention(q, k, v, m, b, is_causal=True)
 
 
 @pytest.mark.parametrize("entry", list(ENTRIES))
@@ -190,7 +211,7 @@ def test_func_grad_and_vjp(entry):
     fn = ENTRIES[entry]
     c, q, k, v, bias, mask = func_case()
     w = torch.randn(c.b, c.lq, c.h, c.dv, dtype=torch.float64)
-    loss = lambda f: (lambda q, k, v, b: (f(q, k, v, mask, b) * w).sum())  # noqa: E731
+    loss = lambda f: lambda q, k, v, b: (f(q, k, v, mask, b) * w).sum()
     got = torch.func.grad(loss(fn), argnums=(0, 1, 2, 3))(q, k, v, bias)
     want = torch.func.grad(loss(REF), argnums=(0, 1, 2, 3))(q, k, v, bias)
     _, lse = dmattn_ops.reference.attention(q, k, v, mask, bias, is_causal=True, return_lse=True)
@@ -227,7 +248,8 @@ def test_vmap_has_a_real_batching_rule(entry):
             warnings.simplefilter("error")
             got = torch.vmap(lambda q, b: fn(q, k, v, mask, b))(qs, biases)
             got_t = torch.vmap(lambda q, b: fn(q, k, v, mask, b), in_dims=(2, None))(
-                qs.movedim(0, 2), bias)
+                qs.movedim(0, 2), bias
+            )
     finally:
         torch._C._functorch._set_vmap_fallback_warning_enabled(False)
     want = torch.stack([REF(qs[i], k, v, mask, biases[i]) for i in range(n)])

@@ -66,8 +66,16 @@ def test_oracle_matches_loop(case, is_causal, softcap):
     seqused = torch.randint(0, c.lk + 1, (c.b,), dtype=torch.int32)
     scale = 0.7
     out, lse = reference.attention(
-        q, k, v, mask, bias, scale=scale, is_causal=is_causal, softcap=softcap,
-        seqused_k=seqused, return_lse=True,
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        scale=scale,
+        is_causal=is_causal,
+        softcap=softcap,
+        seqused_k=seqused,
+        return_lse=True,
     )
     out_l, lse_l = loop_attention(q, k, v, mask, bias, scale, is_causal, softcap, seqused)
     assert torch.allclose(out, out_l, atol=1e-12, rtol=0)

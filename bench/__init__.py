@@ -1,0 +1,1 @@
+"""Benchmarks of dmattn-ops against SDPA and FlexAttention (issue 5)."""
