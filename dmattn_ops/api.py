@@ -82,9 +82,10 @@ def attention(
         )
     if return_lse:
         scale = ops.default_scale(query) if scale is None else scale
-        return torch.ops.dmattn.attention_forward(
+        out, lse, _ = torch.ops.dmattn.attention_forward(
             query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
         )
+        return out, lse
     return torch.ops.dmattn.attention(
         query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
     )

@@ -114,13 +114,19 @@ def forward(
     block_q=None,
     block_k=None,
 ):
-    """Returns out (B, Lq, H, Dv) in query's dtype and lse float32 (B, H, Lq)."""
+    """Returns out (B, Lq, H, Dv) in query's dtype, and lse and log_sum, float32 (B, H, Lq).
+
+    log_sum = log(sum_j exp(s_ij - max_j s_ij)), 0 for empty rows; backward recovers the row max
+    as lse - log_sum, which stays exact when the max is huge (see kernels/attention_bwd.py).
+    """
     pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
     b, lq, h, lk, hkv, g, dv, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.dv, pb.ct
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
+    log_sum = empty((b, h, lq), dtype=torch.float32, device=query.device)
     out5 = out.permute(0, 2, 1, 3).unflatten(1, (hkv, g))  # [B, Hkv, G, Lq, Dv] view
     lse5 = lse.unflatten(1, (hkv, g))  # [B, Hkv, G, Lq] view
+    log_sum5 = log_sum.unflatten(1, (hkv, g))
     block_q, block_k = _blocks(b, h, lq, lk, block_q, block_k)
     neg_inf = float("-inf")
     for q0 in range(0, lq, block_q):
@@ -140,9 +146,10 @@ def forward(
             m = m_new
         nonempty = denom > 0
         out5[:, :, :, q0:q1] = (acc / torch.where(nonempty, denom, 1)[..., None]).to(out.dtype)
-        safe = torch.where(nonempty, denom, 1)
-        lse5[:, :, :, q0:q1] = torch.where(nonempty, torch.log(safe) + m, neg_inf).float()
-    return out, lse
+        log_l = torch.where(nonempty, torch.log(torch.where(nonempty, denom, 1)), 0)
+        lse5[:, :, :, q0:q1] = torch.where(nonempty, log_l + m, neg_inf).float()
+        log_sum5[:, :, :, q0:q1] = log_l.float()
+    return out, lse, log_sum
 
 
 def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -158,6 +165,7 @@ def backward(
     value,
     out,
     lse,
+    log_sum,
     mask,
     bias,
     scale,
@@ -170,7 +178,8 @@ def backward(
     block_k=None,
 ):
     """Returns dq, dk, dv in their inputs' shapes and dtypes, and dbias in bias's shape and dtype
-    (an empty tensor when compute_dbias is False). P is recomputed from lse."""
+    (an empty tensor when compute_dbias is False). P is recomputed as
+    exp((s - max) - log_sum) with max = lse - log_sum."""
     pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
     b, lq, h, lk, hkv, g, d, dv, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.d, pb.dv, pb.ct
     dev = query.device
@@ -180,7 +189,8 @@ def backward(
         delta = delta - grad_lse.to(ct)
     delta = delta.unflatten(1, (hkv, g))  # [B, Hkv, G, Lq]
     lse5 = lse.unflatten(1, (hkv, g)).to(ct)
-    lse5 = torch.where(lse5 == float("-inf"), 0, lse5)
+    log_sum5 = log_sum.unflatten(1, (hkv, g)).to(ct)
+    row_max5 = torch.where(lse5 == float("-inf"), 0, lse5 - log_sum5)
 
     dq = torch.zeros((b, hkv, g, lq, d), dtype=ct, device=dev)
     dk = torch.zeros((b, hkv, 1, lk, d), dtype=ct, device=dev)
@@ -195,7 +205,8 @@ def backward(
         for k0 in range(0, lk, block_k):
             k1 = min(k0 + block_k, lk)
             s, allowed, t, q, k, v = pb.tile(q0, q1, k0, k1)
-            p = torch.exp(s - lse5[:, :, :, q0:q1, None])  # [B, Hkv, G, bq, bk]
+            rows = slice(q0, q1)
+            p = torch.exp((s - row_max5[:, :, :, rows, None]) - log_sum5[:, :, :, rows, None])
             dp = doc @ v.transpose(-1, -2)
             ds = torch.where(allowed, p * (dp - delta[:, :, :, q0:q1, None]), 0)
             if dbias is not None:

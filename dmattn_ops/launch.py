@@ -1,17 +1,206 @@
-"""Host side of the kernels: picks the implementation for a device and launches it.
+"""Host side of the kernels: picks the implementation, builds tile tables, allocates, launches.
 
 No autograd here; ops.py calls these from the registered backend kernels.
+
+Triton runs for CUDA tensors, and for CPU tensors when Triton's interpreter is on
+(TRITON_INTERPRET=1). float64, and anything Triton cannot run, goes to the chunked PyTorch
+implementation.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
+import triton
 
 from dmattn_ops import chunked
+from dmattn_ops._alloc import empty
+from dmattn_ops.kernels.attention_bwd import (
+    attention_bwd_dbias_kernel,
+    attention_bwd_dkdv_kernel,
+    attention_bwd_dq_kernel,
+)
+from dmattn_ops.kernels.attention_fwd import attention_fwd_kernel
+from dmattn_ops.kernels.block_mask import mask_block_any_kernel
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on t's device (CUDA, or CPU through the interpreter)."""
+    return t.is_cuda or (t.device.type == "cpu" and interpreter_on())
+
+
+def use_triton(query: torch.Tensor) -> bool:
+    return query.dtype in TRITON_DTYPES and triton_runs_on(query)
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _config(d: int, dv: int, backward: bool) -> Config:
+    if interpreter_on():
+        return Config(16, 16, 1, 1)
+    width = max(d, dv)
+    if backward:
+        if width <= 64:
+            return Config(64, 64, 4, 2)
+        if width <= 128:
+            return Config(64, 64, 8, 2)
+        return Config(32, 32, 4, 1)
+    if width <= 64:
+        return Config(128, 64, 4, 3)
+    if width <= 128:
+        return Config(128, 64, 8, 2)
+    return Config(64, 32, 4, 1)
+
+
+def _block(dim: int) -> int:
+    return max(16, triton.next_power_of_2(dim))
+
+
+def _operand_strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """Strides of a (B|1, H|Hkv|1, Lq|1, Lk) operand with 0 on its broadcast dims."""
+    if t is None:
+        return (0, 0, 0, 0)
+    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+
+
+def _head_div(t: torch.Tensor | None, h: int, hkv: int) -> int:
+    """Query head h reads head h // div of the operand."""
+    if t is None or t.shape[1] == h:
+        return 1
+    return h // hkv if t.shape[1] == hkv else h
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _mask_bytes(mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if mask is None else mask.view(torch.uint8)
+
+
+@dataclass
+class Tables:
+    """Which key tiles each query tile must visit (and the transpose), per table (batch, head).
+
+    active (Bt, Ht, NQ, NK) int8; kv_num (Bt, Ht, NQ) and kv_idx (Bt, Ht, NQ, NK) list the active
+    key tiles of each query tile in ascending order; q_num / q_idx the active query tiles of each
+    key tile. Bt is B when seqused_k or the mask varies over the batch, else 1; Ht is the mask's
+    head dim.
+    """
+
+    active: torch.Tensor
+    kv_num: torch.Tensor
+    kv_idx: torch.Tensor
+    q_num: torch.Tensor
+    q_idx: torch.Tensor
+    stride_b: int
+    stride_bt: int
+
+
+def _ordered_active(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    num = active.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort((active == 0).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
+    return num, order.contiguous()
+
+
+def build_tables(mask, seqused_k, b, lq, lk, is_causal, block_m, block_n) -> Tables:
+    """Activity of every (query tile, key tile): the mask has an allowed entry there and the
+    tile lies inside the causal / seqused_k window. One pass over the mask."""
+    bm, hm, lqm, _ = mask.shape
+    nq, nk = triton.cdiv(lq, block_m), triton.cdiv(lk, block_n)
+    nqm = nq if lqm > 1 else 1
+    mask_any = torch.empty((bm, hm, nqm, nk), dtype=torch.int8, device=mask.device)
+    sb, sh, sm, sn = _operand_strides(mask)
+    mask_block_any_kernel[(nqm, nk, bm * hm)](
+        mask.view(torch.uint8), mask_any, sb, sh, sm, sn, hm, lqm, lk, nqm, nk,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    device = mask.device
+    if seqused_k is not None:
+        n = seqused_k.to(torch.int64).clamp(0, lk)  # [B]
+    else:
+        n = torch.full((1,), lk, dtype=torch.int64, device=device)
+    m_end = torch.clamp((torch.arange(nq, device=device) + 1) * block_m, max=lq)  # [NQ]
+    key_end = n[:, None].expand(-1, nq)
+    if is_causal:
+        key_end = torch.minimum(key_end, m_end[None, :] + n[:, None] - lq).clamp(min=0)
+    k_start = torch.arange(nk, device=device) * block_n  # [NK]
+    window = k_start[None, None, :] < key_end[:, :, None]  # [Bw, NQ, NK]
+    active = (mask_any != 0) & window[:, None]  # [Bt, Hm, NQ, NK]
+    active = active.to(torch.int8).contiguous()
+    kv_num, kv_idx = _ordered_active(active)
+    q_num, q_idx = _ordered_active(active.transpose(-1, -2))
+    bt = active.shape[0]
+    return Tables(
+        active, kv_num, kv_idx, q_num, q_idx,
+        stride_b=hm * nq if bt > 1 else 0,
+        stride_bt=hm * nk if bt > 1 else 0,
+    )  # fmt: skip
+
+
+def _empty_forward(query, value):
+    b, lq, h, _ = query.shape
+    out = torch.zeros((b, lq, h, value.shape[-1]), dtype=query.dtype, device=query.device)
+    lse = torch.full((b, h, lq), float("-inf"), dtype=torch.float32, device=query.device)
+    log_sum = torch.zeros((b, h, lq), dtype=torch.float32, device=query.device)
+    return out, lse, log_sum
 
 
 def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k):
-    return chunked.forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
+    """Returns out (B, Lq, H, Dv), lse and log_sum, both float32 (B, H, Lq)."""
+    if not use_triton(query):
+        return chunked.forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
+    b, lq, h, d = query.shape
+    lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
+    if b * lq * h == 0 or lk == 0:
+        return _empty_forward(query, value)
+    cfg = _config(d, dv, backward=False)
+    nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
+    tables = None
+    if mask is not None:
+        tables = build_tables(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m, cfg.block_n)
+    out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
+    lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
+    log_sum = empty((b, h, lq), dtype=torch.float32, device=query.device)
+    attention_fwd_kernel[(nq, b * h)](
+        query, key, value, _mask_bytes(mask), bias, seqused_k,
+        tables.kv_num if tables else None, tables.kv_idx if tables else None,
+        out, lse, log_sum,
+        *query.stride(), *key.stride(), *value.stride(),
+        *_operand_strides(mask), *_operand_strides(bias), *out.stride(),
+        tables.stride_b if tables else 0, nq,
+        h, h // hkv, lq, lk, d, dv, nk,
+        _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
+        IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=_block(d), BLOCK_DV=_block(dv), DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, lse, log_sum
+
+
+def _sum_to_bias(cols: torch.Tensor, bias: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, H, Lk) float32 column sums of dS -> bias's (B|1, H|Hkv|1, 1, Lk) shape and dtype."""
+    b, h, lk = cols.shape
+    bb, hb = bias.shape[0], bias.shape[1]
+    if hb != h:
+        cols = cols.view(b, hkv, h // hkv, lk).sum(dim=2) if hb == hkv else cols.sum(1, True)
+    if bb != b:
+        cols = cols.sum(dim=0, keepdim=True)
+    return cols.view(bb, hb, 1, lk).to(bias.dtype)
 
 
 def attention_backward(
@@ -22,6 +211,7 @@ def attention_backward(
     value,
     out,
     lse,
+    log_sum,
     mask,
     bias,
     scale,
@@ -31,25 +221,100 @@ def attention_backward(
     deterministic,
     compute_dbias,
 ):
-    # The chunked implementation has no atomics: it is deterministic whatever the flag says.
+    """Returns dq, dk, dv in their inputs' layouts and dtypes and dbias in bias's shape and dtype
+    (an empty (0,) tensor when compute_dbias is False). Every path here is deterministic: no
+    kernel uses atomics, so ``deterministic`` selects nothing yet."""
     del deterministic
-    return chunked.backward(
-        grad_out,
-        grad_lse,
-        query,
-        key,
-        value,
-        out,
-        lse,
-        mask,
-        bias,
-        scale,
-        is_causal,
-        softcap,
-        seqused_k,
-        compute_dbias,
-    )
+    if not use_triton(query):
+        return chunked.backward(
+            grad_out, grad_lse, query, key, value, out, lse, log_sum, mask, bias,
+            scale, is_causal, softcap, seqused_k, compute_dbias,
+        )  # fmt: skip
+    b, lq, h, d = query.shape
+    lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
+    g = h // hkv
+    device = query.device
+    if b * lq * h == 0 or lk == 0:
+        dbias = (
+            torch.zeros(bias.shape, dtype=bias.dtype, device=device)
+            if compute_dbias
+            else torch.empty((0,), dtype=query.dtype, device=device)
+        )
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dbias
+    cfg = _config(d, dv, backward=True)
+    nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
+    tables = None
+    if mask is not None:
+        tables = build_tables(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m, cfg.block_n)
 
+    delta = (grad_out.float() * out.float()).sum(dim=-1).transpose(1, 2)  # [B, H, Lq]
+    if grad_lse is not None:
+        delta = delta - grad_lse
+    delta = delta.contiguous()
 
-def empty_backward_bias(query: torch.Tensor) -> torch.Tensor:
-    return torch.empty((0,), dtype=query.dtype, device=query.device)
+    dq = empty(query.shape, dtype=query.dtype, device=device)
+    dk = empty(key.shape, dtype=key.dtype, device=device)
+    dvv = empty(value.shape, dtype=value.dtype, device=device)
+    dbias_cols = dbias_direct = dbias_bcast = None
+    if compute_dbias:
+        if bias.shape[2] == 1:
+            dbias_cols = empty((b, h, lk), dtype=torch.float32, device=device)
+        elif bias.shape[0] == b and bias.shape[1] == h:
+            dbias_direct = torch.zeros((b, h, lq, lk), dtype=bias.dtype, device=device)
+        else:
+            dbias_bcast = empty(bias.shape, dtype=bias.dtype, device=device)
+
+    common = dict(
+        IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=_block(d), BLOCK_DV=_block(dv), DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    strides = (
+        *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
+        *_operand_strides(mask), *_operand_strides(bias),
+    )  # fmt: skip
+    mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
+    mask_u8 = _mask_bytes(mask)
+    attention_bwd_dkdv_kernel[(nk, b * hkv)](
+        query, key, value, grad_out, mask_u8, bias, seqused_k, lse, log_sum, delta,
+        tables.q_num if tables else None, tables.q_idx if tables else None,
+        dk, dvv, dbias_cols, *strides,
+        tables.stride_bt if tables else 0, nk,
+        h, hkv, g, lq, lk, d, dv, nq, mask_div, bias_div, float(scale), float(softcap),
+        **common,
+    )  # fmt: skip
+    attention_bwd_dq_kernel[(nq, b * h)](
+        query, key, value, grad_out, mask_u8, bias, seqused_k, lse, log_sum, delta,
+        tables.kv_num if tables else None, tables.kv_idx if tables else None,
+        dq, dbias_direct, *strides,
+        tables.stride_b if tables else 0, nq,
+        h, g, lq, lk, d, dv, nk, mask_div, bias_div, float(scale), float(softcap),
+        **common,
+    )  # fmt: skip
+    if dbias_bcast is not None:
+        bb, hb = bias.shape[0], bias.shape[1]
+        n_batch, batch_mul = (1, 1) if bb == b else (b, 0)
+        if hb == h:
+            n_head, head_mul = 1, 1
+        elif hb == hkv:
+            n_head, head_mul = g, g
+        else:
+            n_head, head_mul = h, 0
+        attention_bwd_dbias_kernel[(nq, bb * hb)](
+            query, key, value, grad_out, mask_u8, bias, seqused_k, lse, log_sum, delta,
+            tables.active if tables else None, dbias_bcast, *strides,
+            tables.stride_b if tables else 0, nq,
+            h, g, hb, lq, lk, d, dv, nq, nk, n_batch, batch_mul, n_head, head_mul,
+            mask_div, bias_div, float(scale), float(softcap),
+            **common,
+        )  # fmt: skip
+
+    if not compute_dbias:
+        dbias = torch.empty((0,), dtype=query.dtype, device=device)
+    elif dbias_cols is not None:
+        dbias = _sum_to_bias(dbias_cols, bias, hkv)
+    elif dbias_direct is not None:
+        dbias = dbias_direct.view(bias.shape)
+    else:
+        dbias = dbias_bcast
+    return dq, dk, dvv, dbias

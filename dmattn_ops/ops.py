@@ -4,8 +4,10 @@ autograd and vmap rules.
 Three ops:
 
 * ``dmattn::attention`` -- the public op of SPEC.md, differentiable in query, key, value, bias.
-* ``dmattn::attention_forward`` -> (out, lse) -- carries the forward kernel; differentiable in
-  query, key, value and bias through both outputs (a gradient of lse folds into delta).
+* ``dmattn::attention_forward`` -> (out, lse, log_sum) -- carries the forward kernel;
+  differentiable in query, key, value and bias through out and lse (a gradient of lse folds into
+  delta). log_sum = log(sum_j exp(s_ij - max_j s_ij)) is what backward needs besides lse to
+  recompute P exactly when a row's max is huge (a finfo.min bias); it carries no gradient.
 * ``dmattn::attention_backward`` -> (dq, dk, dv, dbias) -- carries the backward kernel. dbias has
   bias's shape and dtype when ``compute_dbias``, else it is an empty (0,) tensor.
 
@@ -36,11 +38,12 @@ ATTENTION_SCHEMA = (
 FORWARD_SCHEMA = (
     "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? bias, "
     "float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic=False) "
-    "-> (Tensor out, Tensor lse)"
+    "-> (Tensor out, Tensor lse, Tensor log_sum)"
 )
 BACKWARD_SCHEMA = (
     "attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, "
-    "Tensor value, Tensor out, Tensor lse, Tensor? mask, Tensor? bias, float scale, "
+    "Tensor value, Tensor out, Tensor lse, Tensor log_sum, Tensor? mask, Tensor? bias, "
+    "float scale, "
     "bool is_causal, float softcap, Tensor? seqused_k, bool deterministic, bool compute_dbias) "
     "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)"
 )
@@ -84,6 +87,7 @@ def _backward_impl(
     value,
     out,
     lse,
+    log_sum,
     mask,
     bias,
     scale,
@@ -101,6 +105,7 @@ def _backward_impl(
         value,
         out,
         lse,
+        log_sum,
         mask,
         bias,
         scale,
@@ -130,7 +135,7 @@ def _attention_impl(
     deterministic=False,
 ):
     scale = default_scale(query) if scale is None else scale
-    out, _ = torch.ops.dmattn.attention_forward(
+    out, _, _ = torch.ops.dmattn.attention_forward(
         query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
     )
     return out
@@ -150,7 +155,8 @@ def _forward_fake(
     b, lq, h, _ = query.shape
     out = query.new_empty((b, lq, h, value.shape[-1]))
     lse = query.new_empty((b, h, lq), dtype=torch.float32)
-    return out, lse
+    log_sum = query.new_empty((b, h, lq), dtype=torch.float32)
+    return out, lse, log_sum
 
 
 @torch.library.register_fake("dmattn::attention_backward")
@@ -162,6 +168,7 @@ def _backward_fake(
     value,
     out,
     lse,
+    log_sum,
     mask,
     bias,
     scale,
@@ -196,7 +203,7 @@ def _needs_grad(*tensors) -> bool:
 
 
 class AttentionFunction(torch.autograd.Function):
-    """(query, key, value, mask, bias, seqused_k, Options) -> (out, lse)."""
+    """(query, key, value, mask, bias, seqused_k, Options) -> (out, lse, log_sum)."""
 
     @staticmethod
     def forward(query, key, value, mask, bias, seqused_k, options: Options):
@@ -216,14 +223,15 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         query, key, value, mask, bias, seqused_k, options = inputs
-        out, lse = output
-        ctx.save_for_backward(query, key, value, mask, bias, seqused_k, out, lse)
+        out, lse, log_sum = output
+        ctx.save_for_backward(query, key, value, mask, bias, seqused_k, out, lse, log_sum)
+        ctx.mark_non_differentiable(log_sum)
         ctx.options = options
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        query, key, value, mask, bias, seqused_k, out, lse = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_lse, _grad_log_sum):
+        query, key, value, mask, bias, seqused_k, out, lse, log_sum = ctx.saved_tensors
         if grad_out is None and grad_lse is None:
             return (None,) * 7
         if grad_out is None:
@@ -238,6 +246,7 @@ class AttentionFunction(torch.autograd.Function):
             value,
             out,
             lse,
+            log_sum,
             mask,
             bias,
             o.scale,
@@ -289,7 +298,7 @@ def _attention_autograd(
     if _needs_grad(query, key, value, bias):
         scale = default_scale(query) if scale is None else scale
         options = Options(scale, is_causal, softcap, deterministic)
-        out, _ = _apply(AttentionFunction, query, key, value, mask, bias, seqused_k, options)
+        out, _, _ = _apply(AttentionFunction, query, key, value, mask, bias, seqused_k, options)
         return out
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.dmattn.attention.default.redispatch(
@@ -426,7 +435,7 @@ def _forward_vmap(
 ):
     in_dims = _pad_dims(in_dims, 10)
     n, b = info.batch_size, _batch_size(query, in_dims[0])
-    out, lse = torch.ops.dmattn.attention_forward(
+    out, lse, log_sum = torch.ops.dmattn.attention_forward(
         _fold(query, in_dims[0], n, b),
         _fold(key, in_dims[1], n, b),
         _fold(value, in_dims[2], n, b),
@@ -438,7 +447,7 @@ def _forward_vmap(
         _fold(seqused_k, in_dims[8], n, b),
         deterministic,
     )
-    return (_unfold(out, n, b), _unfold(lse, n, b)), (0, 0)
+    return (_unfold(out, n, b), _unfold(lse, n, b), _unfold(log_sum, n, b)), (0, 0, 0)
 
 
 @torch.library.register_vmap("dmattn::attention_backward")
@@ -452,6 +461,7 @@ def _backward_vmap(
     value,
     out,
     lse,
+    log_sum,
     mask,
     bias,
     scale,
@@ -465,16 +475,16 @@ def _backward_vmap(
     compute_dbias = compute_dbias and bias is not None
     # Each vmapped sample needs its own dbias, so a bias shared over the batch is expanded here
     # and its batch dim summed back below.
-    tensors = (grad_out, grad_lse, query, key, value, out, lse)
+    tensors = (grad_out, grad_lse, query, key, value, out, lse, log_sum)
     folded = [_fold(t, d, n, b) for t, d in zip(tensors, in_dims)]
     dq, dk, dv, dbias = torch.ops.dmattn.attention_backward(
         *folded,
-        _fold(mask, in_dims[7], n, b, keep_broadcast=True),
-        _fold(bias, in_dims[8], n, b, keep_broadcast=not compute_dbias),
+        _fold(mask, in_dims[8], n, b, keep_broadcast=True),
+        _fold(bias, in_dims[9], n, b, keep_broadcast=not compute_dbias),
         scale,
         is_causal,
         softcap,
-        _fold(seqused_k, in_dims[12], n, b),
+        _fold(seqused_k, in_dims[13], n, b),
         deterministic,
         compute_dbias,
     )
@@ -482,6 +492,6 @@ def _backward_vmap(
     if not compute_dbias:
         return (*grads, dbias), (0, 0, 0, None)
     dbias = _unfold(dbias, n, b)
-    if _batch_size(bias, in_dims[8]) == 1 and b != 1:
+    if _batch_size(bias, in_dims[9]) == 1 and b != 1:
         dbias = dbias.float().sum(dim=1, keepdim=True).to(bias.dtype)
     return (*grads, dbias), (0, 0, 0, 0)

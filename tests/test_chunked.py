@@ -37,7 +37,7 @@ SHAPES = [
 def run_direct(c, q, k, v, mask, bias, grad_out, kwargs, block_q, block_k):
     scale = kwargs.get("scale") or c.d**-0.5
     args = (q, k, v, mask, bias, scale, kwargs["is_causal"], kwargs["softcap"], kwargs["seqused_k"])
-    out, lse = chunked.forward(*args, block_q=block_q, block_k=block_k)
+    out, lse, log_sum = chunked.forward(*args, block_q=block_q, block_k=block_k)
     grads = chunked.backward(
         grad_out,
         None,
@@ -46,6 +46,7 @@ def run_direct(c, q, k, v, mask, bias, grad_out, kwargs, block_q, block_k):
         v,
         out,
         lse,
+        log_sum,
         *args[3:],
         bias is not None,
         block_q=block_q,

@@ -1,0 +1,645 @@
+"""Backward kernels. P is recomputed as exp((s - max) - log_sum), with max = lse - log_sum.
+
+Storing log_sum = log(sum exp(s - max)) next to lse keeps P exact when the row max is huge:
+with a bias of finfo(bf16).min on every allowed key, lse = max + log(L) rounds to max in float32
+and exp(s - lse) would be 1 instead of 1 / L.
+
+No kernel here uses atomics: every output element is written by exactly one program, so
+gradients are bitwise reproducible.
+"""
+
+import triton
+import triton.language as tl
+
+from dmattn_ops.kernels.common import LOG2E, causal_key_end, key_count, score_tile
+
+
+@triton.jit
+def _row_stats(LSE, LOGSUM, DELTA, o_row, m_m):
+    lse = tl.load(LSE + o_row, mask=m_m, other=0.0)
+    log_sum = tl.load(LOGSUM + o_row, mask=m_m, other=0.0)
+    delta = tl.load(DELTA + o_row, mask=m_m, other=0.0)
+    m_row = tl.where(lse == float("-inf"), 0.0, lse - log_sum)
+    return m_row, log_sum, delta
+
+
+@triton.jit
+def _probs(s, m_row, log_sum):
+    return tl.exp2(((s - m_row[:, None]) - log_sum[:, None]) * LOG2E)
+
+
+@triton.jit
+def _dkdv_tile(
+    dk,
+    dv,
+    dbias_col,
+    b_k,
+    b_v,
+    i_n,
+    qb,
+    n_keys,
+    Lq,
+    D,
+    Dv,
+    scale,
+    softcap,
+    p_q,
+    stride_qm,
+    stride_qd,
+    p_do,
+    stride_dom,
+    stride_dod,
+    LSE,
+    LOGSUM,
+    DELTA,
+    row_base,
+    p_mask,
+    stride_mm,
+    stride_mn,
+    p_bias,
+    stride_bm,
+    stride_bn,
+    IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DBIAS_COLS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_d = tl.arange(0, BLOCK_D)
+    i_dv = tl.arange(0, BLOCK_DV)
+    m_m = i_m < Lq
+    o_m = i_m.to(tl.int64)
+    b_q = tl.load(
+        p_q + o_m[:, None] * stride_qm + i_d[None, :] * stride_qd,
+        mask=m_m[:, None] & (i_d[None, :] < D),
+        other=0.0,
+    )  # [BM, BD]
+    b_do = tl.load(
+        p_do + o_m[:, None] * stride_dom + i_dv[None, :] * stride_dod,
+        mask=m_m[:, None] & (i_dv[None, :] < Dv),
+        other=0.0,
+    )  # [BM, BDV]
+    m_row, log_sum, delta = _row_stats(LSE, LOGSUM, DELTA, row_base + o_m, m_m)
+    s, m_allowed, t = score_tile(
+        b_q, tl.trans(b_k), i_m, i_n, n_keys, Lq, scale, softcap,
+        p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+        IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION,
+    )  # fmt: skip
+    p = _probs(s, m_row, log_sum)  # [BM, BN]
+    dv += tl.dot(tl.trans(p.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
+    dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)  # [BM, BN]
+    ds = tl.where(m_allowed, p * (dp - delta[:, None]), 0.0)
+    if DBIAS_COLS:
+        dbias_col += tl.sum(ds, 0)
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    dk += tl.dot(tl.trans(ds.to(b_q.dtype)), b_q, input_precision=DOT_PRECISION)
+    return dk, dv, dbias_col
+
+
+@triton.heuristics(
+    {
+        "HAS_MASK": lambda a: a["MASK"] is not None,
+        "HAS_BIAS": lambda a: a["BIAS"] is not None,
+        "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
+        "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
+        "DBIAS_COLS": lambda a: a["DBIAS_COL"] is not None,
+    }
+)
+@triton.jit
+def attention_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    MASK,
+    BIAS,
+    SEQUSED,
+    LSE,
+    LOGSUM,
+    DELTA,
+    Q_NUM,
+    Q_IDX,
+    DK,
+    DV,
+    DBIAS_COL,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_dob,
+    stride_dom,
+    stride_doh,
+    stride_dod,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bn,
+    table_stride_b,
+    table_stride_h,
+    H,
+    Hkv,
+    G,
+    Lq,
+    Lk,
+    D,
+    Dv,
+    NQ,
+    mask_hdiv,
+    bias_hdiv,
+    scale,
+    softcap,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SEQUSED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DBIAS_COLS: tl.constexpr,
+):
+    """One program: BLOCK_N keys of one (batch, KV head); sums dk/dv over the G query heads of
+    the group. With a bias broadcast over queries it also writes, per query head, the column sums
+    of dS into DBIAS_COL (B, H, Lk) float32."""
+    i_nb = tl.program_id(0)
+    i_bg = tl.program_id(1)
+    i_b = (i_bg // Hkv).to(tl.int64)
+    i_g = (i_bg % Hkv).to(tl.int64)
+    n_keys = key_count(SEQUSED, i_b, Lk, HAS_SEQUSED)
+
+    i_n = i_nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    i_d = tl.arange(0, BLOCK_D)
+    i_dv = tl.arange(0, BLOCK_DV)
+    m_n = i_n < n_keys
+    o_n = i_n.to(tl.int64)
+    b_k = tl.load(
+        K + i_b * stride_kb + i_g * stride_kh + o_n[:, None] * stride_kn + i_d[None, :] * stride_kd,
+        mask=m_n[:, None] & (i_d[None, :] < D),
+        other=0.0,
+    )  # [BN, BD]  fmt: skip
+    b_v = tl.load(
+        V
+        + i_b * stride_vb
+        + i_g * stride_vh
+        + o_n[:, None] * stride_vn
+        + i_dv[None, :] * stride_vd,
+        mask=m_n[:, None] & (i_dv[None, :] < Dv),
+        other=0.0,
+    )  # [BN, BDV]  fmt: skip
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    for hh in range(0, G):
+        i_h = i_g * G + hh
+        p_q = Q + i_b * stride_qb + i_h * stride_qh
+        p_do = DO + i_b * stride_dob + i_h * stride_doh
+        p_mask = MASK
+        if HAS_MASK:
+            p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh
+        p_bias = BIAS
+        if HAS_BIAS:
+            p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh
+        row_base = (i_b * H + i_h) * Lq
+        dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if HAS_MASK:
+            col = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_nb
+            num = tl.load(Q_NUM + col)
+            for it in range(0, num):
+                qb = tl.load(Q_IDX + col * NQ + it)
+                dk, dv, dbias_col = _dkdv_tile(
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
+                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
+                    LSE, LOGSUM, DELTA, row_base,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION,
+                )  # fmt: skip
+        else:
+            # The first query that may see key i_nb * BLOCK_N, and nothing past seqused_k.
+            qb_start = 0
+            if IS_CAUSAL:
+                qb_start = tl.maximum(i_nb * BLOCK_N - n_keys + Lq, 0) // BLOCK_M
+            qb_end = tl.where(i_nb * BLOCK_N < n_keys, NQ, 0)
+            for qb in range(qb_start, qb_end):
+                dk, dv, dbias_col = _dkdv_tile(
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
+                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
+                    LSE, LOGSUM, DELTA, row_base,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION,
+                )  # fmt: skip
+        if DBIAS_COLS:
+            tl.store(DBIAS_COL + (i_b * H + i_h) * Lk + o_n, dbias_col, mask=i_n < Lk)
+
+    m_store = i_n < Lk
+    # dk, dv are (B, Lk, Hkv, D|Dv) contiguous.
+    o_kv = (i_b * Lk + o_n[:, None]) * Hkv + i_g
+    o_dk = o_kv * D + i_d[None, :]
+    tl.store(
+        DK + o_dk, (dk * scale).to(DK.dtype.element_ty), mask=m_store[:, None] & (i_d[None, :] < D)
+    )
+    o_dv = o_kv * Dv + i_dv[None, :]
+    tl.store(DV + o_dv, dv.to(DV.dtype.element_ty), mask=m_store[:, None] & (i_dv[None, :] < Dv))
+
+
+@triton.jit
+def _dq_tile(
+    dq,
+    b_q,
+    b_do,
+    m_row,
+    log_sum,
+    delta,
+    i_m,
+    kb,
+    n_keys,
+    Lq,
+    Lk,
+    D,
+    Dv,
+    scale,
+    softcap,
+    p_k,
+    stride_kn,
+    stride_kd,
+    p_v,
+    stride_vn,
+    stride_vd,
+    p_mask,
+    stride_mm,
+    stride_mn,
+    p_bias,
+    stride_bm,
+    stride_bn,
+    p_dbias,
+    IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DBIAS_DIRECT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    i_d = tl.arange(0, BLOCK_D)
+    i_dv = tl.arange(0, BLOCK_DV)
+    m_n = i_n < n_keys
+    o_n = i_n.to(tl.int64)
+    b_kt = tl.load(
+        p_k + o_n[None, :] * stride_kn + i_d[:, None] * stride_kd,
+        mask=m_n[None, :] & (i_d[:, None] < D),
+        other=0.0,
+    )  # [BD, BN]
+    b_vt = tl.load(
+        p_v + o_n[None, :] * stride_vn + i_dv[:, None] * stride_vd,
+        mask=m_n[None, :] & (i_dv[:, None] < Dv),
+        other=0.0,
+    )  # [BDV, BN]
+    s, m_allowed, t = score_tile(
+        b_q, b_kt, i_m, i_n, n_keys, Lq, scale, softcap,
+        p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+        IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION,
+    )  # fmt: skip
+    p = _probs(s, m_row, log_sum)
+    dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)  # [BM, BN]
+    ds = tl.where(m_allowed, p * (dp - delta[:, None]), 0.0)
+    if DBIAS_DIRECT:
+        o_db = i_m.to(tl.int64)[:, None] * Lk + o_n[None, :]
+        tl.store(
+            p_dbias + o_db,
+            ds.to(p_dbias.dtype.element_ty),
+            mask=(i_m[:, None] < Lq) & (i_n[None, :] < Lk),
+        )
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    dq += tl.dot(ds.to(b_kt.dtype), tl.trans(b_kt), input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.heuristics(
+    {
+        "HAS_MASK": lambda a: a["MASK"] is not None,
+        "HAS_BIAS": lambda a: a["BIAS"] is not None,
+        "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
+        "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
+        "DBIAS_DIRECT": lambda a: a["DBIAS"] is not None,
+    }
+)
+@triton.jit
+def attention_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    MASK,
+    BIAS,
+    SEQUSED,
+    LSE,
+    LOGSUM,
+    DELTA,
+    KV_NUM,
+    KV_IDX,
+    DQ,
+    DBIAS,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_dob,
+    stride_dom,
+    stride_doh,
+    stride_dod,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bn,
+    table_stride_b,
+    table_stride_h,
+    H,
+    G,
+    Lq,
+    Lk,
+    D,
+    Dv,
+    NK,
+    mask_hdiv,
+    bias_hdiv,
+    scale,
+    softcap,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SEQUSED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DBIAS_DIRECT: tl.constexpr,
+):
+    """One program: dq for BLOCK_M queries of one (batch, head). When the bias has its own
+    (batch, head, query) entries, dS is also stored straight into DBIAS (B, H, Lq, Lk)."""
+    i_mb = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H).to(tl.int64)
+    i_h = (i_bh % H).to(tl.int64)
+    i_g = i_h // G
+    n_keys = key_count(SEQUSED, i_b, Lk, HAS_SEQUSED)
+
+    i_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_d = tl.arange(0, BLOCK_D)
+    i_dv = tl.arange(0, BLOCK_DV)
+    m_m = i_m < Lq
+    o_m = i_m.to(tl.int64)
+    b_q = tl.load(
+        Q + i_b * stride_qb + i_h * stride_qh + o_m[:, None] * stride_qm + i_d[None, :] * stride_qd,
+        mask=m_m[:, None] & (i_d[None, :] < D),
+        other=0.0,
+    )  # [BM, BD]
+    b_do = tl.load(
+        DO
+        + i_b * stride_dob
+        + i_h * stride_doh
+        + o_m[:, None] * stride_dom
+        + i_dv[None, :] * stride_dod,
+        mask=m_m[:, None] & (i_dv[None, :] < Dv),
+        other=0.0,
+    )  # [BM, BDV]  fmt: skip
+    m_row, log_sum, delta = _row_stats(LSE, LOGSUM, DELTA, i_bh.to(tl.int64) * Lq + o_m, m_m)
+    p_k = K + i_b * stride_kb + i_g * stride_kh
+    p_v = V + i_b * stride_vb + i_g * stride_vh
+    p_mask = MASK
+    if HAS_MASK:
+        p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh
+    p_bias = BIAS
+    if HAS_BIAS:
+        p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh
+    p_dbias = DBIAS
+    if DBIAS_DIRECT:
+        p_dbias = DBIAS + i_bh.to(tl.int64) * Lq * Lk
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_MASK:
+        row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
+        num = tl.load(KV_NUM + row)
+        for it in range(0, num):
+            kb = tl.load(KV_IDX + row * NK + it)
+            dq = _dq_tile(
+                dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
+                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        m_end = tl.minimum((i_mb + 1) * BLOCK_M, Lq)
+        kb_end = tl.cdiv(causal_key_end(m_end, n_keys, Lq, IS_CAUSAL), BLOCK_N)
+        for kb in range(0, kb_end):
+            dq = _dq_tile(
+                dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
+                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION,
+            )  # fmt: skip
+    o_dq = ((i_b * Lq + o_m[:, None]) * H + i_h) * D + i_d[None, :]  # dq is (B, Lq, H, D)
+    tl.store(
+        DQ + o_dq, (dq * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & (i_d[None, :] < D)
+    )
+
+
+@triton.heuristics(
+    {
+        "HAS_MASK": lambda a: a["MASK"] is not None,
+        "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
+        "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
+    }
+)
+@triton.jit
+def attention_bwd_dbias_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    MASK,
+    BIAS,
+    SEQUSED,
+    LSE,
+    LOGSUM,
+    DELTA,
+    ACTIVE,
+    DBIAS,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_dob,
+    stride_dom,
+    stride_doh,
+    stride_dod,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bn,
+    table_stride_b,
+    table_stride_h,
+    H,
+    G,
+    Hb,
+    Lq,
+    Lk,
+    D,
+    Dv,
+    NQ,
+    NK,
+    n_batch,
+    batch_mul,
+    n_head,
+    head_mul,
+    mask_hdiv,
+    bias_hdiv,
+    scale,
+    softcap,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEQUSED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """dbias for a bias with its own query rows but shared over batch and/or heads, without
+    O(Lq * Lk) scratch per head: one program owns BLOCK_M rows of one bias (batch, head) and sums
+    dS over the (batch, head) pairs that read them, tile by tile, in registers."""
+    i_mb = tl.program_id(0)
+    i_bbh = tl.program_id(1)
+    i_bb = (i_bbh // Hb).to(tl.int64)
+    i_hb = (i_bbh % Hb).to(tl.int64)
+    i_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_d = tl.arange(0, BLOCK_D)
+    i_dv = tl.arange(0, BLOCK_DV)
+    m_m = i_m < Lq
+    o_m = i_m.to(tl.int64)
+    for kb in range(0, NK):
+        i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+        o_n = i_n.to(tl.int64)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for ib in range(0, n_batch):
+            i_b = i_bb * batch_mul + ib
+            n_keys = key_count(SEQUSED, i_b, Lk, HAS_SEQUSED)
+            for ih in range(0, n_head):
+                i_h = i_hb * head_mul + ih
+                if HAS_MASK:
+                    o_act = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
+                    active = tl.load(ACTIVE + o_act * NK + kb) != 0
+                else:
+                    m_end = tl.minimum((i_mb + 1) * BLOCK_M, Lq)
+                    active = kb * BLOCK_N < causal_key_end(m_end, n_keys, Lq, IS_CAUSAL)
+                if active:
+                    i_g = i_h // G
+                    m_n = i_n < n_keys
+                    b_q = tl.load(
+                        Q
+                        + i_b * stride_qb
+                        + i_h * stride_qh
+                        + o_m[:, None] * stride_qm
+                        + i_d[None, :] * stride_qd,
+                        mask=m_m[:, None] & (i_d[None, :] < D),
+                        other=0.0,
+                    )  # [BM, BD]  fmt: skip
+                    b_do = tl.load(
+                        DO
+                        + i_b * stride_dob
+                        + i_h * stride_doh
+                        + o_m[:, None] * stride_dom
+                        + i_dv[None, :] * stride_dod,
+                        mask=m_m[:, None] & (i_dv[None, :] < Dv),
+                        other=0.0,
+                    )  # [BM, BDV]  fmt: skip
+                    b_kt = tl.load(
+                        K
+                        + i_b * stride_kb
+                        + i_g * stride_kh
+                        + o_n[None, :] * stride_kn
+                        + i_d[:, None] * stride_kd,
+                        mask=m_n[None, :] & (i_d[:, None] < D),
+                        other=0.0,
+                    )  # [BD, BN]  fmt: skip
+                    b_vt = tl.load(
+                        V
+                        + i_b * stride_vb
+                        + i_g * stride_vh
+                        + o_n[None, :] * stride_vn
+                        + i_dv[:, None] * stride_vd,
+                        mask=m_n[None, :] & (i_dv[:, None] < Dv),
+                        other=0.0,
+                    )  # [BDV, BN]  fmt: skip
+                    p_mask = MASK
+                    if HAS_MASK:
+                        p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh
+                    p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh
+                    m_row, log_sum, delta = _row_stats(
+                        LSE, LOGSUM, DELTA, (i_b * H + i_h) * Lq + o_m, m_m
+                    )
+                    s, m_allowed, _ = score_tile(
+                        b_q, b_kt, i_m, i_n, n_keys, Lq, scale, softcap,
+                        p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                        IS_CAUSAL, HAS_MASK, True, HAS_SOFTCAP, DOT_PRECISION,
+                    )  # fmt: skip
+                    p = _probs(s, m_row, log_sum)
+                    dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
+                    acc += tl.where(m_allowed, p * (dp - delta[:, None]), 0.0)
+        o_db = (i_bbh.to(tl.int64) * Lq + o_m[:, None]) * Lk + o_n[None, :]
+        tl.store(
+            DBIAS + o_db, acc.to(DBIAS.dtype.element_ty), mask=m_m[:, None] & (i_n[None, :] < Lk)
+        )

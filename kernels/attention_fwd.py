@@ -1,0 +1,216 @@
+"""Forward kernel: FlashAttention-2 style online softmax over the key tiles a query tile may see."""
+
+import triton
+import triton.language as tl
+
+from dmattn_ops.kernels.common import LOG2E, causal_key_end, key_count, score_tile
+
+
+@triton.jit
+def _fwd_tile(
+    acc,
+    l_i,
+    m_i,
+    b_q,
+    i_m,
+    kb,
+    n_keys,
+    Lq,
+    D,
+    Dv,
+    scale,
+    softcap,
+    p_k,
+    stride_kn,
+    stride_kd,
+    p_v,
+    stride_vn,
+    stride_vd,
+    p_mask,
+    stride_mm,
+    stride_mn,
+    p_bias,
+    stride_bm,
+    stride_bn,
+    IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    i_d = tl.arange(0, BLOCK_D)
+    i_dv = tl.arange(0, BLOCK_DV)
+    m_n = i_n < n_keys
+    o_n = i_n.to(tl.int64)
+    # Keys at or beyond n are never loaded: other=0 keeps 0 * NaN out of the products.
+    b_kt = tl.load(
+        p_k + o_n[None, :] * stride_kn + i_d[:, None] * stride_kd,
+        mask=m_n[None, :] & (i_d[:, None] < D),
+        other=0.0,
+    )  # [BD, BN]
+    s, _, _ = score_tile(
+        b_q, b_kt, i_m, i_n, n_keys, Lq, scale, softcap,
+        p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+        IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION,
+    )  # fmt: skip
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    # Subtract first, then scale by log2(e): (s - m) * log2e cannot overflow for finite s, m.
+    alpha = tl.exp2((m_i - m_safe) * LOG2E)  # [BM]
+    p = tl.exp2((s - m_safe[:, None]) * LOG2E)  # [BM, BN]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    b_v = tl.load(
+        p_v + o_n[:, None] * stride_vn + i_dv[None, :] * stride_vd,
+        mask=m_n[:, None] & (i_dv[None, :] < Dv),
+        other=0.0,
+    )  # [BN, BDV]
+    acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.heuristics(
+    {
+        "HAS_MASK": lambda a: a["MASK"] is not None,
+        "HAS_BIAS": lambda a: a["BIAS"] is not None,
+        "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
+        "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
+    }
+)
+@triton.jit
+def attention_fwd_kernel(
+    Q,
+    K,
+    V,
+    MASK,
+    BIAS,
+    SEQUSED,
+    KV_NUM,
+    KV_IDX,
+    OUT,
+    LSE,
+    LOGSUM,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bn,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    stride_od,
+    table_stride_b,
+    table_stride_h,
+    H,
+    G,
+    Lq,
+    Lk,
+    D,
+    Dv,
+    NK,
+    mask_hdiv,
+    bias_hdiv,
+    scale,
+    softcap,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SEQUSED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """One program: BLOCK_M queries of one (batch, head). Writes out, lse and log_sum.
+
+    With a mask, KV_NUM / KV_IDX list the key tiles of this query tile that hold any allowed key
+    (built once per call); tiles outside the list are never loaded. Without one, the loop bound
+    comes from causality and seqused_k.
+    """
+    i_mb = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H).to(tl.int64)
+    i_h = (i_bh % H).to(tl.int64)
+    i_g = i_h // G
+    n_keys = key_count(SEQUSED, i_b, Lk, HAS_SEQUSED)
+
+    i_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_d = tl.arange(0, BLOCK_D)
+    i_dv = tl.arange(0, BLOCK_DV)
+    m_m = i_m < Lq
+    o_m = i_m.to(tl.int64)
+    b_q = tl.load(
+        Q + i_b * stride_qb + i_h * stride_qh + o_m[:, None] * stride_qm + i_d[None, :] * stride_qd,
+        mask=m_m[:, None] & (i_d[None, :] < D),
+        other=0.0,
+    )  # [BM, BD]
+    p_k = K + i_b * stride_kb + i_g * stride_kh
+    p_v = V + i_b * stride_vb + i_g * stride_vh
+    p_mask = MASK
+    if HAS_MASK:
+        p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh
+    p_bias = BIAS
+    if HAS_BIAS:
+        p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if HAS_MASK:
+        row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
+        num = tl.load(KV_NUM + row)
+        for it in range(0, num):
+            kb = tl.load(KV_IDX + row * NK + it)
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
+                p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        m_end = tl.minimum((i_mb + 1) * BLOCK_M, Lq)
+        kb_end = tl.cdiv(causal_key_end(m_end, n_keys, Lq, IS_CAUSAL), BLOCK_N)
+        for kb in range(0, kb_end):
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
+                p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION,
+            )  # fmt: skip
+
+    nonempty = l_i > 0.0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    b_out = acc / l_safe[:, None]
+    log_sum = tl.where(nonempty, tl.log(l_safe), 0.0)
+    lse = tl.where(nonempty, m_i + log_sum, float("-inf"))
+    tl.store(
+        OUT + i_b * stride_ob + i_h * stride_oh + o_m[:, None] * stride_om
+        + i_dv[None, :] * stride_od,
+        b_out.to(OUT.dtype.element_ty),
+        mask=m_m[:, None] & (i_dv[None, :] < Dv),
+    )  # fmt: skip
+    o_row = i_bh.to(tl.int64) * Lq + o_m
+    tl.store(LSE + o_row, lse, mask=m_m)
+    tl.store(LOGSUM + o_row, log_sum, mask=m_m)

@@ -1,0 +1,84 @@
+"""Triton helpers shared by the forward and backward kernels."""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def tanh(x):
+    # exp2 form: saturates to +-1 for large |x| instead of producing inf / inf.
+    e = tl.exp2(x * (2.0 * LOG2E))
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def score_tile(
+    b_q,
+    b_kt,
+    i_m,
+    i_n,
+    n_keys,
+    Lq,
+    scale,
+    softcap,
+    p_mask,
+    stride_mask_m,
+    stride_mask_n,
+    p_bias,
+    stride_bias_m,
+    stride_bias_n,
+    IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Scores of one [BM, BN] tile: (s, allowed, tanh term).
+
+    s is exactly -inf where the key is not allowed. The mask and the bias are loaded only where
+    the key may be used, so NaN/Inf stored at disallowed positions never enters arithmetic.
+    """
+    x = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * scale  # [BM, BN]
+    t = x
+    if HAS_SOFTCAP:
+        t = tanh(x / softcap)
+        x = softcap * t
+    m_allowed = (i_m[:, None] < Lq) & (i_n[None, :] < n_keys)  # [BM, BN]
+    if IS_CAUSAL:
+        m_allowed = m_allowed & (i_n[None, :] <= i_m[:, None] + (n_keys - Lq))
+    o_m = i_m.to(tl.int64)[:, None]
+    o_n = i_n.to(tl.int64)[None, :]
+    if HAS_MASK:
+        b_mask = tl.load(
+            p_mask + o_m * stride_mask_m + o_n * stride_mask_n, mask=m_allowed, other=0
+        )  # [BM, BN]
+        m_allowed = m_allowed & (b_mask != 0)
+    if HAS_BIAS:
+        b_bias = tl.load(
+            p_bias + o_m * stride_bias_m + o_n * stride_bias_n, mask=m_allowed, other=0.0
+        ).to(tl.float32)  # [BM, BN]
+        x = x + b_bias
+    s = tl.where(m_allowed, x, float("-inf"))
+    return s, m_allowed, t
+
+
+@triton.jit
+def key_count(SEQUSED, i_b, Lk, HAS_SEQUSED: tl.constexpr):
+    """n = seqused_k[b] clamped to [0, Lk], or Lk."""
+    if HAS_SEQUSED:
+        n = tl.load(SEQUSED + i_b).to(tl.int32)
+        n = tl.minimum(tl.maximum(n, 0), Lk)
+    else:
+        n = Lk
+    return n
+
+
+@triton.jit
+def causal_key_end(m_end, n_keys, Lq, IS_CAUSAL: tl.constexpr):
+    """One past the last key any query row below m_end may see."""
+    end = n_keys
+    if IS_CAUSAL:
+        end = tl.minimum(end, m_end + n_keys - Lq)
+    return tl.maximum(end, 0)
