@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops import ops, reference
+from dmattn_ops import launch, ops, reference
 from dmattn_ops.validate import check_backend, check_inputs, check_seqused_k_values
 
 
@@ -12,6 +12,19 @@ def _tracing() -> bool:
     if torch.compiler.is_compiling():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _check_triton_can_run(query: torch.Tensor) -> None:
+    if query.dtype not in launch.TRITON_DTYPES:
+        raise TypeError(
+            "dmattn.attention: backend='triton' supports float16, bfloat16 and float32; "
+            f"got {query.dtype} (backend='auto' runs float64 in PyTorch)"
+        )
+    if not launch.triton_runs_on(query):
+        raise ValueError(
+            "dmattn.attention: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 "
+            f"(Triton's interpreter) for CPU tensors; got tensors on {query.device}"
+        )
 
 
 def attention(
@@ -75,11 +88,13 @@ def attention(
     )
     if backend == "reference":
         return reference.attention(query, key, value, mask, bias, **kwargs)
-    if backend in ("triton", "flex"):
+    if backend == "flex":
         raise NotImplementedError(
-            f"dmattn.attention: backend={backend!r} is not available yet; "
-            "use backend='auto' or 'reference'"
+            "dmattn.attention: backend='flex' is not available yet; "
+            "use backend='auto', 'triton' or 'reference'"
         )
+    if backend == "triton":
+        _check_triton_can_run(query)
     if return_lse:
         scale = ops.default_scale(query) if scale is None else scale
         out, lse, _ = torch.ops.dmattn.attention_forward(

@@ -85,7 +85,11 @@ def _head_div(t: torch.Tensor | None, h: int, hkv: int) -> int:
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+    if dtype == torch.float32:
+        return "ieee"
+    if dtype == torch.bfloat16 and interpreter_on():
+        return "upcast"  # see kernels/common.py dot()
+    return "tf32"  # ignored for 16-bit operands
 
 
 def _mask_bytes(mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ gradients are bitwise reproducible.
 import triton
 import triton.language as tl
 
-from dmattn_ops.kernels.common import LOG2E, causal_key_end, key_count, score_tile
+from dmattn_ops.kernels.common import LOG2E, causal_key_end, dot, key_count, score_tile
 
 
 @triton.jit
@@ -91,14 +91,14 @@ def _dkdv_tile(
         IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION,
     )  # fmt: skip
     p = _probs(s, m_row, log_sum)  # [BM, BN]
-    dv += tl.dot(tl.trans(p.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
-    dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)  # [BM, BN]
+    dv += dot(tl.trans(p.to(b_do.dtype)), b_do, DOT_PRECISION)
+    dp = dot(b_do, tl.trans(b_v), DOT_PRECISION)  # [BM, BN]
     ds = tl.where(m_allowed, p * (dp - delta[:, None]), 0.0)
     if DBIAS_COLS:
         dbias_col += tl.sum(ds, 0)
     if HAS_SOFTCAP:
         ds = ds * (1.0 - t * t)
-    dk += tl.dot(tl.trans(ds.to(b_q.dtype)), b_q, input_precision=DOT_PRECISION)
+    dk += dot(tl.trans(ds.to(b_q.dtype)), b_q, DOT_PRECISION)
     return dk, dv, dbias_col
 
 
@@ -324,7 +324,7 @@ def _dq_tile(
         IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION,
     )  # fmt: skip
     p = _probs(s, m_row, log_sum)
-    dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)  # [BM, BN]
+    dp = dot(b_do, b_vt, DOT_PRECISION)  # [BM, BN]
     ds = tl.where(m_allowed, p * (dp - delta[:, None]), 0.0)
     if DBIAS_DIRECT:
         o_db = i_m.to(tl.int64)[:, None] * Lk + o_n[None, :]
@@ -335,7 +335,7 @@ def _dq_tile(
         )
     if HAS_SOFTCAP:
         ds = ds * (1.0 - t * t)
-    dq += tl.dot(ds.to(b_kt.dtype), tl.trans(b_kt), input_precision=DOT_PRECISION)
+    dq += dot(ds.to(b_kt.dtype), tl.trans(b_kt), DOT_PRECISION)
     return dq
 
 
@@ -637,7 +637,7 @@ def attention_bwd_dbias_kernel(
                         IS_CAUSAL, HAS_MASK, True, HAS_SOFTCAP, DOT_PRECISION,
                     )  # fmt: skip
                     p = _probs(s, m_row, log_sum)
-                    dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
+                    dp = dot(b_do, b_vt, DOT_PRECISION)
                     acc += tl.where(m_allowed, p * (dp - delta[:, None]), 0.0)
         o_db = (i_bbh.to(tl.int64) * Lq + o_m[:, None]) * Lk + o_n[None, :]
         tl.store(

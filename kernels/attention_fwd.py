@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from dmattn_ops.kernels.common import LOG2E, causal_key_end, key_count, score_tile
+from dmattn_ops.kernels.common import LOG2E, causal_key_end, dot, key_count, score_tile
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def _fwd_tile(
         mask=m_n[:, None] & (i_dv[None, :] < Dv),
         other=0.0,
     )  # [BN, BDV]
-    acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + dot(p.to(b_v.dtype), b_v, DOT_PRECISION)
     return acc, l_i, m_new
 
 

@@ -20,7 +20,14 @@ from helpers import (
 )
 
 import dmattn_ops
-from dmattn_ops import chunked
+from dmattn_ops import chunked, launch
+
+
+@pytest.fixture(autouse=True)
+def chunked_only(monkeypatch):
+    """This file tests the PyTorch implementation: keep the Triton kernels out of the way."""
+    monkeypatch.setattr(launch, "use_triton", lambda query: False)
+
 
 SHAPES = [
     param(Case(1, 1, 1, 1, 1, 16, 16)),

@@ -251,8 +251,13 @@ def test_devices_must_match():
             dmattn_ops.attention(q, k.cuda(), v)
 
 
-def test_unavailable_backends_say_so():
+def test_unavailable_backends_say_so(monkeypatch):
     q, k, v = qkv()
-    for backend in ("triton", "flex"):
-        with pytest.raises(NotImplementedError, match="not available yet"):
-            dmattn_ops.attention(q, k, v, backend=backend)
+    with pytest.raises(NotImplementedError, match="not available yet"):
+        dmattn_ops.attention(q, k, v, backend="flex")
+    with pytest.raises(TypeError, match="backend='triton' supports float16, bfloat16 and float32"):
+        dmattn_ops.attention(q.double(), k.double(), v.double(), backend="triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(launch, "interpreter_on", lambda: False)
+        with pytest.raises(ValueError, match="needs CUDA tensors, or TRITON_INTERPRET=1"):
+            dmattn_ops.attention(q, k, v, backend="triton")

@@ -1,0 +1,388 @@
+"""The Triton kernels against the float64 oracle.
+
+On CPU they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), with 16x16 tiles,
+so small shapes still cross many tile boundaries; on a GPU the same tests run compiled, plus the
+large-shape tests at the end.
+"""
+
+import math
+
+import pytest
+import torch
+from helpers import (
+    DTYPES,
+    PATTERNS,
+    Case,
+    assert_close,
+    low_precision_bound,
+    make_bias,
+    make_mask,
+    operand_shape,
+    param,
+)
+
+import dmattn_ops
+from dmattn_ops import launch, reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not launch.interpreter_on(), reason="needs CUDA or TRITON_INTERPRET=1"
+)
+
+
+def run_case(
+    c: Case,
+    dtype,
+    mask_shape=None,
+    bias_shape=None,
+    *,
+    bias_dtype=None,
+    is_causal=False,
+    softcap=0.0,
+    seqused=None,
+    mask=None,
+    bias=None,
+    kv=None,
+    check_grads=True,
+):
+    """Runs the Triton path and the oracle (float64 and in dtype) and checks out, lse, grads."""
+    q = torch.randn(c.b, c.lq, c.h, c.d, dtype=dtype, device=DEVICE)
+    k, v = (
+        kv
+        if kv is not None
+        else (
+            torch.randn(c.b, c.lk, c.hkv, c.d, dtype=dtype, device=DEVICE),
+            torch.randn(c.b, c.lk, c.hkv, c.dv, dtype=dtype, device=DEVICE),
+        )
+    )
+    if mask is None and mask_shape is not None:
+        mask = make_mask(mask_shape, device=DEVICE)
+    if bias is None and bias_shape is not None:
+        bias = make_bias(bias_shape, dtype=bias_dtype or dtype, device=DEVICE)
+    if seqused is not None:
+        seqused = seqused.to(DEVICE)
+    kwargs = dict(is_causal=is_causal, softcap=softcap, seqused_k=seqused)
+    inputs = [q, k, v, bias]
+    grad_out = torch.randn(c.b, c.lq, c.h, c.dv, dtype=dtype, device=DEVICE)
+
+    def run(fn, tensors, cast):
+        leaves = [
+            t.detach().to(cast(t)).requires_grad_() if t is not None else None for t in tensors
+        ]
+        out, lse = fn(leaves[0], leaves[1], leaves[2], mask, leaves[3], return_lse=True, **kwargs)
+        wrt = [t for t in leaves if t is not None]
+        grads = (
+            torch.autograd.grad((out * grad_out.to(out.dtype)).sum(), wrt) if check_grads else []
+        )
+        return out, lse, grads
+
+    def triton_attention(*args, **kw):
+        return dmattn_ops.attention(*args, backend="triton", **kw)
+
+    out, lse, grads = run(triton_attention, inputs, lambda t: t.dtype)
+    ref64 = run(reference.attention, inputs, lambda t: torch.float64)
+    ref_lp = run(reference.attention, inputs, lambda t: t.dtype)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close(out, ref64[0], low_precision_bound(ref64[0], ref_lp[0], dtype), "out")
+    lse_bound = (
+        2 * (ref_lp[1] - ref64[1])[ref64[1].isfinite()].abs().max().item() + 1e-5
+        if ref64[1].isfinite().any()
+        else 0.0
+    )
+    assert_close(lse, ref64[1], lse_bound, "lse")
+    names = ("dq", "dk", "dv", "dbias")
+    for name, g, r, rl in zip(names, grads, ref64[2], ref_lp[2]):
+        assert g.dtype == r.dtype or g.dtype in DTYPES
+        assert_close(g, r, low_precision_bound(r, rl, g.dtype), name)
+    return out, lse, grads
+
+
+SHAPES = [
+    param(Case(1, 1, 1, 1, 1, 16, 16)),
+    param(Case(2, 17, 63, 4, 2, 40, 40)),
+    param(Case(1, 63, 17, 2, 1, 80, 64)),
+    param(Case(1, 113, 128, 2, 2, 96, 96)),
+    param(Case(1, 128, 113, 4, 1, 64, 64)),
+    param(Case(1, 33, 47, 2, 2, 128, 128)),
+    param(Case(1, 17, 40, 2, 1, 256, 256)),
+    param(Case(1, 21, 19, 3, 3, 24, 8)),
+]
+
+
+@pytest.mark.parametrize("case", SHAPES)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_shapes(case, is_causal):
+    c = case
+    run_case(c, torch.float32, (c.b, c.hkv, c.lq, c.lk), (1, c.h, c.lq, c.lk), is_causal=is_causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias_fp32", [False, True], ids=["bias-same", "bias-fp32"])
+def test_dtypes(dtype, bias_fp32):
+    c = Case(2, 45, 70, 4, 2, 64, 64)
+    run_case(
+        c,
+        dtype,
+        (c.b, 1, 1, c.lk),
+        (c.b, c.hkv, 1, c.lk),
+        bias_dtype=torch.float32 if bias_fp32 else None,
+        is_causal=True,
+    )
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_every_broadcast_pattern(pattern):
+    c = Case(2, 23, 37, 4, 2, 32, 24)
+    causal = pattern in ("BHQ", "bGq", "Bhq")
+    run_case(
+        c, torch.float32, operand_shape(pattern, c), operand_shape(pattern, c), is_causal=causal
+    )
+
+
+@pytest.mark.parametrize(
+    "mask_pattern,bias_pattern",
+    [("bhq", "BHQ"), ("BGQ", "bhq"), ("bHq", "BGq"), ("Bhq", "bGQ"), ("BHQ", "bhQ")],
+)
+def test_mixed_patterns_softcap(mask_pattern, bias_pattern):
+    c = Case(2, 19, 29, 6, 2, 16, 16)
+    run_case(
+        c,
+        torch.float32,
+        operand_shape(mask_pattern, c),
+        operand_shape(bias_pattern, c),
+        is_causal=True,
+        softcap=3.0,
+    )
+
+
+@pytest.mark.parametrize("lq,lk", [(9, 40), (40, 9), (33, 33)], ids=["Lq<Lk", "Lq>Lk", "Lq=Lk"])
+@pytest.mark.parametrize("with_mask", [False, True], ids=["nomask", "mask"])
+def test_causal_alignment_and_seqused(lq, lk, with_mask):
+    c = Case(3, lq, lk, 2, 1, 16, 16)
+    seqused = torch.tensor([lk, lk // 2, 0], dtype=torch.int32)
+    mask_shape = (c.b, 1, c.lq, c.lk) if with_mask else None
+    run_case(c, torch.float32, mask_shape, (1, 1, c.lq, c.lk), is_causal=True, seqused=seqused)
+
+
+# NaN torture: one test per guarantee of SPEC.md.
+
+
+def test_fully_masked_rows_tiles_heads_batches():
+    c = Case(3, 40, 70, 4, 2, 16, 16)
+    mask = make_mask((c.b, c.h, c.lq, c.lk), density=0.8, device=DEVICE)
+    mask[0] = False  # a whole batch
+    mask[1, 2] = False  # a whole head
+    mask[2, :, 5] = False  # whole rows
+    mask[2, :, 16:32] = False  # whole query tiles
+    mask[1, :, :, 16:48] = False  # whole key tiles
+    out, lse, grads = run_case(c, torch.float32, mask=mask, bias_shape=(c.b, c.h, c.lq, c.lk))
+    assert (out[0] == 0).all() and (out[1, :, 2] == 0).all() and (out[2, 5] == 0).all()
+    assert torch.isneginf(lse[0]).all() and torch.isneginf(lse[2, :, 5]).all()
+    assert (grads[0][0] == 0).all() and (grads[3][0] == 0).all() and (grads[3][2, :, 5] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_finfo_min_and_neg_inf_bias(dtype):
+    c = Case(1, 20, 40, 2, 1, 16, 16)
+    bias = make_bias((1, c.h, c.lq, c.lk), dtype=dtype, device=DEVICE)
+    bias[:, :, 0] = -math.inf  # every key -inf: an empty row
+    bias[:, :, 1, ::2] = -math.inf
+    bias[:, :, 2] = torch.finfo(dtype).min  # finfo.min everywhere: a uniform average
+    bias[:, :, 3, :7] = torch.finfo(dtype).min
+    bias[:, :, 17:, :20] = torch.finfo(dtype).min  # whole tiles of finfo.min
+    out, lse, grads = run_case(c, dtype, bias=bias)
+    assert (out[:, 0] == 0).all() and torch.isneginf(lse[..., 0]).all()
+    assert (grads[0][:, 0] == 0).all() and (grads[3][:, :, 0] == 0).all()
+
+
+def test_nonfinite_bias_where_not_allowed():
+    c = Case(2, 33, 50, 2, 2, 16, 16)
+    mask = make_mask((c.b, 1, c.lq, c.lk), density=0.5, device=DEVICE)
+    seqused = torch.tensor([41, 50], dtype=torch.int32)
+    bias = make_bias((c.b, c.h, c.lq, c.lk), device=DEVICE, dtype=torch.float32)
+    j = torch.arange(c.lk, device=DEVICE)
+    causal_out = torch.ones(c.lq, c.lk, dtype=torch.bool, device=DEVICE).triu(c.lk - c.lq + 1)
+    outside = (~mask) | (j >= seqused.to(DEVICE)[:, None, None, None]) | causal_out
+    junk = torch.tensor([math.nan, math.inf, -math.inf], device=DEVICE).repeat(c.lk)[: c.lk]
+    poisoned = torch.where(outside, junk, bias)
+    out_p, _, g_p = run_case(
+        c, torch.float32, mask=mask, bias=poisoned, is_causal=True, seqused=seqused
+    )
+    assert (g_p[3][outside.expand_as(g_p[3])] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_poisoned_kv_cache_beyond_lk_and_seqused(dtype):
+    c = Case(2, 9, 45, 4, 2, 16, 16)
+    # A cache of 64 slots full of NaN/Inf; the view has Lk = 45 and seqused_k[b] rows written.
+    cache_k = torch.full((c.b, 64, c.hkv, c.d), math.nan, dtype=dtype, device=DEVICE)
+    cache_v = torch.full((c.b, 64, c.hkv, c.dv), math.inf, dtype=dtype, device=DEVICE)
+    seqused = torch.tensor([23, 45], dtype=torch.int32)
+    for b, n in enumerate(seqused.tolist()):
+        cache_k[b, :n] = torch.randn(n, c.hkv, c.d, dtype=dtype, device=DEVICE)
+        cache_v[b, :n] = torch.randn(n, c.hkv, c.dv, dtype=dtype, device=DEVICE)
+    k, v = cache_k[:, : c.lk], cache_v[:, : c.lk]
+    # The oracle zeroes keys past seqused_k; the kernels must never load them.
+    out, lse, grads = run_case(
+        c, dtype, None, (c.b, c.hkv, 1, c.lk), kv=(k, v), is_causal=True, seqused=seqused
+    )
+    assert torch.isfinite(out).all()
+    assert (grads[1][0, 23:] == 0).all() and (grads[2][0, 23:] == 0).all()
+
+
+def test_skipped_tiles_are_never_loaded():
+    # V and K hold NaN in key tiles that the mask rules out entirely; loading any of them into
+    # a product would give NaN (0 * NaN), so a finite, exact result shows they were skipped.
+    c = Case(1, 48, 96, 2, 1, 16, 16)
+    tile = launch._config(c.d, c.dv, backward=False).block_n
+    tile_b = launch._config(c.d, c.dv, backward=True).block_n
+    assert tile == tile_b and c.lk >= 4 * tile
+    mask = make_mask((1, 1, c.lq, c.lk), density=0.7, device=DEVICE)
+    dead = slice(tile, 3 * tile)
+    mask[..., dead] = False
+    k = torch.randn(c.b, c.lk, c.hkv, c.d, device=DEVICE)
+    v = torch.randn(c.b, c.lk, c.hkv, c.dv, device=DEVICE)
+    k_poisoned, v_poisoned = k.clone(), v.clone()
+    k_poisoned[:, dead], v_poisoned[:, dead] = math.nan, math.nan
+    q = torch.randn(c.b, c.lq, c.h, c.d, device=DEVICE, requires_grad=True)
+    bias = make_bias((1, c.h, 1, c.lk), device=DEVICE, dtype=torch.float32, requires_grad=True)
+    out = dmattn_ops.attention(q, k_poisoned, v_poisoned, mask, bias, backend="triton")
+    dq, dbias = torch.autograd.grad(out.sum(), (q, bias))
+    ref = reference.attention(q, k, v, mask, bias)
+    rdq, rdbias = torch.autograd.grad(ref.sum(), (q, bias))
+    assert_close(out, ref, 1e-5, "out")
+    assert_close(dq, rdq, 1e-4, "dq")
+    assert_close(dbias, rdbias, 1e-4, "dbias")
+
+
+def test_bf16_large_logits():
+    c = Case(1, 40, 60, 2, 1, 64, 64)
+    q = (torch.randn(c.b, c.lq, c.h, c.d, device=DEVICE) * 30).bfloat16()
+    k = (torch.randn(c.b, c.lk, c.hkv, c.d, device=DEVICE) * 30).bfloat16()
+    v = torch.randn(c.b, c.lk, c.hkv, c.dv, device=DEVICE).bfloat16()
+    bias = (torch.randn(1, 1, c.lq, c.lk, device=DEVICE) * 1e4).bfloat16()
+    run_case(c, torch.bfloat16, bias=bias, kv=(k, v), is_causal=True)
+    del q
+
+
+def test_deterministic_backward_is_bitwise_reproducible():
+    c = Case(2, 50, 70, 4, 2, 32, 32)
+    q = torch.randn(c.b, c.lq, c.h, c.d, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(c.b, c.lk, c.hkv, c.d, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn(c.b, c.lk, c.hkv, c.dv, device=DEVICE, dtype=torch.bfloat16)
+    mask = make_mask((c.b, 1, c.lq, c.lk), device=DEVICE)
+    biases = [
+        make_bias(s, device=DEVICE, dtype=torch.bfloat16)
+        for s in [(1, 1, c.lq, c.lk), (c.b, c.hkv, 1, c.lk)]
+    ]
+
+    def grads(bias):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out = dmattn_ops.attention(
+            *leaves[:3], mask, leaves[3], deterministic=True, is_causal=True, backend="triton"
+        )
+        return [out, *torch.autograd.grad(out.float().square().sum(), leaves)]
+
+    for bias in biases:
+        first, second = grads(bias), grads(bias)
+        for a, b in zip(first, second):
+            assert torch.equal(a, b)
+
+
+# GPU only: sizes the interpreter cannot reach.
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+def test_bias_over_2_pow_31_elements():
+    b, h, lq, lk, d = 1, 2, 40000, 28000, 64  # bias: 2.24e9 elements
+    q = torch.randn(b, lq, h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, lk, h, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, lk, h, d, device="cuda", dtype=torch.bfloat16)
+    bias = torch.zeros(b, h, lq, lk, device="cuda", dtype=torch.bfloat16)
+    assert bias.numel() > 2**31
+    rows = torch.tensor([0, 1, 20000, lq - 1], device="cuda")
+    bias[:, 1, rows] = torch.randn(len(rows), lk, device="cuda", dtype=torch.bfloat16)
+    out, lse = dmattn_ops.attention(q, k, v, None, bias, return_lse=True, backend="triton")
+    ref_out, ref_lse = reference.attention(
+        q[:, rows].double(),
+        k.double(),
+        v.double(),
+        None,
+        bias[:, :, rows].double(),
+        return_lse=True,
+        is_causal=False,
+    )
+    ref_lp = reference.attention(q[:, rows], k, v, None, bias[:, :, rows])
+    assert_close(
+        out[:, rows], ref_out, low_precision_bound(ref_out, ref_lp, torch.bfloat16), "sampled rows"
+    )
+    assert torch.isfinite(lse).all()
+
+
+@gpu
+def test_long_sequence_broadcast_bias_and_mask():
+    b, h, length, d = 1, 16, 16384, 128
+    q = torch.randn(b, length, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, length, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, length, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.randn(b, h, 1, length, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    top = bias.detach().topk(2048, dim=-1).indices
+    mask = torch.zeros_like(bias, dtype=torch.bool).scatter(-1, top, True)
+    out = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, backend="triton")
+    out.float().square().sum().backward()
+    for t in (out, q.grad, k.grad, v.grad, bias.grad):
+        assert torch.isfinite(t).all()
+    rows = torch.tensor([0, 1, 777, 8191, length - 1], device="cuda")
+    # Sampled rows against the oracle: causal rows i see keys j <= i.
+    j = torch.arange(length, device="cuda")
+    row_mask = mask.expand(b, h, len(rows), length) & (j[None, :] <= rows[:, None])
+    ref = reference.attention(
+        q[:, rows].detach().double(),
+        k.detach().double(),
+        v.detach().double(),
+        row_mask,
+        bias.detach().double(),
+    )
+    ref_lp = reference.attention(
+        q[:, rows].detach(), k.detach(), v.detach(), row_mask, bias.detach()
+    )
+    assert_close(
+        out[:, rows].detach(), ref, low_precision_bound(ref, ref_lp, torch.bfloat16), "sampled rows"
+    )
+
+
+@gpu
+def test_cuda_graph_capture_forward_backward():
+    c = Case(2, 256, 256, 4, 2, 64, 64)
+    q = torch.randn(c.b, c.lq, c.h, c.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(c.b, c.lk, c.hkv, c.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(c.b, c.lk, c.hkv, c.dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.randn(c.b, c.hkv, 1, c.lk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mask = make_mask((c.b, 1, c.lq, c.lk), device="cuda")
+    seqused = torch.tensor([200, 256], dtype=torch.int32, device="cuda")
+
+    def step():
+        for t in (q, k, v, bias):
+            t.grad = None
+        out = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, seqused_k=seqused)
+        out.float().sum().backward()
+        return out
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = dmattn_ops.attention(
+        q.detach(), k.detach(), v.detach(), mask, bias.detach(), is_causal=True, seqused_k=seqused
+    )
+    assert torch.equal(out, eager)
+    assert torch.isfinite(bias.grad).all() and bias.grad.abs().sum() > 0
