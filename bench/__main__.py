@@ -1,0 +1,498 @@
+"""Benchmark runner: ``python -m bench [--cases A,B1,...] [--quick] [--out DIR]``.
+
+Every implementation runs in this one process on the same inputs: ours (Triton), PyTorch SDPA
+(flash backend without mask/bias, a float mask built from mask + bias + bottom-right causal
+otherwise) and FlexAttention (compiled; BlockMask from the mask, bias through score_mod). Each
+case checks every implementation's output against float32 math on sampled rows before timing it
+and reports a failure instead of a time. Times are medians of triton.testing.do_bench; TFLOP/s
+count only the allowed (query, key) entries (forward 4*D flops per entry, backward 2.5x that).
+On CPU it runs a tiny smoke version of each case with the reference-checked implementations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import dmattn_ops
+from dmattn_ops import reference
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    bias: torch.Tensor | None
+    is_causal: bool
+    seqused_k: torch.Tensor | None = None
+
+
+@dataclass
+class Case:
+    name: str
+    title: str
+    b: int
+    h: int
+    hkv: int
+    lq: int
+    lk: int
+    d: int
+    kind: str  # dense | topk4d | keys | blocks | gqa | decode
+    keep: int = 0
+    is_causal: bool = True
+    tags: list = field(default_factory=list)
+
+    def shrink(self) -> Case:
+        """The CPU smoke version: same structure, tiny sizes."""
+        lq = 1 if self.lq == 1 else 64
+        return Case(self.name, self.title, 1, 2, 2 if self.hkv == self.h else 1, lq, 128,
+                    32, self.kind, keep=min(self.keep, 32) if self.keep else 0,
+                    is_causal=self.is_causal)  # fmt: skip
+
+
+def _cases() -> list[Case]:
+    cases = [
+        Case("A", "dense B2 H16 L4096", 2, 16, 16, 4096, 4096, 128, "dense"),
+        Case("B", "4-D bias + top-1024 per query, B1 H16 L4096", 1, 16, 16, 4096, 4096, 128,
+             "topk4d", keep=1024),
+        Case("C", "bias+top-2048 per key (random), B1 H16 L16384", 1, 16, 16, 16384, 16384,
+             128, "keys", keep=2048),
+        Case("C-blocks", "bias+top-2048 per key (blocks of 64), B1 H16 L16384", 1, 16, 16,
+             16384, 16384, 128, "blocks", keep=2048),
+        Case("D", "GQA B2 H32 Hkv8 L8192, bias (B,Hkv,1,L), mask per key", 2, 32, 8, 8192, 8192,
+             128, "gqa", keep=2048),
+        Case("E", "decode B8 H32 Hkv8 Lq1 Lk32768, seqused_k, bias (B,Hkv,1,Lk)", 8, 32, 8, 1,
+             32768, 128, "decode", is_causal=True),
+        Case("F64-A", "dense D64 B2 H16 L4096", 2, 16, 16, 4096, 4096, 64, "dense"),
+        Case("F64-B", "4-D bias + top-1024, D64 B1 H16 L4096", 1, 16, 16, 4096, 4096, 64,
+             "topk4d", keep=1024),
+        Case("F256-A", "dense D256 B2 H16 L4096", 2, 16, 16, 4096, 4096, 256, "dense"),
+        Case("F256-B", "4-D bias + top-1024, D256 B1 H16 L4096", 1, 16, 16, 4096, 4096, 256,
+             "topk4d", keep=1024),
+    ]  # fmt: skip
+    for length in (1024, 2048, 4096, 8192, 16384):
+        cases.append(
+            Case(
+                f"sweep-{length}",
+                f"dense sweep B1 H16 L{length}",
+                1,
+                16,
+                16,
+                length,
+                length,
+                128,
+                "dense",
+                tags=["sweep"],
+            )
+        )
+    return cases
+
+
+CASES = {c.name: c for c in _cases()}
+
+
+def build(c: Case, device: str, dtype: torch.dtype) -> Inputs:
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=g)
+
+    q, k, v = randn(c.b, c.lq, c.h, c.d), randn(c.b, c.lk, c.hkv, c.d), randn(c.b, c.lk, c.hkv, c.d)
+    mask = bias = seqused = None
+    if c.kind == "topk4d":
+        bias = randn(c.b, c.h, c.lq, c.lk)
+        top = bias.topk(c.keep, dim=-1).indices
+        mask = torch.zeros_like(bias, dtype=torch.bool).scatter_(-1, top, True)
+    elif c.kind in ("keys", "gqa"):
+        heads = c.hkv if c.kind == "gqa" else c.h
+        bias = randn(c.b, heads, 1, c.lk)
+        top = bias.topk(c.keep, dim=-1).indices
+        mask = torch.zeros_like(bias, dtype=torch.bool).scatter_(-1, top, True)
+    elif c.kind == "blocks":
+        bias = randn(c.b, c.h, 1, c.lk)
+        nblk = c.lk // 64
+        score = torch.rand(c.b, c.h, 1, nblk, device=device, generator=g)
+        top = score.topk(c.keep // 64, dim=-1).indices
+        blocks = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)
+        mask = blocks.repeat_interleave(64, dim=-1)
+    elif c.kind == "decode":
+        bias = randn(c.b, c.hkv, 1, c.lk)
+        seqused = torch.randint(c.lk // 4, c.lk + 1, (c.b,), device=device, generator=g)
+        seqused = seqused.to(torch.int32)
+    return Inputs(q, k, v, mask, bias, c.is_causal, seqused)
+
+
+def allowed_entries(x: Inputs) -> int:
+    """Number of allowed (b, h, i, j), counted in query chunks."""
+    b, lq, h, _ = x.q.shape
+    lk = x.k.shape[1]
+    n = x.seqused_k.long() if x.seqused_k is not None else torch.full((b,), lk, device=x.q.device)
+    total = 0
+    j = torch.arange(lk, device=x.q.device)
+    for i0 in range(0, lq, 1024):
+        i = torch.arange(i0, min(i0 + 1024, lq), device=x.q.device)
+        ok = (j[None, None, :] < n[:, None, None]).unsqueeze(1)  # [B, 1, 1, Lk]
+        if x.is_causal:
+            ok = ok & (j[None, None, :] <= i[None, :, None] + (n - lq)[:, None, None]).unsqueeze(1)
+        if x.mask is not None:
+            rows = x.mask if x.mask.shape[2] == 1 else x.mask[:, :, i0 : i0 + len(i)]
+            m = (
+                rows.repeat_interleave(h // rows.shape[1], 1)
+                if rows.shape[1] not in (1, h)
+                else rows
+            )
+            ok = ok & m
+        total += int(ok.expand(b, h, len(i), lk).sum())
+    return total
+
+
+def float_mask(x: Inputs) -> torch.Tensor | None:
+    """SDPA's additive mask: bias where allowed, -inf elsewhere, (B, H, Lq, Lk) broadcastable."""
+    b, lq, h, _ = x.q.shape
+    lk = x.k.shape[1]
+    if x.mask is None and x.bias is None and x.seqused_k is None and (not x.is_causal or lq == lk):
+        return None
+    dev = x.q.device
+    n = x.seqused_k.long() if x.seqused_k is not None else torch.full((b,), lk, device=dev)
+    j = torch.arange(lk, device=dev)
+    i = torch.arange(lq, device=dev)
+    ok = (j[None, :] < n[:, None])[:, None, None, :]
+    if x.is_causal:
+        ok = ok & (j[None, None, :] <= i[None, :, None] + (n - lq)[:, None, None])[:, None]
+    if x.mask is not None:
+        ok = ok & _per_query_head(x.mask, h)
+    zero = torch.zeros((), dtype=x.q.dtype, device=dev)
+    add = _per_query_head(x.bias, h).to(x.q.dtype) if x.bias is not None else zero
+    return torch.where(ok, add, torch.tensor(float("-inf"), dtype=x.q.dtype, device=dev))
+
+
+def _per_query_head(t: torch.Tensor, h: int) -> torch.Tensor:
+    return t if t.shape[1] in (1, h) else t.repeat_interleave(h // t.shape[1], dim=1)
+
+
+# Implementations: each returns a callable out = f(q, k, v, bias) on (B, L, H, D) tensors.
+
+
+def impl_ours(x: Inputs):
+    def f(q, k, v, bias):
+        return dmattn_ops.attention(
+            q, k, v, x.mask, bias, is_causal=x.is_causal, seqused_k=x.seqused_k, backend="triton"
+        )
+
+    return f  # fmt: skip
+
+
+def impl_sdpa(x: Inputs):
+    import torch.nn.functional as F
+
+    dense = x.mask is None and x.bias is None and x.seqused_k is None
+    h, hkv = x.q.shape[2], x.k.shape[2]
+    if dense and (x.q.shape[1] == x.k.shape[1] or not x.is_causal):
+
+        def f(q, k, v, bias):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=x.is_causal,
+                enable_gqa=h != hkv,
+            )
+            return out.transpose(1, 2)
+
+        return f  # fmt: skip
+
+    def f(q, k, v, bias):
+        xm = Inputs(q, k, v, x.mask, bias, x.is_causal, x.seqused_k)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=float_mask(xm),
+            enable_gqa=h != hkv,
+        )
+        return out.transpose(1, 2)
+
+    return f  # fmt: skip
+
+
+def impl_flex(x: Inputs):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    b, lq, h, _ = x.q.shape
+    lk, hkv = x.k.shape[1], x.k.shape[2]
+    dev = x.q.device
+    n = x.seqused_k if x.seqused_k is not None else torch.full((b,), lk, device=dev)
+    mask, is_causal = x.mask, x.is_causal
+
+    def mask_mod(bi, hi, qi, kj):
+        ok = kj < n[bi]
+        if is_causal:
+            ok = ok & (kj <= qi + n[bi] - lq)
+        if mask is not None:
+            hm = hi if mask.shape[1] == h else (hi // (h // hkv) if mask.shape[1] == hkv else 0)
+            qm = qi if mask.shape[2] > 1 else 0
+            ok = ok & mask[bi if mask.shape[0] > 1 else 0, hm, qm, kj]
+        return ok
+
+    block_mask = create_block_mask(mask_mod, b, h, lq, lk, device=dev, _compile=True)
+    options = {"num_stages": 1} if x.bias is not None and x.bias.shape[2] > 1 else None
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def f(q, k, v, bias):
+        def score_mod(score, bi, hi, qi, kj):
+            if bias is None:
+                return score
+            hb = hi if bias.shape[1] == h else (hi // (h // hkv) if bias.shape[1] == hkv else 0)
+            qb = qi if bias.shape[2] > 1 else 0
+            return score + bias[bi if bias.shape[0] > 1 else 0, hb, qb, kj]
+
+        out = compiled(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            score_mod=score_mod,
+            block_mask=block_mask,
+            enable_gqa=h != hkv,
+            kernel_options=options,
+        )
+        return out.transpose(1, 2)
+
+    return f  # fmt: skip
+
+
+IMPLS = {"ours": impl_ours, "sdpa": impl_sdpa, "flex": impl_flex}
+
+
+def check(f, x: Inputs, rows: torch.Tensor) -> float:
+    """Max error of f on sampled rows against float32 math (the reference in fp32)."""
+    with torch.no_grad():
+        out = f(x.q, x.k, x.v, x.bias)
+    lq = x.q.shape[1]
+    sub_mask = None
+    if x.mask is not None or x.is_causal:
+        j = torch.arange(x.k.shape[1], device=x.q.device)
+        b = x.q.shape[0]
+        n = (
+            x.seqused_k.long()
+            if x.seqused_k is not None
+            else torch.full((b,), x.k.shape[1], device=x.q.device)
+        )
+        ok = torch.ones(b, 1, len(rows), len(j), dtype=torch.bool, device=x.q.device)
+        if x.is_causal:
+            ok = ok & (j[None, None, :] <= rows[None, :, None] + (n - lq)[:, None, None])[:, None]
+        if x.mask is not None:
+            m = x.mask if x.mask.shape[2] == 1 else x.mask[:, :, rows]
+            ok = ok & m
+        sub_mask = ok
+    bias = None
+    if x.bias is not None:
+        bias = (x.bias if x.bias.shape[2] == 1 else x.bias[:, :, rows]).float()
+    ref = reference.attention(
+        x.q[:, rows].float(), x.k.float(), x.v.float(), sub_mask, bias, seqused_k=x.seqused_k
+    )
+    got = out[:, rows].float()
+    if not torch.isfinite(got).all():
+        return float("nan")
+    return (got - ref).abs().max().item()
+
+
+def bench_ms(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def run_case(c: Case, impls, device, dtype, log) -> list[dict]:
+    x = build(c, device, dtype)
+    entries = allowed_entries(x)
+    flops_fwd = 4 * entries * c.d
+    rows = torch.tensor([0, 1, c.lq // 3, c.lq // 2, c.lq - 1], device=device)
+    rows = torch.unique(rows.clamp(max=c.lq - 1))
+    results = []
+    for name in impls:
+        row = dict(case=c.name, impl=name, fwd_ms=None, fwdbwd_ms=None, peak_gib=None,
+                   fwd_tflops=None, fwdbwd_tflops=None, max_err=None, status="ok")  # fmt: skip
+        try:
+            f = IMPLS[name](x)
+            err = check(f, x, rows)
+            row["max_err"] = err
+            tol = 0.05 if dtype != torch.float32 else 1e-3
+            if not err <= tol:
+                row["status"] = f"WRONG (max err {err:.3g})"
+                results.append(row)
+                continue
+            if device == "cpu":
+                results.append(row)
+                continue
+            leaves = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v)]
+            bias = x.bias.detach().clone().requires_grad_() if x.bias is not None else None
+            grad = torch.randn_like(x.q[..., : x.v.shape[-1]])
+
+            def fwd(f=f):
+                with torch.no_grad():
+                    f(x.q, x.k, x.v, x.bias)
+
+            def fwdbwd(f=f, leaves=leaves, bias=bias, grad=grad):
+                out = f(*leaves, bias)
+                out.backward(grad)
+
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            fwdbwd()
+            torch.cuda.synchronize()
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            row["fwd_ms"] = bench_ms(fwd)
+            row["fwdbwd_ms"] = bench_ms(fwdbwd)
+            row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
+            row["fwdbwd_tflops"] = 3.5 * flops_fwd / row["fwdbwd_ms"] / 1e9
+        except Exception as e:  # a peer failing to compile or run is a result, not a crash
+            row["status"] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+        results.append(row)
+        fwd = row["fwd_ms"]
+        msg = (
+            row["status"]
+            if row["status"] != "ok"
+            else (
+                f"checked (max err {row['max_err']:.2e})"
+                if fwd is None
+                else f"fwd {fwd:.3f} ms, fwd+bwd {row['fwdbwd_ms']:.3f} ms"
+            )
+        )
+        log(f"  {c.name:<10} {name:<8} {msg}")
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def header() -> str:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(__file__),
+        ).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    import triton
+
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return (
+        f"date {time.strftime('%Y-%m-%d')} | device {dev} | torch {torch.__version__} | "
+        f"triton {triton.__version__} | python {platform.python_version()} | "
+        f"commit {commit or 'unknown'}"
+    )
+
+
+def table(results: list[dict]) -> str:
+    by_case: dict[str, dict[str, dict]] = {}
+    for r in results:
+        by_case.setdefault(r["case"], {})[r["impl"]] = r
+    lines = ["| case | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | peak GiB "
+             "| fwd x ours | fwd+bwd x ours | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    for case, impls in by_case.items():
+        ours = impls.get("ours", {})
+        for name, r in impls.items():
+            ratio_f = ratio_b = None
+            if ours.get("fwd_ms") and r.get("fwd_ms"):
+                ratio_f = r["fwd_ms"] / ours["fwd_ms"]
+            if ours.get("fwdbwd_ms") and r.get("fwdbwd_ms"):
+                ratio_b = r["fwdbwd_ms"] / ours["fwdbwd_ms"]
+            lines.append(
+                f"| {case} | {name} | {fmt(r['fwd_ms'], '.3f')} | {fmt(r['fwdbwd_ms'], '.3f')} | "
+                f"{fmt(r['fwd_tflops'], '.0f')} | {fmt(r['fwdbwd_tflops'], '.0f')} | "
+                f"{fmt(r['peak_gib'], '.2f')} | {fmt(ratio_f, '.2f')} | {fmt(ratio_b, '.2f')} | "
+                f"{r['status']} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed"
+    sweep = [r for r in results if r["case"].startswith("sweep-") and r["fwdbwd_tflops"]]
+    if not sweep:
+        return "plot skipped: no sweep results"
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for impl in sorted({r["impl"] for r in sweep}):
+        pts = sorted(
+            (int(r["case"].split("-")[1]), r["fwdbwd_tflops"]) for r in sweep if r["impl"] == impl
+        )
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("fwd+bwd TFLOP/s (allowed entries)")
+    ax.set_title("dense causal, B1 H16 D128, bf16")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"plot written to {path}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=None, help="comma-separated case names (default all)")
+    parser.add_argument("--impls", default="ours,sdpa,flex")
+    parser.add_argument("--quick", action="store_true", help="skip the length sweep")
+    parser.add_argument("--out", default="bench/out", help="folder for results.csv and the plot")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = args.cases.split(",") if args.cases else list(CASES)
+    if args.quick:
+        names = [n for n in names if "sweep" not in CASES[n].tags]
+    impls = args.impls.split(",")
+    if device == "cpu":
+        impls = [i for i in impls if i in ("ours", "sdpa")]  # flex backward is CUDA-only
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            impls = [i for i in impls if i != "ours"] + ["ours-cpu"]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    os.makedirs(args.out, exist_ok=True)
+    print(header(), flush=True)
+    results = []
+    start = time.time()
+    for idx, name in enumerate(names):
+        c = CASES[name] if device == "cuda" else CASES[name].shrink()
+        print(
+            f"[{idx + 1}/{len(names)}] {name}: {c.title} ({time.time() - start:.0f}s)", flush=True
+        )
+        results += run_case(c, impls, device, dtype, lambda s: print(s, flush=True))
+    with open(os.path.join(args.out, "results.csv"), "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(results[0]))
+        writer.writeheader()
+        writer.writerows(results)
+    print(plot(results, os.path.join(args.out, "tflops_vs_length.png")))
+    print()
+    print(header())
+    print(table(results))
+    bad = [r for r in results if r["impl"] == "ours" and r["status"] != "ok"]
+    return 1 if bad else 0
+
+
+IMPLS["ours-cpu"] = lambda x: (
+    lambda q, k, v, bias: dmattn_ops.attention(
+        q, k, v, x.mask, bias, is_causal=x.is_causal, seqused_k=x.seqused_k
+    )
+)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""The benchmark runner's CPU smoke version: every case builds, and every implementation that
+runs on CPU passes its correctness check."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_smoke(tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) > 10 and all(line.rstrip().endswith("| ok |") for line in rows[1:]), res.stdout
+    assert (tmp_path / "results.csv").exists()
