@@ -9,9 +9,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_smoke(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the smoke version is the CPU one
     res = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
