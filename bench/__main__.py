@@ -383,7 +383,8 @@ def header() -> str:
             cwd=os.path.dirname(__file__),
         ).stdout.strip()
     except OSError:
-        commit = "unknown"
+        commit = ""
+    commit = commit or os.environ.get("DMATTN_COMMIT", "")
     import triton
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -49,7 +49,17 @@ class Config:
     num_stages: int
 
 
-def _config(d: int, dv: int, backward: bool) -> Config:
+def _config(d: int, dv: int, backward: bool, lq: int | None = None) -> Config:
+    cfg = _base_config(d, dv, backward)
+    if lq is not None and lq < cfg.block_m:
+        # Decode-sized query tiles: a 128-row tile for Lq = 1 would be 127/128 padding.
+        cfg = Config(
+            max(16, triton.next_power_of_2(lq)), cfg.block_n, cfg.num_warps, cfg.num_stages
+        )
+    return cfg
+
+
+def _base_config(d: int, dv: int, backward: bool) -> Config:
     if interpreter_on():
         return Config(16, 16, 1, 1)
     width = max(d, dv)
@@ -172,7 +182,7 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     if b * lq * h == 0 or lk == 0:
         return _empty_forward(query, value)
-    cfg = _config(d, dv, backward=False)
+    cfg = _config(d, dv, backward=False, lq=lq)
     nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
     tables = None
     if mask is not None:
@@ -245,7 +255,7 @@ def attention_backward(
             else torch.empty((0,), dtype=query.dtype, device=device)
         )
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dbias
-    cfg = _config(d, dv, backward=True)
+    cfg = _config(d, dv, backward=True, lq=lq)
     nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
     tables = None
     if mask is not None:

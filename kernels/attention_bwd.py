@@ -11,7 +11,14 @@ gradients are bitwise reproducible.
 import triton
 import triton.language as tl
 
-from dmattn_ops.kernels.common import LOG2E, causal_key_end, dot, key_count, score_tile
+from dmattn_ops.kernels.common import (
+    LOG2E,
+    causal_key_end,
+    dot,
+    interior_key_end,
+    key_count,
+    score_tile,
+)
 
 
 @triton.jit
@@ -68,6 +75,7 @@ def _dkdv_tile(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    BOUNDARY: tl.constexpr,
 ):
     i_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     i_d = tl.arange(0, BLOCK_D)
@@ -88,12 +96,14 @@ def _dkdv_tile(
     s, m_allowed, t = score_tile(
         b_q, tl.trans(b_k), i_m, i_n, n_keys, Lq, scale, softcap,
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-        IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION,
+        IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
     p = _probs(s, m_row, log_sum)  # [BM, BN]
     dv += dot(tl.trans(p.to(b_do.dtype)), b_do, DOT_PRECISION)
     dp = dot(b_do, tl.trans(b_v), DOT_PRECISION)  # [BM, BN]
-    ds = tl.where(m_allowed, p * (dp - delta[:, None]), 0.0)
+    ds = p * (dp - delta[:, None])
+    if BOUNDARY or HAS_MASK:
+        ds = tl.where(m_allowed, ds, 0.0)
     if DBIAS_COLS:
         dbias_col += tl.sum(ds, 0)
     if HAS_SOFTCAP:
@@ -232,22 +242,48 @@ def attention_bwd_dkdv_kernel(
                     LSE, LOGSUM, DELTA, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
                 )  # fmt: skip
         else:
-            # The first query that may see key i_nb * BLOCK_N, and nothing past seqused_k.
+            # Query tiles in three runs: boundary tiles before the first one whose rows all see
+            # the whole key tile, interior tiles (no bounds or causal arithmetic), then the
+            # boundary tiles after the last full one. Nothing past seqused_k.
+            k0 = i_nb * BLOCK_N
             qb_start = 0
+            qi_start = 0
             if IS_CAUSAL:
-                qb_start = tl.maximum(i_nb * BLOCK_N - n_keys + Lq, 0) // BLOCK_M
-            qb_end = tl.where(i_nb * BLOCK_N < n_keys, NQ, 0)
-            for qb in range(qb_start, qb_end):
+                qb_start = tl.maximum(k0 - n_keys + Lq, 0) // BLOCK_M
+                qi_start = tl.cdiv(tl.maximum(k0 + BLOCK_N - 1 - n_keys + Lq, 0), BLOCK_M)
+            qb_end = tl.where(k0 < n_keys, NQ, 0)
+            qi_end = tl.where(k0 + BLOCK_N <= n_keys, Lq // BLOCK_M, 0)
+            qi_start = tl.minimum(tl.maximum(qi_start, qb_start), qb_end)
+            qi_end = tl.minimum(tl.maximum(qi_end, qi_start), qb_end)
+            for qb in range(qb_start, qi_start):
                 dk, dv, dbias_col = _dkdv_tile(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
                     LSE, LOGSUM, DELTA, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
+                )  # fmt: skip
+            for qb in range(qi_start, qi_end):
+                dk, dv, dbias_col = _dkdv_tile(
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
+                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
+                    LSE, LOGSUM, DELTA, row_base,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
+                )  # fmt: skip
+            for qb in range(qi_end, qb_end):
+                dk, dv, dbias_col = _dkdv_tile(
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
+                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
+                    LSE, LOGSUM, DELTA, row_base,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
                 )  # fmt: skip
         if DBIAS_COLS:
             tl.store(DBIAS_COL + (i_b * H + i_h) * Lk + o_n, dbias_col, mask=i_n < Lk)
@@ -302,6 +338,7 @@ def _dq_tile(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    BOUNDARY: tl.constexpr,
 ):
     i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     i_d = tl.arange(0, BLOCK_D)
@@ -321,11 +358,13 @@ def _dq_tile(
     s, m_allowed, t = score_tile(
         b_q, b_kt, i_m, i_n, n_keys, Lq, scale, softcap,
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-        IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION,
+        IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
     p = _probs(s, m_row, log_sum)
     dp = dot(b_do, b_vt, DOT_PRECISION)  # [BM, BN]
-    ds = tl.where(m_allowed, p * (dp - delta[:, None]), 0.0)
+    ds = p * (dp - delta[:, None])
+    if BOUNDARY or HAS_MASK:
+        ds = tl.where(m_allowed, ds, 0.0)
     if DBIAS_DIRECT:
         o_db = i_m.to(tl.int64)[:, None] * Lk + o_n[None, :]
         tl.store(
@@ -465,18 +504,30 @@ def attention_bwd_dq_kernel(
                 scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
             )  # fmt: skip
     else:
-        m_end = tl.minimum((i_mb + 1) * BLOCK_M, Lq)
+        m_start = i_mb * BLOCK_M
+        m_end = tl.minimum(m_start + BLOCK_M, Lq)
         kb_end = tl.cdiv(causal_key_end(m_end, n_keys, Lq, IS_CAUSAL), BLOCK_N)
-        for kb in range(0, kb_end):
+        kb_int = tl.minimum(
+            interior_key_end(m_start, n_keys, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL), kb_end
+        )
+        for kb in range(0, kb_int):
             dq = _dq_tile(
                 dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
                 scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
+            )  # fmt: skip
+        for kb in range(kb_int, kb_end):
+            dq = _dq_tile(
+                dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
+                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
             )  # fmt: skip
     o_dq = ((i_b * Lq + o_m[:, None]) * H + i_h) * D + i_d[None, :]  # dq is (B, Lq, H, D)
     tl.store(
@@ -634,7 +685,7 @@ def attention_bwd_dbias_kernel(
                     s, m_allowed, _ = score_tile(
                         b_q, b_kt, i_m, i_n, n_keys, Lq, scale, softcap,
                         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                        IS_CAUSAL, HAS_MASK, True, HAS_SOFTCAP, DOT_PRECISION,
+                        IS_CAUSAL, HAS_MASK, True, HAS_SOFTCAP, DOT_PRECISION, True,
                     )  # fmt: skip
                     p = _probs(s, m_row, log_sum)
                     dp = dot(b_do, b_vt, DOT_PRECISION)

@@ -3,7 +3,14 @@
 import triton
 import triton.language as tl
 
-from dmattn_ops.kernels.common import LOG2E, causal_key_end, dot, key_count, score_tile
+from dmattn_ops.kernels.common import (
+    LOG2E,
+    causal_key_end,
+    dot,
+    interior_key_end,
+    key_count,
+    score_tile,
+)
 
 
 @triton.jit
@@ -40,6 +47,7 @@ def _fwd_tile(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    BOUNDARY: tl.constexpr,
 ):
     i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     i_d = tl.arange(0, BLOCK_D)
@@ -55,7 +63,7 @@ def _fwd_tile(
     s, _, _ = score_tile(
         b_q, b_kt, i_m, i_n, n_keys, Lq, scale, softcap,
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-        IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION,
+        IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -186,18 +194,31 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
             )  # fmt: skip
     else:
-        m_end = tl.minimum((i_mb + 1) * BLOCK_M, Lq)
+        # Interior key tiles first (no bounds or causal arithmetic), then the boundary ones.
+        m_start = i_mb * BLOCK_M
+        m_end = tl.minimum(m_start + BLOCK_M, Lq)
         kb_end = tl.cdiv(causal_key_end(m_end, n_keys, Lq, IS_CAUSAL), BLOCK_N)
-        for kb in range(0, kb_end):
+        kb_int = tl.minimum(
+            interior_key_end(m_start, n_keys, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL), kb_end
+        )
+        for kb in range(0, kb_int):
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
+            )  # fmt: skip
+        for kb in range(kb_int, kb_end):
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
+                p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
             )  # fmt: skip
 
     nonempty = l_i > 0.0

@@ -44,34 +44,57 @@ def score_tile(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    BOUNDARY: tl.constexpr,
 ):
     """Scores of one [BM, BN] tile: (s, allowed, tanh term).
 
     s is exactly -inf where the key is not allowed. The mask and the bias are loaded only where
     the key may be used, so NaN/Inf stored at disallowed positions never enters arithmetic.
+
+    BOUNDARY=False is the interior stage: the caller guarantees every row < Lq, every key
+    < n_keys and (causal) every key visible to every row, so no bounds or causal arithmetic is
+    done; `allowed` is then only defined when HAS_MASK.
     """
     x = dot(b_q, b_kt, DOT_PRECISION) * scale  # [BM, BN]
     t = x
     if HAS_SOFTCAP:
         t = tanh(x / softcap)
         x = softcap * t
-    m_allowed = (i_m[:, None] < Lq) & (i_n[None, :] < n_keys)  # [BM, BN]
-    if IS_CAUSAL:
-        m_allowed = m_allowed & (i_n[None, :] <= i_m[:, None] + (n_keys - Lq))
     o_m = i_m.to(tl.int64)[:, None]
     o_n = i_n.to(tl.int64)[None, :]
-    if HAS_MASK:
-        b_mask = tl.load(
-            p_mask + o_m * stride_mask_m + o_n * stride_mask_n, mask=m_allowed, other=0
-        )  # [BM, BN]
-        m_allowed = m_allowed & (b_mask != 0)
+    m_allowed = 0
+    if BOUNDARY:
+        m_allowed = (i_m[:, None] < Lq) & (i_n[None, :] < n_keys)  # [BM, BN]
+        if IS_CAUSAL:
+            m_allowed = m_allowed & (i_n[None, :] <= i_m[:, None] + (n_keys - Lq))
+        if HAS_MASK:
+            b_mask = tl.load(
+                p_mask + o_m * stride_mask_m + o_n * stride_mask_n, mask=m_allowed, other=0
+            )  # [BM, BN]
+            m_allowed = m_allowed & (b_mask != 0)
+    elif HAS_MASK:
+        m_allowed = tl.load(p_mask + o_m * stride_mask_m + o_n * stride_mask_n) != 0
     if HAS_BIAS:
-        b_bias = tl.load(
-            p_bias + o_m * stride_bias_m + o_n * stride_bias_n, mask=m_allowed, other=0.0
-        ).to(tl.float32)  # [BM, BN]
+        p_b = p_bias + o_m * stride_bias_m + o_n * stride_bias_n
+        if BOUNDARY or HAS_MASK:
+            b_bias = tl.load(p_b, mask=m_allowed, other=0.0).to(tl.float32)  # [BM, BN]
+        else:
+            b_bias = tl.load(p_b).to(tl.float32)
         x = x + b_bias
-    s = tl.where(m_allowed, x, float("-inf"))
+    s = x
+    if BOUNDARY or HAS_MASK:
+        s = tl.where(m_allowed, x, float("-inf"))
     return s, m_allowed, t
+
+
+@triton.jit
+def interior_key_end(
+    m_start, n_keys, Lq, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr
+):
+    """Number of leading key tiles that are interior for the query tile starting at m_start:
+    the tile's rows all exist and its first row sees every key of them."""
+    end = causal_key_end(m_start + 1, n_keys, Lq, IS_CAUSAL) // BLOCK_N
+    return tl.where(m_start + BLOCK_M <= Lq, end, 0)
 
 
 @triton.jit
