@@ -36,10 +36,10 @@ def main(cases=("A", "B")) -> int:
             results = []
             for cfg in configs:
 
-                def pick(d, dv, backward, cfg=cfg, which=which):
+                def pick(d, dv, backward, masked=False, cfg=cfg, which=which):
                     if backward == (which == "bwd"):
                         return launch.Config(*cfg)
-                    return orig(d, dv, backward)
+                    return orig(d, dv, backward, masked)
 
                 launch._base_config = pick
                 try:

@@ -49,8 +49,8 @@ class Config:
     num_stages: int
 
 
-def _config(d: int, dv: int, backward: bool, lq: int | None = None) -> Config:
-    cfg = _base_config(d, dv, backward)
+def _config(d: int, dv: int, backward: bool, lq: int | None = None, masked: bool = False) -> Config:
+    cfg = _base_config(d, dv, backward, masked)
     if lq is not None and lq < cfg.block_m:
         # Decode-sized query tiles: a 128-row tile for Lq = 1 would be 127/128 padding.
         cfg = Config(
@@ -59,20 +59,20 @@ def _config(d: int, dv: int, backward: bool, lq: int | None = None) -> Config:
     return cfg
 
 
-def _base_config(d: int, dv: int, backward: bool) -> Config:
+def _base_config(d: int, dv: int, backward: bool, masked: bool = False) -> Config:
+    """Measured on an H100 with `python -m bench.tune` (bench/NOTES.md)."""
     if interpreter_on():
         return Config(16, 16, 1, 1)
     width = max(d, dv)
     if backward:
-        if width <= 64:
-            return Config(64, 64, 4, 2)
         if width <= 128:
-            return Config(64, 64, 8, 2)
+            return Config(64, 64, 4, 2)
         return Config(32, 32, 4, 1)
     if width <= 64:
         return Config(128, 64, 4, 3)
     if width <= 128:
-        return Config(128, 64, 8, 2)
+        # With a mask, wider key tiles amortise the table lookup and the mask loads.
+        return Config(128, 128, 8, 2) if masked else Config(128, 64, 8, 3)
     return Config(64, 32, 4, 1)
 
 
@@ -182,7 +182,7 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     if b * lq * h == 0 or lk == 0:
         return _empty_forward(query, value)
-    cfg = _config(d, dv, backward=False, lq=lq)
+    cfg = _config(d, dv, backward=False, lq=lq, masked=mask is not None)
     nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
     tables = None
     if mask is not None:
