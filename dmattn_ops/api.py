@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops import launch, ops, reference
+from dmattn_ops import flex, launch, ops, reference
 from dmattn_ops.validate import check_backend, check_inputs, check_seqused_k_values
 
 
@@ -89,10 +89,7 @@ def attention(
     if backend == "reference":
         return reference.attention(query, key, value, mask, bias, **kwargs)
     if backend == "flex":
-        raise NotImplementedError(
-            "dmattn.attention: backend='flex' is not available yet; "
-            "use backend='auto', 'triton' or 'reference'"
-        )
+        return flex.attention(query, key, value, mask, bias, **kwargs)
     if backend == "triton":
         _check_triton_can_run(query)
     if return_lse:

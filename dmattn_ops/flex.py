@@ -1,0 +1,229 @@
+"""FlexAttention path: the same function as `dmattn_ops.attention` through
+`torch.nn.attention.flex_attention`, as a fallback backend and as a cross-check in tests.
+
+Builders turn (mask, bias, is_causal, softcap, seqused_k) into a `mask_mod`, a `score_mod` and a
+`BlockMask`:
+
+* mask_mod(b, h, q, k) = k < n[b] and mask[b, h, q, k] and (not causal or k <= q + n[b] - Lq),
+  reading the mask through its broadcast dims (B|1, H|Hkv|1, Lq|1) -- the mask is never
+  expanded. Causal is bottom-right aligned, relative to seqused_k.
+* score_mod(s, b, h, q, k) = cap(s) + bias[b, h, q, k], flex having already applied `scale`.
+* GQA goes through `enable_gqa`.
+
+Caching and recompiles: a BlockMask is built once per (mask tensor and its version, seqused_k
+tensor and its version, is_causal, shapes) and reused while those tensors are alive and
+unmodified (at most 16 are kept). On CUDA the compiled flex_attention recompiles for each new
+combination of shapes, dtypes, broadcast pattern, causal/softcap/GQA flags and grad mode
+(`dynamic=False`); reusing one configuration compiles once.
+
+Limits, all raised as clear errors: FlexAttention has no backward on CPU (use backend="auto",
+"triton" or "reference" to train there); its bias gradient is accumulated with atomics, so
+`deterministic=True` with a bias that needs a gradient is refused; keys past seqused_k are
+zeroed in a copy of K/V first, because flex multiplies masked probabilities (0) with V and
+0 * NaN is NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+
+import torch
+
+from dmattn_ops.validate import check_inputs, check_seqused_k_values
+
+
+class BlockMaskEntry:
+    def __init__(self, refs, versions, block_mask):
+        self.refs = refs
+        self.versions = versions
+        self.block_mask = block_mask
+
+    def valid_for(self, tensors) -> bool:
+        for ref, t, version in zip(self.refs, tensors, self.versions):
+            if t is None:
+                if ref is not None:
+                    return False
+                continue
+            if ref is None or ref() is not t or t._version != version:
+                return False
+        return True
+
+
+_MAX_CACHED = 16
+_block_masks: list[tuple[tuple, BlockMaskEntry]] = []
+
+
+def _head_index(hi, t: torch.Tensor, h: int, hkv: int):
+    if t.shape[1] == h:
+        return hi
+    return hi // (h // hkv) if t.shape[1] == hkv else 0
+
+
+def make_mask_mod(mask, seqused_k, is_causal: bool, h: int, hkv: int, lq: int, lk: int):
+    """mask_mod for flex: True where the key is allowed (SPEC.md "The function")."""
+
+    def mask_mod(b, hi, qi, kj):
+        n = seqused_k[b] if seqused_k is not None else lk
+        ok = kj < n
+        if is_causal:
+            ok = ok & (kj <= qi + (n - lq))
+        if mask is not None:
+            bm = b if mask.shape[0] > 1 else 0
+            qm = qi if mask.shape[2] > 1 else 0
+            ok = ok & mask[bm, _head_index(hi, mask, h, hkv), qm, kj]
+        return ok
+
+    return mask_mod
+
+
+def make_score_mod(bias, softcap: float, h: int, hkv: int):
+    """score_mod for flex: cap(score) + bias, or None when there is nothing to add."""
+    if bias is None and softcap <= 0:
+        return None
+
+    def score_mod(score, b, hi, qi, kj):
+        if softcap > 0:
+            score = softcap * torch.tanh(score / softcap)
+        if bias is not None:
+            bb = b if bias.shape[0] > 1 else 0
+            qb = qi if bias.shape[2] > 1 else 0
+            score = score + bias[bb, _head_index(hi, bias, h, hkv), qb, kj]
+        return score
+
+    return score_mod
+
+
+def block_mask_for(mask, seqused_k, is_causal, b, h, hkv, lq, lk, device):
+    """The cached BlockMask of this mask/seqused_k/causal combination (None if nothing masks)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if mask is None and seqused_k is None and not (is_causal and lq > 0):
+        return None
+    key = (b, h, hkv, lq, lk, bool(is_causal), str(device))
+    tensors = (mask, seqused_k)
+    for k, entry in _block_masks:
+        if k == key and entry.valid_for(tensors):
+            return entry.block_mask
+    batch = b if (seqused_k is not None or (mask is not None and mask.shape[0] > 1)) else 1
+    heads = h if (mask is not None and mask.shape[1] > 1) else 1
+    mask_mod = make_mask_mod(mask, seqused_k, is_causal, h, hkv, lq, lk)
+    build = create_block_mask
+    if device.type == "cuda":
+        build = _compiled_create_block_mask()
+    block_mask = build(mask_mod, batch, heads, lq, lk, device=device)
+    refs = tuple(weakref.ref(t) if t is not None else None for t in tensors)
+    versions = tuple(t._version if t is not None else None for t in tensors)
+    _block_masks.insert(0, (key, BlockMaskEntry(refs, versions, block_mask)))
+    del _block_masks[_MAX_CACHED:]
+    return block_mask
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def kernel_options(bias, d: int, device) -> dict | None:
+    """Flex kernel options that compile on an H100: with a bias read per query row, flex's
+    default backward asks for more shared memory than Hopper has; one stage fits."""
+    if device.type != "cuda":
+        return None
+    options = {}
+    if bias is not None and bias.shape[2] > 1:
+        options["num_stages"] = 1
+    if d > 128:
+        options.update(BLOCK_M=32, BLOCK_N=32, num_stages=1)
+    return options or None
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    softcap: float = 0.0,
+    seqused_k: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    backend: str = "flex",
+):
+    """`dmattn_ops.attention` through FlexAttention (same signature, shapes and semantics).
+
+    Compiled flex on CUDA (forward and backward, including the bias gradient); on CPU the
+    forward runs compiled, or eager when lse is asked for (compiled CPU flex cannot return it),
+    and there is no backward. See the module docstring for caching, recompiles and limits.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn.flex")
+    if not torch.compiler.is_compiling():
+        check_seqused_k_values(seqused_k, key.shape[1], "dmattn.flex")
+    b, lq, h, d = query.shape
+    lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, bias)
+    )
+    device = query.device
+    if needs_grad and device.type != "cuda":
+        raise RuntimeError(
+            "dmattn.flex: FlexAttention has no backward on CPU; use backend='auto' (or "
+            "'triton' with TRITON_INTERPRET=1, or 'reference') to train on CPU"
+        )
+    if needs_grad and deterministic and bias is not None and bias.requires_grad:
+        raise ValueError(
+            "dmattn.flex: FlexAttention accumulates the bias gradient with atomics, so it "
+            "cannot be deterministic; use backend='triton' for deterministic=True"
+        )
+    if b * lq * h == 0 or lk == 0:
+        # Flex has nothing to launch; the registered op returns the empty result with autograd.
+        out, lse, _ = torch.ops.dmattn.attention_forward(
+            query, key, value, mask, bias, d**-0.5 if scale is None else scale, is_causal,
+            softcap, seqused_k, deterministic,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
+    if seqused_k is not None:
+        j = torch.arange(lk, device=device)
+        used = (j[None, :] < seqused_k[:, None].to(torch.int64))[:, :, None, None]
+        key = torch.where(used, key, 0)
+        value = torch.where(used, value, 0)
+
+    block_mask = block_mask_for(mask, seqused_k, is_causal, b, h, hkv, lq, lk, device)
+    score_mod = make_score_mod(bias, softcap, h, hkv)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    kwargs = dict(
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=h != hkv,
+        return_lse=return_lse,
+    )
+    if device.type == "cuda":
+        options = kernel_options(bias, max(d, dv), device)
+        with torch._dynamo.config.patch(recompile_limit=64):
+            result = _compiled_flex()(q, k, v, kernel_options=options, **kwargs)
+    elif return_lse:
+        with warnings.catch_warnings():
+            # Eager (unfused) flex on purpose: compiled CPU flex cannot return lse.
+            warnings.filterwarnings("ignore", message="flex_attention called without torch")
+            result = flex_attention(q, k, v, **kwargs)
+    else:
+        result = _compiled_flex()(q, k, v, **kwargs)
+    if return_lse:
+        out, lse = result
+        return out.transpose(1, 2), lse.float()
+    return result.transpose(1, 2)

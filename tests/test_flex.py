@@ -1,0 +1,172 @@
+"""The FlexAttention path against the oracle and the Triton kernels."""
+
+import math
+
+import pytest
+import torch
+from helpers import (
+    PATTERNS,
+    Case,
+    assert_close,
+    low_precision_bound,
+    make_bias,
+    make_mask,
+    operand_shape,
+)
+
+import dmattn_ops
+from dmattn_ops import flex, launch, reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = DEVICE == "cuda" or launch.interpreter_on()
+
+
+def inputs(c: Case, dtype=torch.float32, device=DEVICE):
+    return (
+        torch.randn(c.b, c.lq, c.h, c.d, dtype=dtype, device=device),
+        torch.randn(c.b, c.lk, c.hkv, c.d, dtype=dtype, device=device),
+        torch.randn(c.b, c.lk, c.hkv, c.dv, dtype=dtype, device=device),
+    )
+
+
+def check_forward(c, mask, bias, *, return_lse=True, triton=TRITON, **kw):
+    """flex vs the float64 oracle (bounds from PyTorch's own fp32 error), and vs Triton."""
+    q, k, v = inputs(c)
+    if return_lse:
+        out, lse = flex.attention(q, k, v, mask, bias, return_lse=True, **kw)
+    else:
+        out = flex.attention(q, k, v, mask, bias, **kw)
+    up = [t.double() if t is not None else None for t in (q, k, v, bias)]
+    ref, ref_lse = reference.attention(*up[:3], mask, up[3], return_lse=True, **kw)
+    ref_lp = reference.attention(q, k, v, mask, bias, **kw)
+    bound = low_precision_bound(ref, ref_lp, torch.float32)
+    assert_close(out, ref, bound, "flex out")
+    if return_lse:
+        assert_close(lse, ref_lse, 1e-4, "flex lse")
+    if triton:
+        tri = dmattn_ops.attention(q, k, v, mask, bias, backend="triton", **kw)
+        assert_close(out, tri.double(), 2 * bound, "flex vs triton")
+    return out
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_every_broadcast_pattern(pattern):
+    c = Case(2, 23, 37, 4, 2, 32, 24)
+    mask = make_mask(operand_shape(pattern, c), device=DEVICE)
+    bias = make_bias(
+        operand_shape(pattern[0] + "hq" if pattern[1] == "H" else pattern, c),
+        dtype=torch.float32,
+        device=DEVICE,
+    )
+    check_forward(c, mask, bias, is_causal=pattern in ("BHQ", "bGq", "Bhq"))
+
+
+@pytest.mark.parametrize("lq,lk", [(9, 40), (40, 9), (33, 33)], ids=["Lq<Lk", "Lq>Lk", "Lq=Lk"])
+def test_causal_alignment_seqused_softcap(lq, lk):
+    c = Case(3, lq, lk, 4, 1, 16, 16)
+    seqused = torch.tensor([lk, lk // 2, 0], dtype=torch.int32, device=DEVICE)
+    mask = make_mask((c.b, 1, 1, c.lk), device=DEVICE)
+    bias = make_bias((1, c.h, c.lq, c.lk), dtype=torch.float32, device=DEVICE)
+    out = check_forward(c, mask, bias, is_causal=True, seqused_k=seqused, softcap=2.5)
+    assert (out[2] == 0).all()  # seqused_k = 0: every row empty
+
+
+def test_empty_rows_and_fully_masked_tiles():
+    c = Case(2, 40, 300, 2, 2, 16, 16)
+    mask = make_mask((c.b, c.h, c.lq, c.lk), device=DEVICE)
+    mask[0, 1] = False  # a whole head
+    mask[1, :, 7] = False  # rows
+    mask[:, :, :, 128:256] = False  # whole 128-key flex blocks
+    bias = make_bias((c.b, 1, 1, c.lk), dtype=torch.float32, device=DEVICE)
+    out = check_forward(c, mask, bias)
+    assert (out[0, :, 1] == 0).all() and (out[1, 7] == 0).all()
+
+
+def test_poisoned_cache_beyond_seqused_k():
+    c = Case(2, 5, 64, 2, 1, 16, 16)
+    q, k, v = inputs(c)
+    seqused = torch.tensor([20, 64], dtype=torch.int32, device=DEVICE)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[0, 20:], v_bad[0, 20:] = math.nan, math.inf
+    out = flex.attention(q, k_bad, v_bad, seqused_k=seqused)
+    ref = reference.attention(q, k, v, seqused_k=seqused)
+    assert_close(out, ref, 1e-5, "poisoned cache")
+
+
+def test_compiled_forward_matches_oracle():
+    c = Case(2, 45, 70, 4, 2, 32, 32)
+    mask = make_mask((c.b, c.hkv, 1, c.lk), device=DEVICE)
+    bias = make_bias((c.b, c.hkv, 1, c.lk), dtype=torch.float32, device=DEVICE)
+    check_forward(c, mask, bias, return_lse=False, is_causal=True, softcap=3.0)
+
+
+def test_backend_flex_through_the_api():
+    c = Case(1, 17, 29, 2, 1, 16, 16)
+    q, k, v = inputs(c)
+    mask = make_mask((1, 1, c.lq, c.lk), device=DEVICE)
+    out, lse = dmattn_ops.attention(q, k, v, mask, return_lse=True, backend="flex")
+    ref, ref_lse = reference.attention(q, k, v, mask, return_lse=True)
+    assert_close(out, ref, 1e-5, "out")
+    assert_close(lse, ref_lse, 1e-5, "lse")
+
+
+def test_block_mask_is_cached_and_rebuilt_when_the_mask_changes():
+    c = Case(1, 64, 256, 2, 2, 16, 16)
+    mask = make_mask((1, c.h, c.lq, c.lk), device=DEVICE)
+    first = flex.block_mask_for(mask, None, True, c.b, c.h, c.hkv, c.lq, c.lk, mask.device)
+    again = flex.block_mask_for(mask, None, True, c.b, c.h, c.hkv, c.lq, c.lk, mask.device)
+    assert again is first
+    mask[..., :128] = False  # in place: a new version
+    rebuilt = flex.block_mask_for(mask, None, True, c.b, c.h, c.hkv, c.lq, c.lk, mask.device)
+    assert rebuilt is not first
+    q, k, v = inputs(c)
+    out = flex.attention(q, k, v, mask, is_causal=True)
+    assert_close(out, reference.attention(q, k, v, mask, is_causal=True), 1e-5, "after edit")
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU behaviour")
+def test_cpu_backward_is_refused_clearly():
+    c = Case(1, 4, 8, 2, 2, 16, 16)
+    q, k, v = inputs(c)
+    q.requires_grad_()
+    with pytest.raises(RuntimeError, match="no backward on CPU; use backend='auto'"):
+        flex.attention(q, k, v)
+
+
+@pytest.mark.gpu
+def test_deterministic_bias_gradient_is_refused():
+    c = Case(1, 64, 64, 2, 2, 16, 16)
+    q, k, v = inputs(c)
+    bias = make_bias((1, 1, 1, c.lk), dtype=torch.float32, device="cuda", requires_grad=True)
+    with pytest.raises(ValueError, match="cannot be deterministic"):
+        flex.attention(q, k, v, None, bias, deterministic=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "mask_pattern,bias_pattern",
+    [("BGq", "BGq"), ("bhQ", "BHQ"), ("BHQ", "bhq"), (None, "bGq")],
+)
+def test_gpu_gradients_flex_vs_triton_vs_oracle(mask_pattern, bias_pattern):
+    c = Case(2, 200, 300, 4, 2, 64, 64)
+    dtype = torch.bfloat16
+    q, k, v = inputs(c, dtype)
+    mask = make_mask(operand_shape(mask_pattern, c), device="cuda") if mask_pattern else None
+    bias = make_bias(operand_shape(bias_pattern, c), dtype=dtype, device="cuda")
+    grad_out = torch.randn(c.b, c.lq, c.h, c.dv, dtype=dtype, device="cuda")
+
+    def run(fn, cast):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v, bias)]
+        out = fn(*leaves[:3], mask, leaves[3], is_causal=True)
+        return [out, *torch.autograd.grad((out * grad_out.to(out.dtype)).sum(), leaves)]
+
+    got_flex = run(lambda *a, **kw: dmattn_ops.attention(*a, backend="flex", **kw), dtype)
+    got_tri = run(lambda *a, **kw: dmattn_ops.attention(*a, backend="triton", **kw), dtype)
+    ref64 = run(reference.attention, torch.float64)
+    ref_lp = run(reference.attention, dtype)
+    for name, f, t, r, rl in zip(
+        ("out", "dq", "dk", "dv", "dbias"), got_flex, got_tri, ref64, ref_lp
+    ):
+        bound = low_precision_bound(r, rl, dtype)
+        assert_close(f, r, bound, f"flex {name}")
+        assert_close(t, r, bound, f"triton {name}")
