@@ -124,7 +124,8 @@ def block_mask_for(mask, seqused_k, is_causal, b, h, hkv, lq, lk, device):
 def _compiled_create_block_mask():
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return torch.compile(create_block_mask)
+    # Static shapes: with symbolic lengths, `n - Lq` mixes a SymInt into vmapped tensors.
+    return torch.compile(create_block_mask, dynamic=False)
 
 
 @functools.cache

@@ -49,8 +49,18 @@ class Config:
     num_stages: int
 
 
-def _config(d: int, dv: int, backward: bool, lq: int | None = None, masked: bool = False) -> Config:
+def _config(
+    d: int,
+    dv: int,
+    backward: bool,
+    lq: int | None = None,
+    masked: bool = False,
+    itemsize: int = 2,
+) -> Config:
     cfg = _base_config(d, dv, backward, masked)
+    if itemsize > 2 and not interpreter_on():
+        # fp32 tiles take twice the shared memory: (128 x 128, 2 stages) needs 328 KB on an H100.
+        cfg = Config(cfg.block_m, min(cfg.block_n, 64), cfg.num_warps, min(cfg.num_stages, 2))
     if lq is not None and lq < cfg.block_m:
         # Decode-sized query tiles: a 128-row tile for Lq = 1 would be 127/128 padding.
         cfg = Config(
@@ -182,7 +192,9 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     if b * lq * h == 0 or lk == 0:
         return _empty_forward(query, value)
-    cfg = _config(d, dv, backward=False, lq=lq, masked=mask is not None)
+    cfg = _config(
+        d, dv, backward=False, lq=lq, masked=mask is not None, itemsize=query.element_size()
+    )
     nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
     tables = None
     if mask is not None:
@@ -255,7 +267,7 @@ def attention_backward(
             else torch.empty((0,), dtype=query.dtype, device=device)
         )
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dbias
-    cfg = _config(d, dv, backward=True, lq=lq)
+    cfg = _config(d, dv, backward=True, lq=lq, itemsize=query.element_size())
     nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
     tables = None
     if mask is not None:
