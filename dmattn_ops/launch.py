@@ -176,6 +176,57 @@ def build_tables(mask, seqused_k, b, lq, lk, is_causal, block_m, block_n) -> Tab
     )  # fmt: skip
 
 
+@dataclass
+class KeyLists:
+    """For a mask broadcast over queries, (B|1, H|Hkv|1, 1, Lk): the allowed keys of each
+    (batch, mask head) in ascending order, padded with Lk (keys, (Bm, Hm, Lk) int32); how many
+    of them each query tile may see under causality and seqused_k (key_end, (Bt, Hm, NQ)); and
+    how many lie below seqused_k (key_count, (Bt, Hm))."""
+
+    keys: torch.Tensor
+    key_end: torch.Tensor
+    key_count: torch.Tensor
+    keys_stride_b: int
+    end_stride_b: int
+    count_stride_b: int
+
+
+def compactable(mask: torch.Tensor | None, h: int, hkv: int) -> bool:
+    """Masks that allow the same keys for every query, with one key list per KV group."""
+    return mask is not None and mask.shape[2] == 1 and (mask.shape[1] != h or h == hkv)
+
+
+def build_key_lists(mask, seqused_k, b, lq, lk, is_causal, block_m) -> KeyLists:
+    bm, hm = mask.shape[0], mask.shape[1]
+    device = mask.device
+    allowed = mask[:, :, 0, :]  # [Bm, Hm, Lk]
+    order = torch.argsort((~allowed).to(torch.uint8), dim=-1, stable=True)  # allowed first
+    count = allowed.sum(dim=-1, keepdim=True)  # [Bm, Hm, 1]
+    pos = torch.arange(lk, device=device)
+    keys = torch.where(pos < count, order, lk)  # [Bm, Hm, Lk], ascending, Lk-padded
+    if seqused_k is not None:
+        n = seqused_k.to(torch.int64).clamp(0, lk)  # [B]
+    else:
+        n = torch.full((1,), lk, dtype=torch.int64, device=device)
+    nq = triton.cdiv(lq, block_m)
+    m_end = torch.clamp((torch.arange(nq, device=device) + 1) * block_m, max=lq)  # [NQ]
+    key_end = n[:, None].expand(-1, nq)
+    if is_causal:
+        key_end = torch.minimum(key_end, m_end[None, :] + n[:, None] - lq).clamp(min=0)
+    bt = max(bm, n.shape[0])
+    sorted_keys = keys.expand(bt, hm, lk).contiguous()
+    ends = torch.searchsorted(sorted_keys, key_end[:, None, :].expand(bt, hm, nq).contiguous())
+    counts = torch.searchsorted(sorted_keys, n[:, None, None].expand(bt, hm, 1).contiguous())
+    return KeyLists(
+        keys=keys.to(torch.int32).contiguous(),
+        key_end=ends.to(torch.int32).contiguous(),
+        key_count=counts.to(torch.int32).contiguous(),
+        keys_stride_b=hm * lk if bm > 1 else 0,
+        end_stride_b=hm * nq if bt > 1 else 0,
+        count_stride_b=hm if bt > 1 else 0,
+    )
+
+
 def _empty_forward(query, value):
     b, lq, h, _ = query.shape
     out = torch.zeros((b, lq, h, value.shape[-1]), dtype=query.dtype, device=query.device)
@@ -196,19 +247,23 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
         d, dv, backward=False, lq=lq, masked=mask is not None, itemsize=query.element_size()
     )
     nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
-    tables = None
-    if mask is not None:
+    tables = lists = None
+    if compactable(mask, h, hkv):
+        lists = build_key_lists(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m)
+    elif mask is not None:
         tables = build_tables(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m, cfg.block_n)
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
     log_sum = empty((b, h, lq), dtype=torch.float32, device=query.device)
     attention_fwd_kernel[(nq, b * h)](
-        query, key, value, _mask_bytes(mask), bias, seqused_k,
+        query, key, value, None if lists else _mask_bytes(mask), bias, seqused_k,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
+        lists.keys if lists else None, lists.key_end if lists else None,
         out, lse, log_sum,
         *query.stride(), *key.stride(), *value.stride(),
         *_operand_strides(mask), *_operand_strides(bias), *out.stride(),
-        tables.stride_b if tables else 0, nq,
+        tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
+        lists.keys_stride_b if lists else 0,
         h, h // hkv, lq, lk, d, dv, nk,
         _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
         IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -269,9 +324,21 @@ def attention_backward(
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dbias
     cfg = _config(d, dv, backward=True, lq=lq, itemsize=query.element_size())
     nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
-    tables = None
-    if mask is not None:
+    dbias_mode = None
+    if compute_dbias:
+        if bias.shape[2] == 1:
+            dbias_mode = "cols"
+        elif bias.shape[0] == b and bias.shape[1] == h:
+            dbias_mode = "direct"
+        else:
+            dbias_mode = "bcast"  # its kernel reads the tile tables
+    tables = lists = None
+    if compactable(mask, h, hkv) and dbias_mode != "bcast":
+        lists = build_key_lists(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m)
+    elif mask is not None:
         tables = build_tables(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m, cfg.block_n)
+    # With key lists, keys outside every list are never visited: their dk/dv must start at 0.
+    alloc = torch.zeros if lists else empty
 
     delta = (grad_out.float() * out.float()).sum(dim=-1).transpose(1, 2)  # [B, H, Lq]
     if grad_lse is not None:
@@ -279,16 +346,15 @@ def attention_backward(
     delta = delta.contiguous()
 
     dq = empty(query.shape, dtype=query.dtype, device=device)
-    dk = empty(key.shape, dtype=key.dtype, device=device)
-    dvv = empty(value.shape, dtype=value.dtype, device=device)
+    dk = alloc(key.shape, dtype=key.dtype, device=device)
+    dvv = alloc(value.shape, dtype=value.dtype, device=device)
     dbias_cols = dbias_direct = dbias_bcast = None
-    if compute_dbias:
-        if bias.shape[2] == 1:
-            dbias_cols = empty((b, h, lk), dtype=torch.float32, device=device)
-        elif bias.shape[0] == b and bias.shape[1] == h:
-            dbias_direct = torch.zeros((b, h, lq, lk), dtype=bias.dtype, device=device)
-        else:
-            dbias_bcast = empty(bias.shape, dtype=bias.dtype, device=device)
+    if dbias_mode == "cols":
+        dbias_cols = alloc((b, h, lk), dtype=torch.float32, device=device)
+    elif dbias_mode == "direct":
+        dbias_direct = torch.zeros((b, h, lq, lk), dtype=bias.dtype, device=device)
+    elif dbias_mode == "bcast":
+        dbias_bcast = empty(bias.shape, dtype=bias.dtype, device=device)
 
     common = dict(
         IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -300,20 +366,24 @@ def attention_backward(
         *_operand_strides(mask), *_operand_strides(bias),
     )  # fmt: skip
     mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
-    mask_u8 = _mask_bytes(mask)
+    mask_u8 = None if lists else _mask_bytes(mask)
     attention_bwd_dkdv_kernel[(nk, b * hkv)](
         query, key, value, grad_out, mask_u8, bias, seqused_k, lse, log_sum, delta,
         tables.q_num if tables else None, tables.q_idx if tables else None,
+        lists.keys if lists else None, lists.key_count if lists else None,
         dk, dvv, dbias_cols, *strides,
         tables.stride_bt if tables else 0, nk,
+        lists.keys_stride_b if lists else 0, lists.count_stride_b if lists else 0,
         h, hkv, g, lq, lk, d, dv, nq, mask_div, bias_div, float(scale), float(softcap),
         **common,
     )  # fmt: skip
     attention_bwd_dq_kernel[(nq, b * h)](
         query, key, value, grad_out, mask_u8, bias, seqused_k, lse, log_sum, delta,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
+        lists.keys if lists else None, lists.key_end if lists else None,
         dq, dbias_direct, *strides,
-        tables.stride_b if tables else 0, nq,
+        tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
+        lists.keys_stride_b if lists else 0,
         h, g, lq, lk, d, dv, nk, mask_div, bias_div, float(scale), float(softcap),
         **common,
     )  # fmt: skip

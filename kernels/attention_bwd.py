@@ -119,6 +119,7 @@ def _dkdv_tile(
         "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
         "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
         "DBIAS_COLS": lambda a: a["DBIAS_COL"] is not None,
+        "COMPACT": lambda a: a["KEYS"] is not None,
     }
 )
 @triton.jit
@@ -135,6 +136,8 @@ def attention_bwd_dkdv_kernel(
     DELTA,
     Q_NUM,
     Q_IDX,
+    KEYS,
+    KEY_COUNT,
     DK,
     DV,
     DBIAS_COL,
@@ -164,6 +167,8 @@ def attention_bwd_dkdv_kernel(
     stride_bn,
     table_stride_b,
     table_stride_h,
+    keys_stride_b,
+    count_stride_b,
     H,
     Hkv,
     G,
@@ -187,6 +192,7 @@ def attention_bwd_dkdv_kernel(
     HAS_SEQUSED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DBIAS_COLS: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, KV head); sums dk/dv over the G query heads of
     the group. With a bias broadcast over queries it also writes, per query head, the column sums
@@ -198,6 +204,19 @@ def attention_bwd_dkdv_kernel(
     n_keys = key_count(SEQUSED, i_b, Lk, HAS_SEQUSED)
 
     i_n = i_nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_pos = 0
+    j_first = 0
+    p_keys = KEYS
+    if COMPACT:
+        # BLOCK_N consecutive entries of the sorted allowed-key list of this KV group (the
+        # launcher compacts only masks whose head dim is 1 or Hkv). Unlisted keys keep the
+        # zeros the launcher put in dk/dv.
+        i_hm = (i_g * G) // mask_hdiv
+        p_keys = KEYS + i_b * keys_stride_b + i_hm * Lk
+        n_pos = tl.load(KEY_COUNT + i_b * count_stride_b + i_hm)
+        m_pos = i_n < n_pos
+        j_first = tl.load(p_keys + i_nb * BLOCK_N, mask=i_nb * BLOCK_N < n_pos, other=0)
+        i_n = tl.load(p_keys + i_n, mask=m_pos, other=Lk)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_n = i_n < n_keys
@@ -231,7 +250,21 @@ def attention_bwd_dkdv_kernel(
             p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh
         row_base = (i_b * H + i_h) * Lq
         dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
-        if HAS_MASK:
+        if COMPACT:
+            qb_start = 0
+            if IS_CAUSAL:
+                qb_start = tl.maximum(j_first - n_keys + Lq, 0) // BLOCK_M
+            qb_end = tl.where(i_nb * BLOCK_N < n_pos, NQ, 0)
+            for qb in range(qb_start, qb_end):
+                dk, dv, dbias_col = _dkdv_tile(
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
+                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
+                    LSE, LOGSUM, DELTA, row_base,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
+                )  # fmt: skip
+        elif HAS_MASK:
             col = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_nb
             num = tl.load(Q_NUM + col)
             for it in range(0, num):
@@ -339,8 +372,13 @@ def _dq_tile(
     BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BOUNDARY: tl.constexpr,
+    p_keys,
+    n_pos,
+    COMPACT: tl.constexpr,
 ):
     i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    if COMPACT:
+        i_n = tl.load(p_keys + i_n, mask=i_n < n_pos, other=n_keys)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_n = i_n < n_keys
@@ -385,6 +423,7 @@ def _dq_tile(
         "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
         "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
         "DBIAS_DIRECT": lambda a: a["DBIAS"] is not None,
+        "COMPACT": lambda a: a["KEYS"] is not None,
     }
 )
 @triton.jit
@@ -401,6 +440,8 @@ def attention_bwd_dq_kernel(
     DELTA,
     KV_NUM,
     KV_IDX,
+    KEYS,
+    KEY_END,
     DQ,
     DBIAS,
     stride_qb,
@@ -429,6 +470,7 @@ def attention_bwd_dq_kernel(
     stride_bn,
     table_stride_b,
     table_stride_h,
+    keys_stride_b,
     H,
     G,
     Lq,
@@ -451,6 +493,7 @@ def attention_bwd_dq_kernel(
     HAS_SEQUSED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DBIAS_DIRECT: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     """One program: dq for BLOCK_M queries of one (batch, head). When the bias has its own
     (batch, head, query) entries, dS is also stored straight into DBIAS (B, H, Lq, Lk)."""
@@ -494,7 +537,19 @@ def attention_bwd_dq_kernel(
         p_dbias = DBIAS + i_bh.to(tl.int64) * Lq * Lk
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if HAS_MASK:
+    if COMPACT:
+        i_hm = i_h // mask_hdiv
+        p_keys = KEYS + i_b * keys_stride_b + i_hm * Lk
+        n_pos = tl.load(KEY_END + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
+        for kb in range(0, tl.cdiv(n_pos, BLOCK_N)):
+            dq = _dq_tile(
+                dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
+                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, n_pos, True,
+            )  # fmt: skip
+    elif HAS_MASK:
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
         num = tl.load(KV_NUM + row)
         for it in range(0, num):
@@ -504,7 +559,7 @@ def attention_bwd_dq_kernel(
                 scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
             )  # fmt: skip
     else:
         m_start = i_mb * BLOCK_M
@@ -519,7 +574,7 @@ def attention_bwd_dq_kernel(
                 scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False,
             )  # fmt: skip
         for kb in range(kb_int, kb_end):
             dq = _dq_tile(
@@ -527,7 +582,7 @@ def attention_bwd_dq_kernel(
                 scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
             )  # fmt: skip
     o_dq = ((i_b * Lq + o_m[:, None]) * H + i_h) * D + i_d[None, :]  # dq is (B, Lq, H, D)
     tl.store(

@@ -48,8 +48,14 @@ def _fwd_tile(
     BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BOUNDARY: tl.constexpr,
+    p_keys,
+    n_pos,
+    COMPACT: tl.constexpr,
 ):
     i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    if COMPACT:
+        # Positions in the sorted list of allowed keys -> key indices; past the list: n_keys.
+        i_n = tl.load(p_keys + i_n, mask=i_n < n_pos, other=n_keys)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_n = i_n < n_keys
@@ -86,6 +92,7 @@ def _fwd_tile(
         "HAS_BIAS": lambda a: a["BIAS"] is not None,
         "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
         "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
+        "COMPACT": lambda a: a["KEYS"] is not None,
     }
 )
 @triton.jit
@@ -98,6 +105,8 @@ def attention_fwd_kernel(
     SEQUSED,
     KV_NUM,
     KV_IDX,
+    KEYS,
+    KEY_END,
     OUT,
     LSE,
     LOGSUM,
@@ -127,6 +136,7 @@ def attention_fwd_kernel(
     stride_od,
     table_stride_b,
     table_stride_h,
+    keys_stride_b,
     H,
     G,
     Lq,
@@ -148,6 +158,7 @@ def attention_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SEQUSED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     """One program: BLOCK_M queries of one (batch, head). Writes out, lse and log_sum.
 
@@ -184,7 +195,21 @@ def attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    if HAS_MASK:
+    if COMPACT:
+        # The mask is the same for every query: iterate over tiles of its sorted allowed keys,
+        # up to the last one this query tile may see (KEY_END, from causality and seqused_k).
+        i_hm = i_h // mask_hdiv
+        p_keys = KEYS + i_b * keys_stride_b + i_hm * Lk
+        n_pos = tl.load(KEY_END + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
+        for kb in range(0, tl.cdiv(n_pos, BLOCK_N)):
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
+                p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, n_pos, True,
+            )  # fmt: skip
+    elif HAS_MASK:
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
         num = tl.load(KV_NUM + row)
         for it in range(0, num):
@@ -194,7 +219,7 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
             )  # fmt: skip
     else:
         # Interior key tiles first (no bounds or causal arithmetic), then the boundary ones.
@@ -210,7 +235,7 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False,
             )  # fmt: skip
         for kb in range(kb_int, kb_end):
             acc, l_i, m_i = _fwd_tile(
@@ -218,7 +243,7 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
             )  # fmt: skip
 
     nonempty = l_i > 0.0

@@ -385,3 +385,43 @@ def test_cuda_graph_capture_forward_backward():
     )
     assert torch.equal(out, eager)
     assert torch.isfinite(bias.grad).all() and bias.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("bias_pattern", ["BGq", "BHQ", "bhq"])
+def test_key_lists_never_load_unlisted_keys(bias_pattern):
+    # A mask broadcast over queries is run over the sorted list of its allowed keys. K/V hold
+    # NaN at every key outside the list (and past seqused_k): any load of them into a product
+    # would show up as NaN, so a finite result equal to the oracle's shows they never were.
+    c = Case(2, 40, 90, 4, 2, 16, 16)
+    assert launch.compactable(torch.ones(c.b, c.hkv, 1, c.lk, dtype=torch.bool), c.h, c.hkv)
+    mask = make_mask((c.b, c.hkv, 1, c.lk), density=0.3, device=DEVICE)
+    seqused = torch.tensor([90, 61], dtype=torch.int32, device=DEVICE)
+    k = torch.randn(c.b, c.lk, c.hkv, c.d, device=DEVICE)
+    v = torch.randn(c.b, c.lk, c.hkv, c.dv, device=DEVICE)
+    unlisted = (~mask[:, :, 0, :]).transpose(1, 2)[..., None]  # [B, Lk, Hkv, 1]
+    k_bad = torch.where(unlisted, math.nan, k)
+    v_bad = torch.where(unlisted, math.nan, v)
+    k_bad[1, 61:], v_bad[1, 61:] = math.nan, math.nan
+    q = torch.randn(c.b, c.lq, c.h, c.d, device=DEVICE, requires_grad=True)
+    bias = make_bias(
+        operand_shape(bias_pattern, c), dtype=torch.float32, device=DEVICE, requires_grad=True
+    )
+    kw = dict(is_causal=True, seqused_k=seqused)
+    out = dmattn_ops.attention(q, k_bad, v_bad, mask, bias, backend="triton", **kw)
+    grads = torch.autograd.grad(out.square().sum(), (q, bias))
+    ref = reference.attention(q, k, v, mask, bias, **kw)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, bias))
+    assert_close(out, ref, 1e-5, "out")
+    for name, g, r in zip(("dq", "dbias"), grads, ref_grads):
+        assert_close(g, r, 1e-4, name)
+    # dk / dv with clean K/V: listed keys get their gradient, unlisted ones exactly zero.
+    kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
+    out = dmattn_ops.attention(q, kk, vv, mask, bias, backend="triton", **kw)
+    dk, dv = torch.autograd.grad(out.square().sum(), (kk, vv))
+    kr, vr = k.clone().requires_grad_(), v.clone().requires_grad_()
+    rdk, rdv = torch.autograd.grad(
+        reference.attention(q, kr, vr, mask, bias, **kw).square().sum(), (kr, vr)
+    )
+    assert_close(dk, rdk, 1e-4, "dk")
+    assert_close(dv, rdv, 1e-4, "dv")
+    assert (dk[unlisted.expand_as(dk)] == 0).all()
