@@ -216,7 +216,14 @@ def attention(
     if device.type == "cuda":
         options = kernel_options(bias, max(d, dv), device)
         with torch._dynamo.config.patch(recompile_limit=64):
-            result = _compiled_flex()(q, k, v, kernel_options=options, **kwargs)
+            try:
+                result = _compiled_flex()(q, k, v, kernel_options=options, **kwargs)
+            except torch._inductor.exc.InductorError:
+                # Seen on an H100 for fp32 with a 4-D bias at Lk = 9 and 33: no kernel choice
+                # with one stage. Flex's own defaults are the next best guess.
+                if options is None:
+                    raise
+                result = _compiled_flex()(q, k, v, kernel_options=None, **kwargs)
     elif return_lse:
         with warnings.catch_warnings():
             # Eager (unfused) flex on purpose: compiled CPU flex cannot return lse.
