@@ -218,7 +218,7 @@ def attention(
         with torch._dynamo.config.patch(recompile_limit=64):
             try:
                 result = _compiled_flex()(q, k, v, kernel_options=options, **kwargs)
-            except torch._inductor.exc.InductorError:
+            except (torch._inductor.exc.InductorError, torch._dynamo.exc.BackendCompilerFailed):
                 # Seen on an H100 for fp32 with a 4-D bias at Lk = 9 and 33: no kernel choice
                 # with one stage. Flex's own defaults are the next best guess.
                 if options is None:
