@@ -135,6 +135,39 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+_COMPILE_ERRORS = (torch._inductor.exc.InductorError, torch._dynamo.exc.BackendCompilerFailed)
+
+
+def _eager_flex(q, k, v, kwargs):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch")
+        return flex_attention(q, k, v, **kwargs)
+
+
+def run_compiled(q, k, v, options, kwargs):
+    """Compiled flex with our kernel options, then with flex's defaults, then eager flex.
+
+    On an H100 with torch 2.11, compiled flex finds no kernel at all for some fp32 inputs
+    (D=16 with a 4-D bias at Lq = 33 or 40: NoValidChoicesError, whatever the options). The
+    eager path computes the same function, unfused (it materialises the scores); we warn.
+    """
+    with torch._dynamo.config.patch(recompile_limit=64):
+        for opts in (options, None) if options is not None else (None,):
+            try:
+                return _compiled_flex()(q, k, v, kernel_options=opts, **kwargs)
+            except _COMPILE_ERRORS as e:
+                error = e
+    warnings.warn(
+        "dmattn.flex: compiled FlexAttention could not build a kernel for these inputs "
+        f"({type(error).__name__}: {str(error).splitlines()[0][:160]}); running it eagerly "
+        "(unfused, O(Lq * Lk) memory)",
+        stacklevel=3,
+    )
+    return _eager_flex(q, k, v, kwargs)
+
+
 def kernel_options(bias, d: int, device) -> dict | None:
     """Flex kernel options that compile on an H100: with a bias read per query row, flex's
     default backward asks for more shared memory than Hopper has; one stage fits."""
@@ -169,7 +202,6 @@ def attention(
     forward runs compiled, or eager when lse is asked for (compiled CPU flex cannot return it),
     and there is no backward. See the module docstring for caching, recompiles and limits.
     """
-    from torch.nn.attention.flex_attention import flex_attention
 
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn.flex")
     if not torch.compiler.is_compiling():
@@ -214,21 +246,9 @@ def attention(
         return_lse=return_lse,
     )
     if device.type == "cuda":
-        options = kernel_options(bias, max(d, dv), device)
-        with torch._dynamo.config.patch(recompile_limit=64):
-            try:
-                result = _compiled_flex()(q, k, v, kernel_options=options, **kwargs)
-            except (torch._inductor.exc.InductorError, torch._dynamo.exc.BackendCompilerFailed):
-                # Seen on an H100 for fp32 with a 4-D bias at Lk = 9 and 33: no kernel choice
-                # with one stage. Flex's own defaults are the next best guess.
-                if options is None:
-                    raise
-                result = _compiled_flex()(q, k, v, kernel_options=None, **kwargs)
+        result = run_compiled(q, k, v, kernel_options(bias, max(d, dv), device), kwargs)
     elif return_lse:
-        with warnings.catch_warnings():
-            # Eager (unfused) flex on purpose: compiled CPU flex cannot return lse.
-            warnings.filterwarnings("ignore", message="flex_attention called without torch")
-            result = flex_attention(q, k, v, **kwargs)
+        result = _eager_flex(q, k, v, kwargs)  # compiled CPU flex cannot return lse
     else:
         result = _compiled_flex()(q, k, v, **kwargs)
     if return_lse:

@@ -170,3 +170,20 @@ def test_gpu_gradients_flex_vs_triton_vs_oracle(mask_pattern, bias_pattern):
         bound = low_precision_bound(r, rl, dtype)
         assert_close(f, r, bound, f"flex {name}")
         assert_close(t, r, bound, f"triton {name}")
+
+
+def test_compile_failures_fall_back_to_defaults_then_eager(monkeypatch):
+    calls = []
+
+    def failing(*args, kernel_options=None, **kwargs):
+        calls.append(kernel_options)
+        raise torch._inductor.exc.InductorError(RuntimeError("NoValidChoicesError"), None)
+
+    monkeypatch.setattr(flex, "_compiled_flex", lambda: failing)
+    c = Case(1, 33, 33, 4, 1, 16, 16)
+    q, k, v = (t.transpose(1, 2) for t in inputs(c, device="cpu"))
+    with pytest.warns(UserWarning, match="could not build a kernel"):
+        out = flex.run_compiled(q, k, v, {"num_stages": 1}, dict(enable_gqa=True))
+    assert calls == [{"num_stages": 1}, None]
+    ref = reference.attention(*(t.transpose(1, 2) for t in (q, k, v)))
+    assert_close(out.transpose(1, 2), ref, 1e-5, "eager fallback")
