@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import dmattn_ops
+from dmattn_ops.masks import topk_mask
 
 
 class TinyDMA(torch.nn.Module):
@@ -44,8 +45,7 @@ class TinyDMA(torch.nn.Module):
         v = self.v_proj(x).view(b, length, self.hkv, self.d)
         # (B, Hkv, 1, L): one learned bias per KV head and key, broadcast over queries.
         bias = (self.a * F.softplus(self.dt_proj(v.flatten(2)))).transpose(1, 2).unsqueeze(2)
-        top = bias.detach().topk(min(self.window, length), dim=-1).indices
-        mask = torch.zeros_like(bias, dtype=torch.bool).scatter(-1, top, True)
+        mask = topk_mask(bias, self.window)  # (B, Hkv, 1, L), no gradient
         out = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, backend=self.backend)
         return self.o_proj(out.flatten(2))
 

@@ -1,0 +1,126 @@
+"""Dynamic masks from a learned bias: which keys each query (or each KV group) may see.
+
+Both functions select keys from a detached copy of the bias, so the selection never carries a
+gradient: the bias gets its gradient only through the attention it is added to.
+
+Rules shared by both:
+
+* ``mask`` (bool) restricts the choice: a key it disallows is never selected, whatever the bias
+  holds there (large values, +-inf, finfo.min, NaN). It is 4-D (B|1, H|Hkv|1, Lq|1, Lk), like
+  attention's mask, or a 2-D padding mask (B, Lk).
+* The result has the broadcast shape of the bias and the mask: a (B, H, 1, Lk) bias gives a
+  (B, H, 1, Lk) mask, and nothing of size Lq * Lk is allocated for it.
+* NaN in the bias at an allowed key ranks below every number (it is never preferred).
+* ``block_size`` smooths the selection to whole key blocks: a block of ``block_size``
+  consecutive keys (the last one may be shorter) is kept whole when at least half of its
+  allowed keys were selected and dropped otherwise; disallowed keys stay out either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _allowed(bias: torch.Tensor, mask: torch.Tensor | None, fn: str) -> torch.Tensor | None:
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.dim() != 4:
+        raise TypeError(
+            f"dmattn.masks.{fn}: bias must be a 4-D floating tensor (B|1, H|Hkv|1, Lq|1, Lk); "
+            f"got {type(bias).__name__ if not isinstance(bias, torch.Tensor) else bias.dtype} "
+            f"of shape {tuple(getattr(bias, 'shape', ()))}"
+        )
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"dmattn.masks.{fn}: mask must be a bool tensor; got {mask!r:.60}")
+    lk = bias.shape[-1]
+    if mask.dim() == 2:
+        if mask.shape[1] != lk:
+            raise ValueError(
+                f"dmattn.masks.{fn}: a 2-D padding mask must be (B, Lk) with Lk={lk}; "
+                f"got {tuple(mask.shape)} for bias {tuple(bias.shape)}"
+            )
+        mask = mask[:, None, None, :]
+    if mask.dim() != 4 or mask.shape[-1] != lk:
+        raise ValueError(
+            f"dmattn.masks.{fn}: mask must be (B, Lk) or 4-D with Lk={lk} last; "
+            f"got {tuple(mask.shape)}"
+        )
+    try:
+        torch.broadcast_shapes(mask.shape, bias.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"dmattn.masks.{fn}: mask {tuple(mask.shape)} does not broadcast with bias "
+            f"{tuple(bias.shape)}"
+        ) from None
+    return mask
+
+
+def _smooth(selected: torch.Tensor, allowed: torch.Tensor | None, block_size: int | None):
+    if block_size is None:
+        return selected
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"dmattn.masks: block_size must be a positive int; got {block_size!r}")
+    lk = selected.shape[-1]
+    pad = (-lk) % block_size
+    ok = allowed.expand_as(selected) if allowed is not None else torch.ones_like(selected)
+    sel = torch.nn.functional.pad(selected, (0, pad)).unflatten(-1, (-1, block_size))
+    okb = torch.nn.functional.pad(ok, (0, pad)).unflatten(-1, (-1, block_size))
+    votes = sel.sum(dim=-1, keepdim=True)  # [..., nblk, 1]
+    eligible = okb.sum(dim=-1, keepdim=True)
+    keep = (2 * votes >= eligible) & (votes > 0)
+    return (keep & okb).flatten(-2)[..., :lk]
+
+
+def topk_mask(
+    bias: torch.Tensor,
+    window: int,
+    mask: torch.Tensor | None = None,
+    *,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """The ``window`` keys with the largest bias, per row of ``bias`` (the DMA top-k mask).
+
+    Args:
+        bias: (B|1, H|Hkv|1, Lq|1, Lk) float; not differentiated through.
+        window: how many keys to keep per row; when fewer keys are allowed, all allowed keys.
+        mask: optional bool (B, Lk) padding mask or (B|1, H|Hkv|1, Lq|1, Lk) mask.
+        block_size: optional smoothing to whole key blocks (module docstring).
+
+    Returns:
+        bool mask of the broadcast shape of bias and mask.
+    """
+    allowed = _allowed(bias, mask, "topk_mask")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"dmattn.masks.topk_mask: window must be an int >= 0; got {window!r}")
+    score = bias.detach()
+    shape = torch.broadcast_shapes(score.shape, allowed.shape) if allowed is not None else None
+    if shape is not None:
+        score = score.expand(shape)
+    # Allowed keys rank at finfo.min or above (NaN and -inf there become finfo.min), disallowed
+    # ones at -inf: every allowed key outranks every disallowed one, so when fewer than
+    # `window` keys are allowed all of them are picked, and the final & drops the rest.
+    lowest = torch.finfo(score.dtype).min
+    score = torch.where(torch.isnan(score), lowest, score).clamp(min=lowest)
+    if allowed is not None:
+        score = torch.where(allowed, score, float("-inf"))
+    k = min(window, score.shape[-1])
+    selected = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
+    if k > 0:
+        selected.scatter_(-1, score.topk(k, dim=-1).indices, True)
+    if allowed is not None:
+        selected &= allowed
+    return _smooth(selected, allowed, block_size)
+
+
+def relu_mask(
+    bias: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """Keys whose bias is positive (NaN is not), restricted to ``mask``; shapes as topk_mask."""
+    allowed = _allowed(bias, mask, "relu_mask")
+    selected = bias.detach() > 0
+    if allowed is not None:
+        selected = selected & allowed
+    return _smooth(selected, allowed, block_size)

@@ -1,0 +1,101 @@
+"""dmattn_ops.masks: selection semantics of topk_mask and relu_mask."""
+
+import math
+
+import pytest
+import torch
+
+import dmattn_ops
+from dmattn_ops.masks import relu_mask, topk_mask
+
+
+def test_topk_picks_the_largest_per_row_and_keeps_the_broadcast_shape():
+    bias = torch.randn(2, 4, 1, 50)
+    sel = topk_mask(bias, 7)
+    assert sel.shape == (2, 4, 1, 50) and sel.dtype == torch.bool
+    assert (sel.sum(-1) == 7).all()
+    kth = bias.topk(7, dim=-1).values[..., -1:]
+    assert torch.equal(sel, bias >= kth)
+
+
+def test_disallowed_keys_are_never_selected_whatever_the_bias_holds():
+    bias = torch.randn(1, 2, 1, 20)
+    mask = torch.ones(1, 1, 1, 20, dtype=torch.bool)
+    mask[..., :6] = False
+    bias[..., 0], bias[..., 1], bias[..., 2] = math.inf, math.nan, 1e30
+    bias[..., 3], bias[..., 4] = -math.inf, torch.finfo(torch.float32).min
+    sel = topk_mask(bias, 5, mask)
+    assert not sel[..., :6].any() and (sel.sum(-1) == 5).all()
+    assert not relu_mask(bias, mask)[..., :6].any()
+
+
+def test_fewer_allowed_than_window_keeps_only_the_allowed():
+    bias = torch.full((1, 1, 1, 12), -math.inf)  # ties everywhere: -inf at allowed keys too
+    mask = torch.zeros(1, 1, 1, 12, dtype=torch.bool)
+    mask[..., [2, 7, 9]] = True
+    sel = topk_mask(bias, 8, mask)
+    assert torch.equal(sel, mask)
+    assert torch.equal(topk_mask(bias, 20, mask), mask)  # window >= Lk
+
+
+def test_nan_at_allowed_keys_ranks_last():
+    bias = torch.tensor([[[[0.5, math.nan, -3.0, 2.0]]]])
+    assert topk_mask(bias, 3).tolist() == [[[[True, False, True, True]]]]
+    assert relu_mask(bias).tolist() == [[[[True, False, False, True]]]]
+
+
+def test_two_d_padding_mask_broadcasts_without_lq_by_lk():
+    bias = torch.randn(1, 3, 1, 30)
+    pad = torch.ones(2, 30, dtype=torch.bool)
+    pad[1, 20:] = False
+    sel = topk_mask(bias, 10, pad)
+    assert sel.shape == (2, 3, 1, 30)
+    assert not sel[1, ..., 20:].any() and (sel.sum(-1) == 10).all()
+
+
+def test_block_smoothing_majority_edges_and_never_readmits():
+    bias = torch.full((1, 1, 1, 10), -1.0)
+    bias[..., [0, 1, 4, 8, 9]] = 1.0  # blocks of 4: [0-3] 2/4, [4-7] 1/4, [8-9] 2/2 (tail)
+    mask = torch.ones(1, 1, 1, 10, dtype=torch.bool)
+    mask[..., 3] = False  # block 0 has 3 allowed keys, 2 selected: kept, but key 3 stays out
+    sel = relu_mask(bias, mask, block_size=4)
+    assert sel[0, 0, 0].tolist() == [
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+        True,
+        True,
+    ]
+    sel_topk = topk_mask(bias, 5, mask, block_size=4)
+    assert torch.equal(sel_topk, sel)
+
+
+def test_selection_carries_no_gradient():
+    bias = torch.randn(1, 2, 1, 16, requires_grad=True)
+    q = torch.randn(1, 5, 2, 8)
+    k = torch.randn(1, 16, 2, 8)
+    v = torch.randn(1, 16, 2, 8)
+    sel = topk_mask(bias, 4)
+    assert not sel.requires_grad
+    out = dmattn_ops.attention(q, k, v, sel, bias)
+    (g,) = torch.autograd.grad(out.sum(), bias)
+    ref = dmattn_ops.reference.attention(q, k, v, sel, bias)
+    (rg,) = torch.autograd.grad(ref.sum(), bias)
+    assert torch.allclose(g, rg, atol=1e-5)
+    assert (g[~sel] == 0).all()  # unselected keys get no gradient
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="bias must be a 4-D floating tensor"):
+        topk_mask(torch.ones(3, 4), 2)
+    with pytest.raises(ValueError, match="window must be an int >= 0"):
+        topk_mask(torch.ones(1, 1, 1, 4), -1)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        topk_mask(torch.ones(2, 1, 1, 4), 2, torch.ones(3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        relu_mask(torch.ones(1, 1, 1, 4), block_size=0)
