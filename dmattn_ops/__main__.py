@@ -1,9 +1,10 @@
 """Self-check and demo: ``python -m dmattn_ops``.
 
-Builds a tiny dynamic-mask attention model (a learned per-key bias, a top-k mask from it, causal
-attention through ``torch.ops.dmattn.attention``), runs a compiled (fullgraph) training step and
-a ``torch.func.grad`` call, checks both against the float64 oracle, and prints a table. Seconds
-on CPU; uses CUDA when present. Exits non-zero if any check fails.
+Builds a tiny dynamic-mask attention layer (``dmattn_ops.nn.DynamicMaskAttention``: a learned
+per-key bias, a top-k mask from it, causal attention through the dmattn ops), runs a compiled
+(fullgraph) training step and a ``torch.func.grad`` call, checks both against the float64
+oracle, and prints a table. Seconds on CPU; uses CUDA when present. Exits non-zero if any check
+fails.
 """
 
 from __future__ import annotations
@@ -13,41 +14,9 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 import dmattn_ops
-from dmattn_ops.masks import topk_mask
-
-
-class TinyDMA(torch.nn.Module):
-    """q/k/v/o projections, GQA, a per-key bias A * softplus(dt(V)) and a top-k mask from it."""
-
-    def __init__(self, dim=64, heads=4, kv_heads=2, head_dim=16, window=24, backend="auto"):
-        super().__init__()
-        self.h, self.hkv, self.d, self.window, self.backend = (
-            heads,
-            kv_heads,
-            head_dim,
-            window,
-            backend,
-        )
-        self.q_proj = torch.nn.Linear(dim, heads * head_dim, bias=False)
-        self.k_proj = torch.nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.v_proj = torch.nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.o_proj = torch.nn.Linear(heads * head_dim, dim, bias=False)
-        self.dt_proj = torch.nn.Linear(kv_heads * head_dim, kv_heads, bias=True)
-        self.a = torch.nn.Parameter(torch.ones(kv_heads))
-
-    def forward(self, x):
-        b, length, _ = x.shape
-        q = self.q_proj(x).view(b, length, self.h, self.d)
-        k = self.k_proj(x).view(b, length, self.hkv, self.d)
-        v = self.v_proj(x).view(b, length, self.hkv, self.d)
-        # (B, Hkv, 1, L): one learned bias per KV head and key, broadcast over queries.
-        bias = (self.a * F.softplus(self.dt_proj(v.flatten(2)))).transpose(1, 2).unsqueeze(2)
-        mask = topk_mask(bias, self.window)  # (B, Hkv, 1, L), no gradient
-        out = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, backend=self.backend)
-        return self.o_proj(out.flatten(2))
+from dmattn_ops.nn import DynamicMaskAttention
 
 
 def _max_rel_err(got, want) -> float:
@@ -72,8 +41,14 @@ def main() -> int:
     )
 
     torch.manual_seed(0)
-    model = TinyDMA().to(device)
-    oracle = TinyDMA(backend="reference").to(device).double()
+
+    def build(backend):
+        torch.manual_seed(0)
+        layer = DynamicMaskAttention(64, 4, 2, head_dim=16, window=24, backend=backend)
+        return layer.to(device)
+
+    model = build("auto")
+    oracle = build("reference").double()
     oracle.load_state_dict(model.state_dict())
     x = torch.randn(2, 96, 64, device=device)
     params = dict(model.named_parameters())

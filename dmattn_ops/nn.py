@@ -1,0 +1,90 @@
+"""Modules built on the dmattn ops."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dmattn_ops.api import attention
+from dmattn_ops.masks import topk_mask
+
+
+class DynamicMaskAttention(torch.nn.Module):
+    r"""Dynamic Mask Attention layer (Shi et al. 2025; the attention of the Doge models).
+
+    q/k/v/o projections with GQA; a learned bias per KV head and key computed from the values,
+
+        bias[b, g, 0, j] = A[g] * softplus(dt_proj(V[b, j])[g])        # (B, Hkv, 1, L)
+
+    which is added to the logits (and trained through the attention), and a top-``window`` mask
+    of that bias (no gradient) that every query of the KV group shares. With causal masking a
+    query sees the selected keys at or before its position.
+
+    Args:
+        hidden_size: model width.
+        num_heads: query heads H.
+        num_kv_heads: key/value heads Hkv (H % Hkv == 0); defaults to H.
+        head_dim: defaults to hidden_size // num_heads.
+        window: keys kept per KV head (top-k of the bias).
+        is_causal: bottom-right causal masking.
+        softcap: logit soft-capping (0 disables).
+        backend: passed to :func:`dmattn_ops.attention`.
+
+    Shapes: ``forward(x)`` takes (B, L, hidden_size) and returns the same shape.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        *,
+        window: int = 2048,
+        is_causal: bool = True,
+        softcap: float = 0.0,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"DynamicMaskAttention: num_heads={num_heads} must be a multiple of "
+                f"num_kv_heads={num_kv_heads}"
+            )
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = head_dim or hidden_size // num_heads
+        self.window, self.is_causal, self.softcap, self.backend = (
+            window,
+            is_causal,
+            softcap,
+            backend,
+        )
+        kv_width = num_kv_heads * self.head_dim
+        self.q_proj = torch.nn.Linear(hidden_size, num_heads * self.head_dim, bias=False)
+        self.k_proj = torch.nn.Linear(hidden_size, kv_width, bias=False)
+        self.v_proj = torch.nn.Linear(hidden_size, kv_width, bias=False)
+        self.o_proj = torch.nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
+        self.dt_proj = torch.nn.Linear(kv_width, num_kv_heads, bias=True)
+        self.A = torch.nn.Parameter(torch.ones(num_kv_heads))
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, window={self.window}, is_causal={self.is_causal}, "
+            f"softcap={self.softcap}, backend={self.backend!r}"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, length, _ = x.shape
+        q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
+        dt = F.softplus(self.dt_proj(v.flatten(2)))  # [B, L, Hkv]
+        bias = (self.A * dt).transpose(1, 2).unsqueeze(2).to(q.dtype)  # [B, Hkv, 1, L]
+        mask = topk_mask(bias, self.window)
+        out = attention(
+            q, k, v, mask, bias, is_causal=self.is_causal, softcap=self.softcap,
+            backend=self.backend,
+        )  # fmt: skip
+        return self.o_proj(out.flatten(2))
