@@ -75,21 +75,16 @@ def attention(
     positions that are not allowed never reach the result.
     """
     check_backend(backend)
+    if backend in ("reference", "flex"):
+        # Both validate their own inputs; checking here too would double the seqused_k sync.
+        fn = reference.attention if backend == "reference" else flex.attention
+        return fn(
+            query, key, value, mask, bias, scale=scale, is_causal=is_causal, softcap=softcap,
+            seqused_k=seqused_k, deterministic=deterministic, return_lse=return_lse,
+        )  # fmt: skip
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap)
     if not _tracing():
         check_seqused_k_values(seqused_k, key.shape[1], "dmattn.attention")
-    kwargs = dict(
-        scale=scale,
-        is_causal=is_causal,
-        softcap=softcap,
-        seqused_k=seqused_k,
-        deterministic=deterministic,
-        return_lse=return_lse,
-    )
-    if backend == "reference":
-        return reference.attention(query, key, value, mask, bias, **kwargs)
-    if backend == "flex":
-        return flex.attention(query, key, value, mask, bias, **kwargs)
     if backend == "triton":
         _check_triton_can_run(query)
     if return_lse:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops.validate import check_inputs
+from dmattn_ops.validate import check_inputs, check_seqused_k_values
 
 
 def _per_query_head(t: torch.Tensor, h: int, hkv: int) -> torch.Tensor:
@@ -53,6 +53,8 @@ def attention(
     the result. ``deterministic`` and ``backend`` are accepted for signature parity and ignored.
     """
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="reference.attention")
+    if not torch.compiler.is_compiling():
+        check_seqused_k_values(seqused_k, key.shape[1], "reference.attention")
     b, lq, h, d = query.shape
     lk, hkv = key.shape[1], key.shape[2]
     group = h // hkv

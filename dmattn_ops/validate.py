@@ -148,7 +148,7 @@ def check_seqused_k_values(seqused_k: torch.Tensor | None, lk: int, fn: str) -> 
     """Range check of seqused_k; reads the tensor, so callers skip it while tracing."""
     if seqused_k is None or seqused_k.numel() == 0:
         return
-    lo, hi = int(seqused_k.min()), int(seqused_k.max())
+    lo, hi = torch.stack(torch.aminmax(seqused_k)).tolist()  # one host sync
     if lo < 0 or hi > lk:
         raise ValueError(
             f"{fn}: seqused_k values must lie in [0, Lk={lk}]; got values from {lo} to {hi}"
