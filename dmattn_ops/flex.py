@@ -35,6 +35,8 @@ from dmattn_ops.validate import check_inputs, check_seqused_k_values
 
 
 class BlockMaskEntry:
+    """A cached BlockMask, valid while its mask/seqused_k tensors are alive and unmodified."""
+
     def __init__(self, refs, versions, block_mask):
         self.refs = refs
         self.versions = versions
