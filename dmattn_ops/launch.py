@@ -187,6 +187,7 @@ class KeyLists:
     key_end: torch.Tensor
     key_count: torch.Tensor
     keys_stride_b: int
+    keys_stride_h: int
     end_stride_b: int
     count_stride_b: int
 
@@ -222,6 +223,7 @@ def build_key_lists(mask, seqused_k, b, lq, lk, is_causal, block_m) -> KeyLists:
         key_end=ends.to(torch.int32).contiguous(),
         key_count=counts.to(torch.int32).contiguous(),
         keys_stride_b=hm * lk if bm > 1 else 0,
+        keys_stride_h=lk,
         end_stride_b=hm * nq if bt > 1 else 0,
         count_stride_b=hm if bt > 1 else 0,
     )
@@ -246,7 +248,7 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
     cfg = _config(
         d, dv, backward=False, lq=lq, masked=mask is not None, itemsize=query.element_size()
     )
-    nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
+    nq = triton.cdiv(lq, cfg.block_m)
     tables = lists = None
     if compactable(mask, h, hkv):
         lists = build_key_lists(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m)
@@ -255,22 +257,41 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
     log_sum = empty((b, h, lq), dtype=torch.float32, device=query.device)
+    _launch_forward(
+        query, key, value, mask, bias, seqused_k, None, None, out, lse, log_sum,
+        b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, is_causal, softcap,
+    )  # fmt: skip
+    return out, lse, log_sum
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """t's strides with 0 for a batch dim of 1 (varlen passes its packed tensors as (1, ...))."""
+    return (0 if t.shape[0] == 1 else t.stride(0), *t.stride()[1:])
+
+
+def _launch_forward(
+    query, key, value, mask, bias, seqused_k, cu_q, cu_k, out, lse, log_sum,
+    b, lq, lk, nq, lse_strides, tables, lists, cfg, scale, is_causal, softcap,
+):  # fmt: skip
+    """query/key/value/out 4-D, mask/bias 4-D broadcast operands. Varlen: (1, total, H, D)
+    views, Lq/Lk the totals, cu_q/cu_k the cu_seqlens, and nq tiles of the longest sequence."""
+    h, d = query.shape[2], query.shape[3]
+    hkv, dv = key.shape[2], value.shape[3]
     attention_fwd_kernel[(nq, b * h)](
-        query, key, value, None if lists else _mask_bytes(mask), bias, seqused_k,
+        query, key, value, None if lists else _mask_bytes(mask), bias, seqused_k, cu_q, cu_k,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
         lists.keys if lists else None, lists.key_end if lists else None,
         out, lse, log_sum,
-        *query.stride(), *key.stride(), *value.stride(),
-        *_operand_strides(mask), *_operand_strides(bias), *out.stride(),
+        *_strides(query), *_strides(key), *_strides(value),
+        *_operand_strides(mask), *_operand_strides(bias), *_strides(out),
         tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
-        lists.keys_stride_b if lists else 0,
-        h, h // hkv, lq, lk, d, dv, nk,
+        lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
+        h, h // hkv, lq, lk, d, dv, triton.cdiv(lk, cfg.block_n),
         _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
         IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=_block(d), BLOCK_DV=_block(dv), DOT_PRECISION=_dot_precision(query.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out, lse, log_sum
 
 
 def _sum_to_bias(cols: torch.Tensor, bias: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -356,38 +377,19 @@ def attention_backward(
     elif dbias_mode == "bcast":
         dbias_bcast = empty(bias.shape, dtype=bias.dtype, device=device)
 
-    common = dict(
-        IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=_block(d), BLOCK_DV=_block(dv), DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    strides = (
-        *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
-        *_operand_strides(mask), *_operand_strides(bias),
-    )  # fmt: skip
-    mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
-    mask_u8 = None if lists else _mask_bytes(mask)
-    attention_bwd_dkdv_kernel[(nk, b * hkv)](
-        query, key, value, grad_out, mask_u8, bias, seqused_k, lse, log_sum, delta,
-        tables.q_num if tables else None, tables.q_idx if tables else None,
-        lists.keys if lists else None, lists.key_count if lists else None,
-        dk, dvv, dbias_cols, *strides,
-        tables.stride_bt if tables else 0, nk,
-        lists.keys_stride_b if lists else 0, lists.count_stride_b if lists else 0,
-        h, hkv, g, lq, lk, d, dv, nq, mask_div, bias_div, float(scale), float(softcap),
-        **common,
-    )  # fmt: skip
-    attention_bwd_dq_kernel[(nq, b * h)](
-        query, key, value, grad_out, mask_u8, bias, seqused_k, lse, log_sum, delta,
-        tables.kv_num if tables else None, tables.kv_idx if tables else None,
-        lists.keys if lists else None, lists.key_end if lists else None,
-        dq, dbias_direct, *strides,
-        tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
-        lists.keys_stride_b if lists else 0,
-        h, g, lq, lk, d, dv, nk, mask_div, bias_div, float(scale), float(softcap),
-        **common,
+    _launch_backward(
+        query, key, value, grad_out, mask, bias, seqused_k, None, None, lse, log_sum, delta,
+        dq, dk, dvv, dbias_cols, dbias_direct, b, lq, lk, nq, nk, (h * lq, lq), (h * lk, lk),
+        tables, lists, lists, cfg, scale, is_causal, softcap,
     )  # fmt: skip
     if dbias_bcast is not None:
+        common = _meta(cfg, d, dv, is_causal, query.dtype)
+        strides = (
+            *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
+            *_operand_strides(mask), *_operand_strides(bias),
+        )  # fmt: skip
+        mask_u8 = None if lists else _mask_bytes(mask)
+        mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
         bb, hb = bias.shape[0], bias.shape[1]
         n_batch, batch_mul = (1, 1) if bb == b else (b, 0)
         if hb == h:
@@ -414,3 +416,52 @@ def attention_backward(
     else:
         dbias = dbias_bcast
     return dq, dk, dvv, dbias
+
+
+def _meta(cfg: Config, d: int, dv: int, is_causal: bool, dtype: torch.dtype) -> dict:
+    return dict(
+        IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=_block(d), BLOCK_DV=_block(dv), DOT_PRECISION=_dot_precision(dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _launch_backward(
+    query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, lse, log_sum, delta,
+    dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, nq, nk, lse_strides, col_strides,
+    tables, lists, dkdv_lists, cfg, scale, is_causal, softcap,
+):  # fmt: skip
+    """The dk/dv and dq kernels, over 4-D views as in _launch_forward. dkdv_lists is lists, or
+    None where the mask is per query head under GQA (one key list per KV group is needed)."""
+    h, d = query.shape[2], query.shape[3]
+    hkv, d_v = key.shape[2], value.shape[3]
+    common = _meta(cfg, d, d_v, is_causal, query.dtype)
+    strides = (
+        *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
+        *_operand_strides(mask), *_operand_strides(bias),
+    )  # fmt: skip
+    mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
+    attention_bwd_dkdv_kernel[(nk, b * hkv)](
+        query, key, value, grad_out, None if dkdv_lists else _mask_bytes(mask), bias,
+        seqused_k, cu_q, cu_k, lse, log_sum, delta,
+        tables.q_num if tables else None, tables.q_idx if tables else None,
+        dkdv_lists.keys if dkdv_lists else None, dkdv_lists.key_count if dkdv_lists else None,
+        dk, dv, dbias_cols, *strides,
+        tables.stride_bt if tables else 0, nk,
+        dkdv_lists.keys_stride_b if dkdv_lists else 0,
+        dkdv_lists.keys_stride_h if dkdv_lists else 0,
+        dkdv_lists.count_stride_b if dkdv_lists else 0, *lse_strides, *col_strides,
+        h, hkv, h // hkv, lq, lk, d, d_v, nq, mask_div, bias_div, float(scale), float(softcap),
+        **common,
+    )  # fmt: skip
+    attention_bwd_dq_kernel[(nq, b * h)](
+        query, key, value, grad_out, None if lists else _mask_bytes(mask), bias,
+        seqused_k, cu_q, cu_k, lse, log_sum, delta,
+        tables.kv_num if tables else None, tables.kv_idx if tables else None,
+        lists.keys if lists else None, lists.key_end if lists else None,
+        dq, dbias_direct, *strides,
+        tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
+        lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
+        h, h // hkv, lq, lk, d, d_v, nk, mask_div, bias_div, float(scale), float(softcap),
+        **common,
+    )  # fmt: skip

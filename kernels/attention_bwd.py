@@ -18,6 +18,7 @@ from dmattn_ops.kernels.common import (
     interior_key_end,
     key_count,
     score_tile,
+    seq_extent,
 )
 
 
@@ -120,6 +121,7 @@ def _dkdv_tile(
         "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
         "DBIAS_COLS": lambda a: a["DBIAS_COL"] is not None,
         "COMPACT": lambda a: a["KEYS"] is not None,
+        "VARLEN": lambda a: a["CU_Q"] is not None,
     }
 )
 @triton.jit
@@ -131,6 +133,8 @@ def attention_bwd_dkdv_kernel(
     MASK,
     BIAS,
     SEQUSED,
+    CU_Q,
+    CU_K,
     LSE,
     LOGSUM,
     DELTA,
@@ -168,7 +172,12 @@ def attention_bwd_dkdv_kernel(
     table_stride_b,
     table_stride_h,
     keys_stride_b,
+    keys_stride_h,
     count_stride_b,
+    lse_stride_b,
+    lse_stride_h,
+    col_stride_b,
+    col_stride_h,
     H,
     Hkv,
     G,
@@ -193,15 +202,28 @@ def attention_bwd_dkdv_kernel(
     HAS_SOFTCAP: tl.constexpr,
     DBIAS_COLS: tl.constexpr,
     COMPACT: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, KV head); sums dk/dv over the G query heads of
     the group. With a bias broadcast over queries it also writes, per query head, the column sums
-    of dS into DBIAS_COL (B, H, Lk) float32."""
+    of dS into DBIAS_COL (B, H, Lk) float32 (varlen: (H, total_k)).
+
+    VARLEN as in the forward kernel. A mask that is not compacted is then read per tile (it is
+    per key token, so there are no tile tables)."""
     i_nb = tl.program_id(0)
     i_bg = tl.program_id(1)
     i_b = (i_bg // Hkv).to(tl.int64)
     i_g = (i_bg % Hkv).to(tl.int64)
-    n_keys = key_count(SEQUSED, i_b, Lk, HAS_SEQUSED)
+    q_start, Lq, k_start, n_keys, Lk = seq_extent(
+        CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED, VARLEN
+    )
+    if VARLEN:
+        q_row0 = q_start
+        k_row0 = k_start
+        NQ = tl.cdiv(Lq, BLOCK_M)
+    else:
+        q_row0 = 0
+        k_row0 = 0
 
     i_n = i_nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_pos = 0
@@ -212,7 +234,7 @@ def attention_bwd_dkdv_kernel(
         # launcher compacts only masks whose head dim is 1 or Hkv). Unlisted keys keep the
         # zeros the launcher put in dk/dv.
         i_hm = (i_g * G) // mask_hdiv
-        p_keys = KEYS + i_b * keys_stride_b + i_hm * Lk
+        p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + k_row0
         n_pos = tl.load(KEY_COUNT + i_b * count_stride_b + i_hm)
         m_pos = i_n < n_pos
         j_first = tl.load(p_keys + i_nb * BLOCK_N, mask=i_nb * BLOCK_N < n_pos, other=0)
@@ -221,8 +243,9 @@ def attention_bwd_dkdv_kernel(
     i_dv = tl.arange(0, BLOCK_DV)
     m_n = i_n < n_keys
     o_n = i_n.to(tl.int64)
+    p_k = K + i_b * stride_kb + k_row0 * stride_kn + i_g * stride_kh
     b_k = tl.load(
-        K + i_b * stride_kb + i_g * stride_kh + o_n[:, None] * stride_kn + i_d[None, :] * stride_kd,
+        p_k + o_n[:, None] * stride_kn + i_d[None, :] * stride_kd,
         mask=m_n[:, None] & (i_d[None, :] < D),
         other=0.0,
     )  # [BN, BD]  fmt: skip
@@ -230,7 +253,7 @@ def attention_bwd_dkdv_kernel(
         V
         + i_b * stride_vb
         + i_g * stride_vh
-        + o_n[:, None] * stride_vn
+        + (k_row0 + o_n[:, None]) * stride_vn
         + i_dv[None, :] * stride_vd,
         mask=m_n[:, None] & (i_dv[None, :] < Dv),
         other=0.0,
@@ -240,15 +263,15 @@ def attention_bwd_dkdv_kernel(
 
     for hh in range(0, G):
         i_h = i_g * G + hh
-        p_q = Q + i_b * stride_qb + i_h * stride_qh
-        p_do = DO + i_b * stride_dob + i_h * stride_doh
+        p_q = Q + i_b * stride_qb + q_row0 * stride_qm + i_h * stride_qh
+        p_do = DO + i_b * stride_dob + q_row0 * stride_dom + i_h * stride_doh
         p_mask = MASK
         if HAS_MASK:
-            p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh
+            p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh + k_row0 * stride_mn
         p_bias = BIAS
         if HAS_BIAS:
-            p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh
-        row_base = (i_b * H + i_h) * Lq
+            p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh + k_row0 * stride_bn
+        row_base = i_b * lse_stride_b + i_h * lse_stride_h + q_row0
         dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
         if COMPACT:
             qb_start = 0
@@ -264,7 +287,7 @@ def attention_bwd_dkdv_kernel(
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
                 )  # fmt: skip
-        elif HAS_MASK:
+        elif HAS_MASK and not VARLEN:
             col = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_nb
             num = tl.load(Q_NUM + col)
             for it in range(0, num):
@@ -319,11 +342,12 @@ def attention_bwd_dkdv_kernel(
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
                 )  # fmt: skip
         if DBIAS_COLS:
-            tl.store(DBIAS_COL + (i_b * H + i_h) * Lk + o_n, dbias_col, mask=i_n < Lk)
+            o_col = i_b * col_stride_b + i_h * col_stride_h + k_row0 + o_n
+            tl.store(DBIAS_COL + o_col, dbias_col, mask=i_n < Lk)
 
     m_store = i_n < Lk
     # dk, dv are (B, Lk, Hkv, D|Dv) contiguous.
-    o_kv = (i_b * Lk + o_n[:, None]) * Hkv + i_g
+    o_kv = (k_start + o_n[:, None]) * Hkv + i_g
     o_dk = o_kv * D + i_d[None, :]
     tl.store(
         DK + o_dk, (dk * scale).to(DK.dtype.element_ty), mask=m_store[:, None] & (i_d[None, :] < D)
@@ -424,6 +448,7 @@ def _dq_tile(
         "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
         "DBIAS_DIRECT": lambda a: a["DBIAS"] is not None,
         "COMPACT": lambda a: a["KEYS"] is not None,
+        "VARLEN": lambda a: a["CU_Q"] is not None,
     }
 )
 @triton.jit
@@ -435,6 +460,8 @@ def attention_bwd_dq_kernel(
     MASK,
     BIAS,
     SEQUSED,
+    CU_Q,
+    CU_K,
     LSE,
     LOGSUM,
     DELTA,
@@ -471,6 +498,9 @@ def attention_bwd_dq_kernel(
     table_stride_b,
     table_stride_h,
     keys_stride_b,
+    keys_stride_h,
+    lse_stride_b,
+    lse_stride_h,
     H,
     G,
     Lq,
@@ -494,6 +524,7 @@ def attention_bwd_dq_kernel(
     HAS_SOFTCAP: tl.constexpr,
     DBIAS_DIRECT: tl.constexpr,
     COMPACT: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """One program: dq for BLOCK_M queries of one (batch, head). When the bias has its own
     (batch, head, query) entries, dS is also stored straight into DBIAS (B, H, Lq, Lk)."""
@@ -502,13 +533,21 @@ def attention_bwd_dq_kernel(
     i_b = (i_bh // H).to(tl.int64)
     i_h = (i_bh % H).to(tl.int64)
     i_g = i_h // G
-    n_keys = key_count(SEQUSED, i_b, Lk, HAS_SEQUSED)
+    q_start, Lq, k_start, n_keys, Lk = seq_extent(
+        CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED, VARLEN
+    )
+    if VARLEN:
+        q_row0 = q_start
+        k_row0 = k_start
+    else:
+        q_row0 = 0
+        k_row0 = 0
 
     i_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_m = i_m < Lq
-    o_m = i_m.to(tl.int64)
+    o_m = q_row0 + i_m.to(tl.int64)
     b_q = tl.load(
         Q + i_b * stride_qb + i_h * stride_qh + o_m[:, None] * stride_qm + i_d[None, :] * stride_qd,
         mask=m_m[:, None] & (i_d[None, :] < D),
@@ -523,15 +562,16 @@ def attention_bwd_dq_kernel(
         mask=m_m[:, None] & (i_dv[None, :] < Dv),
         other=0.0,
     )  # [BM, BDV]  fmt: skip
-    m_row, log_sum, delta = _row_stats(LSE, LOGSUM, DELTA, i_bh.to(tl.int64) * Lq + o_m, m_m)
-    p_k = K + i_b * stride_kb + i_g * stride_kh
-    p_v = V + i_b * stride_vb + i_g * stride_vh
+    o_row = i_b * lse_stride_b + i_h * lse_stride_h + o_m
+    m_row, log_sum, delta = _row_stats(LSE, LOGSUM, DELTA, o_row, m_m)
+    p_k = K + i_b * stride_kb + k_row0 * stride_kn + i_g * stride_kh
+    p_v = V + i_b * stride_vb + k_row0 * stride_vn + i_g * stride_vh
     p_mask = MASK
     if HAS_MASK:
-        p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh
+        p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh + k_row0 * stride_mn
     p_bias = BIAS
     if HAS_BIAS:
-        p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh
+        p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh + k_row0 * stride_bn
     p_dbias = DBIAS
     if DBIAS_DIRECT:
         p_dbias = DBIAS + i_bh.to(tl.int64) * Lq * Lk
@@ -539,7 +579,7 @@ def attention_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if COMPACT:
         i_hm = i_h // mask_hdiv
-        p_keys = KEYS + i_b * keys_stride_b + i_hm * Lk
+        p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + k_row0
         n_pos = tl.load(KEY_END + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
         for kb in range(0, tl.cdiv(n_pos, BLOCK_N)):
             dq = _dq_tile(
@@ -565,6 +605,7 @@ def attention_bwd_dq_kernel(
         m_start = i_mb * BLOCK_M
         m_end = tl.minimum(m_start + BLOCK_M, Lq)
         kb_end = tl.cdiv(causal_key_end(m_end, n_keys, Lq, IS_CAUSAL), BLOCK_N)
+        kb_end = tl.where(m_start < Lq, kb_end, 0)  # varlen: past this sequence's queries
         kb_int = tl.minimum(
             interior_key_end(m_start, n_keys, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL), kb_end
         )
@@ -584,7 +625,8 @@ def attention_bwd_dq_kernel(
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
                 BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
             )  # fmt: skip
-    o_dq = ((i_b * Lq + o_m[:, None]) * H + i_h) * D + i_d[None, :]  # dq is (B, Lq, H, D)
+    # dq is (B, Lq, H, D) or (total_q, H, D), contiguous.
+    o_dq = ((q_start + i_m.to(tl.int64)[:, None]) * H + i_h) * D + i_d[None, :]
     tl.store(
         DQ + o_dq, (dq * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & (i_d[None, :] < D)
     )

@@ -8,8 +8,8 @@ from dmattn_ops.kernels.common import (
     causal_key_end,
     dot,
     interior_key_end,
-    key_count,
     score_tile,
+    seq_extent,
 )
 
 
@@ -93,6 +93,7 @@ def _fwd_tile(
         "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
         "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
         "COMPACT": lambda a: a["KEYS"] is not None,
+        "VARLEN": lambda a: a["CU_Q"] is not None,
     }
 )
 @triton.jit
@@ -103,6 +104,8 @@ def attention_fwd_kernel(
     MASK,
     BIAS,
     SEQUSED,
+    CU_Q,
+    CU_K,
     KV_NUM,
     KV_IDX,
     KEYS,
@@ -137,6 +140,9 @@ def attention_fwd_kernel(
     table_stride_b,
     table_stride_h,
     keys_stride_b,
+    keys_stride_h,
+    lse_stride_b,
+    lse_stride_h,
     H,
     G,
     Lq,
@@ -159,38 +165,50 @@ def attention_fwd_kernel(
     HAS_SEQUSED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     COMPACT: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """One program: BLOCK_M queries of one (batch, head). Writes out, lse and log_sum.
 
     With a mask, KV_NUM / KV_IDX list the key tiles of this query tile that hold any allowed key
     (built once per call); tiles outside the list are never loaded. Without one, the loop bound
     comes from causality and seqused_k.
+
+    VARLEN: Q/K/V/OUT are packed (batch strides 0), Lq and Lk arrive as the packed totals, and
+    batch b's rows start at cu_seqlens[b]; mask and bias are per key token.
     """
     i_mb = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
     i_h = (i_bh % H).to(tl.int64)
     i_g = i_h // G
-    n_keys = key_count(SEQUSED, i_b, Lk, HAS_SEQUSED)
+    q_start, Lq, k_start, n_keys, Lk = seq_extent(
+        CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED, VARLEN
+    )
+    if VARLEN:
+        q_row0 = q_start
+        k_row0 = k_start
+    else:
+        q_row0 = 0
+        k_row0 = 0
 
     i_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_m = i_m < Lq
-    o_m = i_m.to(tl.int64)
+    o_m = q_row0 + i_m.to(tl.int64)
     b_q = tl.load(
         Q + i_b * stride_qb + i_h * stride_qh + o_m[:, None] * stride_qm + i_d[None, :] * stride_qd,
         mask=m_m[:, None] & (i_d[None, :] < D),
         other=0.0,
     )  # [BM, BD]
-    p_k = K + i_b * stride_kb + i_g * stride_kh
-    p_v = V + i_b * stride_vb + i_g * stride_vh
+    p_k = K + i_b * stride_kb + k_row0 * stride_kn + i_g * stride_kh
+    p_v = V + i_b * stride_vb + k_row0 * stride_vn + i_g * stride_vh
     p_mask = MASK
     if HAS_MASK:
-        p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh
+        p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh + k_row0 * stride_mn
     p_bias = BIAS
     if HAS_BIAS:
-        p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh
+        p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh + k_row0 * stride_bn
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -199,7 +217,7 @@ def attention_fwd_kernel(
         # The mask is the same for every query: iterate over tiles of its sorted allowed keys,
         # up to the last one this query tile may see (KEY_END, from causality and seqused_k).
         i_hm = i_h // mask_hdiv
-        p_keys = KEYS + i_b * keys_stride_b + i_hm * Lk
+        p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + k_row0
         n_pos = tl.load(KEY_END + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
         for kb in range(0, tl.cdiv(n_pos, BLOCK_N)):
             acc, l_i, m_i = _fwd_tile(
@@ -226,6 +244,7 @@ def attention_fwd_kernel(
         m_start = i_mb * BLOCK_M
         m_end = tl.minimum(m_start + BLOCK_M, Lq)
         kb_end = tl.cdiv(causal_key_end(m_end, n_keys, Lq, IS_CAUSAL), BLOCK_N)
+        kb_end = tl.where(m_start < Lq, kb_end, 0)  # varlen: past this sequence's queries
         kb_int = tl.minimum(
             interior_key_end(m_start, n_keys, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL), kb_end
         )
@@ -257,6 +276,6 @@ def attention_fwd_kernel(
         b_out.to(OUT.dtype.element_ty),
         mask=m_m[:, None] & (i_dv[None, :] < Dv),
     )  # fmt: skip
-    o_row = i_bh.to(tl.int64) * Lq + o_m
+    o_row = i_b * lse_stride_b + i_h * lse_stride_h + o_m
     tl.store(LSE + o_row, lse, mask=m_m)
     tl.store(LOGSUM + o_row, log_sum, mask=m_m)

@@ -109,6 +109,34 @@ def key_count(SEQUSED, i_b, Lk, HAS_SEQUSED: tl.constexpr):
 
 
 @triton.jit
+def seq_extent(CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED: tl.constexpr, VARLEN: tl.constexpr):
+    """Where batch b lives: (q_start, Lq, k_start, n_keys, Lk).
+
+    q_start / k_start index rows of the contiguous (B * Lq | total_q) and (B * Lk | total_k)
+    flattenings that outputs and gradients use. Batched: b * Lq, b * Lk, n_keys from seqused_k.
+    Varlen (Lq, Lk are then total_q, total_k): from cu_seqlens, clamped into the packed buffers
+    so that no cu_seqlens value, however wrong, reads or writes outside them.
+    """
+    if VARLEN:
+        q_end = tl.minimum(tl.maximum(tl.load(CU_Q + i_b + 1), 0), Lq)
+        q_start = tl.minimum(tl.maximum(tl.load(CU_Q + i_b), 0), q_end)
+        k_end = tl.minimum(tl.maximum(tl.load(CU_K + i_b + 1), 0), Lk)
+        k_start = tl.minimum(tl.maximum(tl.load(CU_K + i_b), 0), k_end)
+        lq = q_end - q_start
+        lk = k_end - k_start
+        n_keys = lk
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
+    else:
+        q_start = i_b * Lq
+        k_start = i_b * Lk
+        lq = Lq
+        lk = Lk
+        n_keys = key_count(SEQUSED, i_b, Lk, HAS_SEQUSED)
+    return q_start, lq, k_start, n_keys, lk
+
+
+@triton.jit
 def causal_key_end(m_end, n_keys, Lq, IS_CAUSAL: tl.constexpr):
     """One past the last key any query row below m_end may see."""
     end = n_keys
