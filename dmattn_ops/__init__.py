@@ -1,7 +1,7 @@
 """Dynamic Mask Attention as PyTorch custom ops (``torch.ops.dmattn``) backed by Triton kernels."""
 
 from dmattn_ops import flex, masks, nn, ops, reference
-from dmattn_ops.api import attention
+from dmattn_ops.api import attention, attention_varlen
 
-__all__ = ["attention", "flex", "masks", "nn", "ops", "reference"]
+__all__ = ["attention", "attention_varlen", "flex", "masks", "nn", "ops", "reference"]
 __version__ = "0.1.0"

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 
 from dmattn_ops import flex, launch, ops, reference
-from dmattn_ops.validate import check_backend, check_inputs, check_seqused_k_values
+from dmattn_ops.validate import (
+    check_backend,
+    check_cu_seqlens_values,
+    check_inputs,
+    check_seqused_k_values,
+    check_varlen_inputs,
+)
 
 
 def _tracing() -> bool:
@@ -14,15 +20,15 @@ def _tracing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _check_triton_can_run(query: torch.Tensor) -> None:
+def _check_triton_can_run(query: torch.Tensor, fn: str = "dmattn.attention") -> None:
     if query.dtype not in launch.TRITON_DTYPES:
         raise TypeError(
-            "dmattn.attention: backend='triton' supports float16, bfloat16 and float32; "
+            f"{fn}: backend='triton' supports float16, bfloat16 and float32; "
             f"got {query.dtype} (backend='auto' runs float64 in PyTorch)"
         )
     if not launch.triton_runs_on(query):
         raise ValueError(
-            "dmattn.attention: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 "
+            f"{fn}: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 "
             f"(Triton's interpreter) for CPU tensors; got tensors on {query.device}"
         )
 
@@ -96,3 +102,71 @@ def attention(
     return torch.ops.dmattn.attention(
         query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
     )
+
+
+def attention_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    r"""Dynamic Mask Attention over a packed batch of variable-length sequences.
+
+    Args:
+        query: (total_q, H, D), the sequences' queries one after another.
+        key: (total_k, Hkv, D); value: (total_k, Hkv, Dv).
+        cu_seqlens_q, cu_seqlens_k: int32 (B + 1,), starting at 0 and non-decreasing: sequence
+            b is query rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] and the matching key rows.
+            Rows past cu_seqlens[-1] may hold anything (NaN included); they are never read.
+        max_seqlen_q, max_seqlen_k: upper bounds of the sequence lengths (size the launch
+            grid; an int, or a SymInt under torch.compile).
+        mask: bool (H|Hkv|1, total_k), per key token, broadcast over the queries of the
+            key's sequence. No gradient.
+        bias: float (H|Hkv|1, total_k), per key token like mask; its gradient has its shape.
+        scale, is_causal, softcap, deterministic, backend: as in `attention`; causal is
+            bottom-right aligned within each sequence.
+        return_lse: also return lse, float32 (H, total_q).
+
+    Returns:
+        out (total_q, H, Dv), or (out, lse). Rows outside every sequence get out 0, lse -inf
+        and zero gradients. Sequence b computes exactly `attention` on its own rows with
+        mask/bias[:, k0:k1] as (1, H|Hkv|1, 1, n).
+
+    Under torch.compile(dynamic=True), new cu_seqlens values and new totals do not recompile.
+    The cu_seqlens checks (start, monotone, totals, max_seqlen) read the tensors and are skipped
+    while tracing and during CUDA graph capture.
+    """
+    fn = "dmattn.attention_varlen"
+    check_backend(backend)
+    args = (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias)
+    options = dict(scale=scale, is_causal=is_causal, softcap=softcap, deterministic=deterministic)
+    if backend in ("reference", "flex"):
+        fn_backend = reference.attention_varlen if backend == "reference" else flex.attention_varlen
+        return fn_backend(*args, **options, return_lse=return_lse)
+    check_varlen_inputs(*args, scale, softcap, fn=fn)
+    if not _tracing():
+        check_cu_seqlens_values(
+            cu_seqlens_q, cu_seqlens_k, query.shape[0], key.shape[0], max_seqlen_q,
+            max_seqlen_k, fn,
+        )  # fmt: skip
+    if backend == "triton":
+        _check_triton_can_run(query, fn)
+    if return_lse:
+        scale = ops.default_scale(query) if scale is None else scale
+        out, lse, _ = torch.ops.dmattn.attention_varlen_forward(
+            *args, scale, is_causal, softcap, deterministic
+        )
+        return out, lse
+    return torch.ops.dmattn.attention_varlen(*args, scale, is_causal, softcap, deterministic)

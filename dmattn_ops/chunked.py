@@ -225,3 +225,69 @@ def backward(
     else:
         grad_bias = dbias.reshape(bias.shape).to(bias.dtype).contiguous()
     return grad_query, grad_key, grad_value, grad_bias
+
+
+# Variable-length batches: one sequence at a time (this is the CPU path, where the host loop
+# costs nothing next to the arithmetic).
+
+
+def varlen_spans(cu_q, cu_k, total_q, total_k) -> list[tuple[int, int, int, int]]:
+    """(q_start, q_end, k_start, k_end) of every sequence, clamped as the kernels clamp them."""
+    cu_q, cu_k = cu_q.to(torch.int64).cpu(), cu_k.to(torch.int64).cpu()
+    spans = []
+    for b in range(cu_q.shape[0] - 1):
+        q1 = min(max(int(cu_q[b + 1]), 0), total_q)
+        k1 = min(max(int(cu_k[b + 1]), 0), total_k)
+        spans.append((min(max(int(cu_q[b]), 0), q1), q1, min(max(int(cu_k[b]), 0), k1), k1))
+    return spans
+
+
+def _seq_operand(t, k0, k1):
+    """Sequence slice of a per-key-token (H|Hkv|1, total_k) operand, as (1, H|Hkv|1, 1, n)."""
+    return None if t is None else t[None, :, None, k0:k1]
+
+
+def varlen_forward(query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, softcap):
+    """Packed (total, H, D) inputs -> out (total_q, H, Dv), lse and log_sum (H, total_q); rows
+    outside every sequence are 0, -inf and 0."""
+    total_q, h, _ = query.shape
+    out = torch.zeros((total_q, h, value.shape[-1]), dtype=query.dtype, device=query.device)
+    lse = torch.full((h, total_q), float("-inf"), dtype=torch.float32, device=query.device)
+    log_sum = torch.zeros((h, total_q), dtype=torch.float32, device=query.device)
+    for q0, q1, k0, k1 in varlen_spans(cu_q, cu_k, total_q, key.shape[0]):
+        if q1 == q0:
+            continue
+        o, s_lse, s_log_sum = forward(
+            query[None, q0:q1], key[None, k0:k1], value[None, k0:k1],
+            _seq_operand(mask, k0, k1), _seq_operand(bias, k0, k1),
+            scale, is_causal, softcap, None,
+        )  # fmt: skip
+        out[q0:q1] = o[0]
+        lse[:, q0:q1] = s_lse[0]
+        log_sum[:, q0:q1] = s_log_sum[0]
+    return out, lse, log_sum
+
+
+def varlen_backward(
+    grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k,
+    mask, bias, scale, is_causal, softcap, compute_dbias,
+):  # fmt: skip
+    """dq, dk, dv (0 outside every sequence) and dbias in bias's (H|Hkv|1, total_k) shape."""
+    dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    dbias = torch.zeros_like(bias) if compute_dbias else None
+    for q0, q1, k0, k1 in varlen_spans(cu_q, cu_k, query.shape[0], key.shape[0]):
+        if q1 == q0 or k1 == k0:
+            continue
+        grads = backward(
+            grad_out[None, q0:q1], None if grad_lse is None else grad_lse[None, :, q0:q1],
+            query[None, q0:q1], key[None, k0:k1], value[None, k0:k1], out[None, q0:q1],
+            lse[None, :, q0:q1], log_sum[None, :, q0:q1],
+            _seq_operand(mask, k0, k1), _seq_operand(bias, k0, k1),
+            scale, is_causal, softcap, None, compute_dbias,
+        )  # fmt: skip
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = grads[0][0], grads[1][0], grads[2][0]
+        if dbias is not None:
+            dbias[:, k0:k1] = grads[3][0, :, 0]
+    if dbias is None:
+        dbias = torch.empty((0,), dtype=query.dtype, device=query.device)
+    return dq, dk, dv, dbias

@@ -31,7 +31,13 @@ import weakref
 
 import torch
 
-from dmattn_ops.validate import check_inputs, check_seqused_k_values
+from dmattn_ops.launch import varlen_bounds
+from dmattn_ops.validate import (
+    check_cu_seqlens_values,
+    check_inputs,
+    check_seqused_k_values,
+    check_varlen_inputs,
+)
 
 
 class BlockMaskEntry:
@@ -257,3 +263,131 @@ def attention(
         out, lse = result
         return out.transpose(1, 2), lse.float()
     return result.transpose(1, 2)
+
+
+def _varlen_layout(cu, total: int):
+    """Per packed row: its sequence (B past the last one) and its index within the sequence;
+    per sequence (padded with one empty entry for the rows past the last): its length."""
+    start, end = varlen_bounds(cu, total)
+    rows = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(end, rows, right=True)
+    starts = torch.cat([start, end[-1:] if end.numel() else start.new_zeros(1)])
+    lengths = torch.cat([end - start, start.new_zeros(1)])
+    return seq, rows - starts[seq], lengths
+
+
+def make_varlen_mask_mod(mask, cu_q, cu_k, total_q, total_k, is_causal, h, hkv):
+    """Document mask_mod over packed rows: query and key in the same sequence, the key allowed
+    by the per-key-token mask, and causal bottom-right within the sequence."""
+    q_seq, q_pos, q_len = _varlen_layout(cu_q, total_q)
+    k_seq, k_pos, k_len = _varlen_layout(cu_k, total_k)
+    n_sequences = cu_q.shape[0] - 1
+
+    def mask_mod(b, hi, qi, kj):
+        s = q_seq[qi]
+        ok = (s == k_seq[kj]) & (s < n_sequences)
+        if is_causal:
+            ok = ok & (k_pos[kj] <= q_pos[qi] + (k_len[s] - q_len[s]))
+        if mask is not None:
+            ok = ok & mask[_head_index(hi, mask[None], h, hkv), kj]
+        return ok
+
+    return mask_mod, k_seq < n_sequences
+
+
+def make_varlen_score_mod(bias, softcap: float, h: int, hkv: int):
+    """score_mod for a per-key-token bias (H|Hkv|1, total_k)."""
+    if bias is None and softcap <= 0:
+        return None
+
+    def score_mod(score, b, hi, qi, kj):
+        if softcap > 0:
+            score = softcap * torch.tanh(score / softcap)
+        if bias is not None:
+            score = score + bias[_head_index(hi, bias[None], h, hkv), kj]
+        return score
+
+    return score_mod
+
+
+def attention_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    backend: str = "flex",
+):
+    """`dmattn_ops.attention_varlen` through FlexAttention: the packed batch is one flex batch
+    with a document mask_mod (query and key in the same sequence). Limits as in `attention`;
+    besides, its BlockMask is rebuilt on every call (cu_seqlens change from batch to batch) and
+    covers total_q x total_k, where the Triton kernels only visit each sequence's own tiles."""
+    fn = "dmattn.flex.attention_varlen"
+    check_varlen_inputs(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        mask, bias, scale, softcap, fn=fn,
+    )  # fmt: skip
+    total_q, h, d = query.shape
+    total_k, hkv, dv = key.shape[0], key.shape[1], value.shape[2]
+    if not torch.compiler.is_compiling():
+        check_cu_seqlens_values(
+            cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, fn
+        )
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, bias)
+    )
+    device = query.device
+    if needs_grad and device.type != "cuda":
+        raise RuntimeError(
+            f"{fn}: FlexAttention has no backward on CPU; use backend='auto' (or 'triton' with "
+            "TRITON_INTERPRET=1, or 'reference') to train on CPU"
+        )
+    if needs_grad and deterministic and bias is not None and bias.requires_grad:
+        raise ValueError(
+            f"{fn}: FlexAttention accumulates the bias gradient with atomics, so it cannot be "
+            "deterministic; use backend='triton' for deterministic=True"
+        )
+    if total_q * h == 0 or total_k == 0 or cu_seqlens_q.shape[0] < 2:
+        out, lse, _ = torch.ops.dmattn.attention_varlen_forward(
+            query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
+            bias, d**-0.5 if scale is None else scale, is_causal, softcap, deterministic,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask_mod, key_used = make_varlen_mask_mod(
+        mask, cu_seqlens_q, cu_seqlens_k, total_q, total_k, is_causal, h, hkv
+    )
+    # Rows past the last sequence may hold NaN: flex would multiply them by 0.
+    key = torch.where(key_used[:, None, None], key, 0)
+    value = torch.where(key_used[:, None, None], value, 0)
+    build = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
+    block_mask = build(mask_mod, 1, 1, total_q, total_k, device=device)
+    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
+    kwargs = dict(
+        score_mod=make_varlen_score_mod(bias, softcap, h, hkv),
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=h != hkv,
+        return_lse=return_lse,
+    )
+    if device.type == "cuda":
+        result = run_compiled(q, k, v, kernel_options(None, max(d, dv), device), kwargs)
+    elif return_lse:
+        result = _eager_flex(q, k, v, kwargs)
+    else:
+        result = _compiled_flex()(q, k, v, **kwargs)
+    if return_lse:
+        out, lse = result
+        return out[0].transpose(0, 1), lse[0].float()
+    return result[0].transpose(0, 1)

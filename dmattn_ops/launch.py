@@ -465,3 +465,150 @@ def _launch_backward(
         h, h // hkv, lq, lk, d, d_v, nk, mask_div, bias_div, float(scale), float(softcap),
         **common,
     )  # fmt: skip
+
+
+# Variable-length batches: packed (total, H, D) tensors and cu_seqlens.
+
+
+def varlen_bounds(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end) int64 (B,) of each sequence, clamped into [0, total] exactly as the kernels
+    clamp them (kernels/common.py seq_extent)."""
+    cu = cu.to(torch.int64)
+    end = cu[1:].clamp(0, total)
+    start = torch.minimum(cu[:-1].clamp(min=0), end)
+    return start, end
+
+
+def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, block_m) -> KeyLists:
+    """Key lists of a varlen mask (Hm, total_k): per (mask head, sequence) the sequence's allowed
+    keys in ascending order, as indices local to the sequence, stored where the sequence's keys
+    are (keys (Hm, total_k)); key_end (B, Hm, NQ) and key_count (B, Hm) as in build_key_lists.
+    No host synchronisation."""
+    hm, total_k = mask.shape
+    device = mask.device
+    k_start, k_end = varlen_bounds(cu_k, total_k)
+    q_start, q_end = varlen_bounds(cu_q, total_q)
+    n, lq = k_end - k_start, q_end - q_start  # [B]
+    pos = torch.arange(total_k, device=device)
+    seq = torch.searchsorted(k_end, pos, right=True)  # [total_k]; B past the last sequence
+    # Grouped by sequence, the allowed keys first within each, in ascending order.
+    order = torch.argsort(seq * 2 + (~mask).to(torch.int64), dim=-1, stable=True)  # [Hm, Tk]
+    seq_of = seq[order]
+    start_of = torch.cat([k_start, k_end[-1:]])[seq_of]
+    len_of = torch.cat([n, n.new_zeros(1)])[seq_of]
+    local = order - start_of
+    keys = torch.where((local >= 0) & (local < len_of), local, total_k)
+    csum = torch.nn.functional.pad(mask.cumsum(dim=-1), (1, 0))  # [Hm, Tk + 1]
+    count = csum[:, k_end] - csum[:, k_start]  # [Hm, B]
+    m_start = torch.arange(nq, device=device) * block_m  # [NQ]
+    m_end = torch.minimum(m_start[None, :] + block_m, lq[:, None])  # [B, NQ]
+    end = n[:, None].expand(-1, nq)
+    if is_causal:
+        end = torch.minimum(end, m_end + (n - lq)[:, None]).clamp(min=0)
+    end = torch.where(m_start[None, :] < lq[:, None], end, 0)
+    key_end = csum[:, k_start[:, None] + end] - csum[:, k_start][:, :, None]  # [Hm, B, NQ]
+    return KeyLists(
+        keys=keys.to(torch.int32).contiguous(),
+        key_end=key_end.transpose(0, 1).to(torch.int32).contiguous(),
+        key_count=count.t().to(torch.int32).contiguous(),
+        keys_stride_b=0,
+        keys_stride_h=total_k,
+        end_stride_b=hm * nq,
+        count_stride_b=hm,
+    )
+
+
+def _varlen_operand(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A per-key-token mask/bias (H|Hkv|1, total_k) as the 4-D operand (1, H|Hkv|1, 1, total_k)."""
+    return None if t is None else t[None, :, None, :]
+
+
+def _varlen_empty(total_q, h, dv, query):
+    out = torch.zeros((total_q, h, dv), dtype=query.dtype, device=query.device)
+    lse = torch.full((h, total_q), float("-inf"), dtype=torch.float32, device=query.device)
+    log_sum = torch.zeros((h, total_q), dtype=torch.float32, device=query.device)
+    return out, lse, log_sum
+
+
+def attention_varlen_forward(
+    query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap
+):
+    """Returns out (total_q, H, Dv), lse and log_sum, both float32 (H, total_q). Rows of out and
+    lse outside every sequence are 0 and -inf."""
+    if not use_triton(query):
+        return chunked.varlen_forward(
+            query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, softcap
+        )
+    total_q, h, d = query.shape
+    total_k, dv = key.shape[0], value.shape[2]
+    b = cu_q.shape[0] - 1
+    # Written in full: rows outside every sequence are never visited by a kernel.
+    out, lse, log_sum = _varlen_empty(total_q, h, dv, query)
+    if b <= 0 or total_q * h == 0 or total_k == 0 or max_q <= 0 or max_k <= 0:
+        return out, lse, log_sum
+    max_q = min(max_q, total_q)
+    cfg = _config(
+        d, dv, backward=False, lq=max_q, masked=mask is not None, itemsize=query.element_size()
+    )
+    nq = triton.cdiv(max_q, cfg.block_m)
+    lists = None
+    if mask is not None:
+        lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, cfg.block_m)
+    _launch_forward(
+        query[None], key[None], value[None], _varlen_operand(mask), _varlen_operand(bias),
+        None, cu_q, cu_k, out[None], lse, log_sum, b, total_q, total_k, nq, (0, total_q),
+        None, lists, cfg, scale, is_causal, softcap,
+    )  # fmt: skip
+    return out, lse, log_sum
+
+
+def _varlen_sum_to_bias(cols: torch.Tensor, bias: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(H, total_k) float32 column sums of dS -> bias's (H|Hkv|1, total_k) shape and dtype."""
+    h, total_k = cols.shape
+    hb = bias.shape[0]
+    if hb != h:
+        cols = cols.view(hkv, h // hkv, total_k).sum(dim=1) if hb == hkv else cols.sum(0, True)
+    return cols.to(bias.dtype)
+
+
+def attention_varlen_backward(
+    grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k, max_q, max_k,
+    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
+):  # fmt: skip
+    """dq, dk, dv in their inputs' layouts and dtypes (0 on rows outside every sequence) and
+    dbias in bias's (H|Hkv|1, total_k) shape and dtype (an empty (0,) tensor unless
+    compute_dbias). No atomics: always deterministic."""
+    del deterministic
+    if not use_triton(query):
+        return chunked.varlen_backward(
+            grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k,
+            mask, bias, scale, is_causal, softcap, compute_dbias,
+        )  # fmt: skip
+    total_q, h, d = query.shape
+    total_k, hkv, dv = key.shape[0], key.shape[1], value.shape[2]
+    b = cu_q.shape[0] - 1
+    device = query.device
+    dq, dk, dvv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    dbias_cols = None
+    if compute_dbias:
+        dbias_cols = torch.zeros((h, total_k), dtype=torch.float32, device=device)
+    if b > 0 and total_q * h > 0 and total_k > 0 and max_q > 0 and max_k > 0:
+        max_q, max_k = min(max_q, total_q), min(max_k, total_k)
+        cfg = _config(d, dv, backward=True, lq=max_q, itemsize=query.element_size())
+        nq, nk = triton.cdiv(max_q, cfg.block_m), triton.cdiv(max_k, cfg.block_n)
+        lists = None
+        if mask is not None:
+            lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, cfg.block_m)
+        dkdv_lists = lists if compactable(_varlen_operand(mask), h, hkv) else None
+        delta = (grad_out.float() * out.float()).sum(dim=-1).t()  # [H, total_q]
+        if grad_lse is not None:
+            delta = delta - grad_lse
+        _launch_backward(
+            query[None], key[None], value[None], grad_out[None], _varlen_operand(mask),
+            _varlen_operand(bias), None, cu_q, cu_k, lse, log_sum, delta.contiguous(),
+            dq, dk, dvv, dbias_cols, None, b, total_q, total_k, nq, nk,
+            (0, total_q), (0, total_k), None, lists, dkdv_lists, cfg, scale, is_causal, softcap,
+        )  # fmt: skip
+    if not compute_dbias:
+        return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device)
+    return dq, dk, dvv, _varlen_sum_to_bias(dbias_cols, bias, hkv)

@@ -28,7 +28,7 @@ import torch
 from torch._functorch.autograd_function import enable_single_level_autograd_function
 
 from dmattn_ops import launch
-from dmattn_ops.validate import check_inputs
+from dmattn_ops.validate import check_inputs, check_varlen_inputs
 
 ATTENTION_SCHEMA = (
     "attention(Tensor query, Tensor key, Tensor value, Tensor? mask=None, Tensor? bias=None, "
@@ -495,3 +495,194 @@ def _backward_vmap(
     if _batch_size(bias, in_dims[9]) == 1 and b != 1:
         dbias = dbias.float().sum(dim=1, keepdim=True).to(bias.dtype)
     return (*grads, dbias), (0, 0, 0, 0)
+
+
+# Variable-length batches.
+
+VARLEN_SCHEMA = (
+    "attention_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
+    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask=None, "
+    "Tensor? bias=None, float? scale=None, bool is_causal=False, float softcap=0.0, "
+    "bool deterministic=False) -> Tensor"
+)
+VARLEN_FORWARD_SCHEMA = (
+    "attention_varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
+    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, Tensor? bias, "
+    "float scale, bool is_causal, float softcap, bool deterministic=False) "
+    "-> (Tensor out, Tensor lse, Tensor log_sum)"
+)
+VARLEN_BACKWARD_SCHEMA = (
+    "attention_varlen_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, "
+    "Tensor value, Tensor out, Tensor lse, Tensor log_sum, Tensor cu_seqlens_q, "
+    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, "
+    "Tensor? bias, float scale, bool is_causal, float softcap, bool deterministic, "
+    "bool compute_dbias) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, "
+    "Tensor grad_bias)"
+)
+for _schema in (VARLEN_SCHEMA, VARLEN_FORWARD_SCHEMA, VARLEN_BACKWARD_SCHEMA):
+    _lib.define(_schema)
+
+
+def _varlen_forward_impl(
+    query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
+    deterministic=False,
+):  # fmt: skip
+    check_varlen_inputs(
+        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, softcap,
+        fn="dmattn::attention_varlen",
+    )  # fmt: skip
+    return launch.attention_varlen_forward(
+        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap
+    )
+
+
+def _varlen_backward_impl(
+    grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k, max_q, max_k,
+    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
+):  # fmt: skip
+    return launch.attention_varlen_backward(
+        grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k, max_q, max_k,
+        mask, bias, scale, is_causal, softcap, deterministic, compute_dbias and bias is not None,
+    )  # fmt: skip
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("attention_varlen_forward", _varlen_forward_impl, _key)
+    _lib.impl("attention_varlen_backward", _varlen_backward_impl, _key)
+
+
+def _varlen_impl(
+    query, key, value, cu_q, cu_k, max_q, max_k, mask=None, bias=None, scale=None,
+    is_causal=False, softcap=0.0, deterministic=False,
+):  # fmt: skip
+    scale = default_scale(query) if scale is None else scale
+    out, _, _ = torch.ops.dmattn.attention_varlen_forward(
+        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
+        deterministic,
+    )  # fmt: skip
+    return out
+
+
+_lib.impl("attention_varlen", _varlen_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("dmattn::attention_varlen_forward")
+def _varlen_forward_fake(
+    query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
+    deterministic=False,
+):  # fmt: skip
+    check_varlen_inputs(
+        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, softcap,
+        fn="dmattn::attention_varlen",
+    )  # fmt: skip
+    total_q, h, _ = query.shape
+    out = query.new_empty((total_q, h, value.shape[-1]))
+    lse = query.new_empty((h, total_q), dtype=torch.float32)
+    log_sum = query.new_empty((h, total_q), dtype=torch.float32)
+    return out, lse, log_sum
+
+
+@torch.library.register_fake("dmattn::attention_varlen_backward")
+def _varlen_backward_fake(
+    grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k, max_q, max_k,
+    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
+):  # fmt: skip
+    dbias = bias.new_empty(bias.shape) if compute_dbias and bias is not None else None
+    if dbias is None:
+        dbias = query.new_empty((0,))
+    grads = (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape))
+    return (*grads, dbias)
+
+
+@dataclass(frozen=True)
+class VarlenOptions(Options):
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class VarlenAttentionFunction(torch.autograd.Function):
+    """(query, key, value, cu_q, cu_k, mask, bias, VarlenOptions) -> (out, lse, log_sum)."""
+
+    @staticmethod
+    def forward(query, key, value, cu_q, cu_k, mask, bias, options: VarlenOptions):
+        o = options
+        return torch.ops.dmattn.attention_varlen_forward(
+            query, key, value, cu_q, cu_k, o.max_seqlen_q, o.max_seqlen_k, mask, bias,
+            o.scale, o.is_causal, o.softcap, o.deterministic,
+        )  # fmt: skip
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        query, key, value, cu_q, cu_k, mask, bias, options = inputs
+        out, lse, log_sum = output
+        ctx.save_for_backward(query, key, value, cu_q, cu_k, mask, bias, out, lse, log_sum)
+        ctx.mark_non_differentiable(log_sum)
+        ctx.options = options
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse, _grad_log_sum):
+        query, key, value, cu_q, cu_k, mask, bias, out, lse, log_sum = ctx.saved_tensors
+        if grad_out is None and grad_lse is None:
+            return (None,) * 8
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        o = ctx.options
+        compute_dbias = bias is not None and ctx.needs_input_grad[6]
+        dq, dk, dv, dbias = torch.ops.dmattn.attention_varlen_backward(
+            grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k,
+            o.max_seqlen_q, o.max_seqlen_k, mask, bias, o.scale, o.is_causal, o.softcap,
+            o.deterministic, compute_dbias,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, (dbias if compute_dbias else None), None
+
+
+def _varlen_autograd(
+    keyset, query, key, value, cu_q, cu_k, max_q, max_k, mask=None, bias=None, scale=None,
+    is_causal=False, softcap=0.0, deterministic=False,
+):  # fmt: skip
+    if _needs_grad(query, key, value, bias):
+        scale = default_scale(query) if scale is None else scale
+        options = VarlenOptions(scale, is_causal, softcap, deterministic, max_q, max_k)
+        args = (query, key, value, cu_q, cu_k, mask, bias, options)
+        out, _, _ = _apply(VarlenAttentionFunction, *args)
+        return out
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.dmattn.attention_varlen.default.redispatch(
+            keyset & torch._C._after_autograd_keyset, query, key, value, cu_q, cu_k, max_q,
+            max_k, mask, bias, scale, is_causal, softcap, deterministic,
+        )  # fmt: skip
+
+
+def _varlen_forward_autograd(
+    keyset, query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
+    deterministic=False,
+):  # fmt: skip
+    if _needs_grad(query, key, value, bias):
+        options = VarlenOptions(scale, is_causal, softcap, deterministic, max_q, max_k)
+        return _apply(VarlenAttentionFunction, query, key, value, cu_q, cu_k, mask, bias, options)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.dmattn.attention_varlen_forward.default.redispatch(
+            keyset & torch._C._after_autograd_keyset, query, key, value, cu_q, cu_k, max_q,
+            max_k, mask, bias, scale, is_causal, softcap, deterministic,
+        )  # fmt: skip
+
+
+def _varlen_backward_autograd(keyset, *args):
+    if _needs_grad(*(a for a in args if isinstance(a, torch.Tensor))):
+        return _apply(_VarlenBackwardFunction, *args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.dmattn.attention_varlen_backward.default.redispatch(
+            keyset & torch._C._after_autograd_keyset, *args
+        )
+
+
+class _VarlenBackwardFunction(_BackwardFunction):
+    @staticmethod
+    def forward(*args):
+        return torch.ops.dmattn.attention_varlen_backward(*args)
+
+
+_lib.impl("attention_varlen", _varlen_autograd, "Autograd", with_keyset=True)
+_lib.impl("attention_varlen_forward", _varlen_forward_autograd, "Autograd", with_keyset=True)
+_lib.impl("attention_varlen_backward", _varlen_backward_autograd, "Autograd", with_keyset=True)

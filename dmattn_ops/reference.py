@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops.validate import check_inputs, check_seqused_k_values
+from dmattn_ops.validate import (
+    check_cu_seqlens_values,
+    check_inputs,
+    check_seqused_k_values,
+    check_varlen_inputs,
+)
 
 
 def _per_query_head(t: torch.Tensor, h: int, hkv: int) -> torch.Tensor:
@@ -105,3 +110,55 @@ def attention(
     if return_lse:
         return out, lse.float()
     return out
+
+
+def attention_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    r"""Varlen oracle: `attention` on each sequence of the packed batch on its own.
+
+    query (total_q, H, D), key/value (total_k, Hkv, D|Dv), cu_seqlens_* int32 (B + 1,); mask and
+    bias per key token, (H|Hkv|1, total_k). Sequence b is query rows cu_seqlens_q[b]:[b + 1] and
+    key rows cu_seqlens_k[b]:[b + 1], its mask/bias the same key columns broadcast over its
+    queries. Rows outside every sequence get out 0 and lse -inf. Differentiable by autograd.
+    """
+    fn = "reference.attention_varlen"
+    check_varlen_inputs(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        mask, bias, scale, softcap, fn=fn,
+    )  # fmt: skip
+    total_q, h, d = query.shape
+    total_k = key.shape[0]
+    check_cu_seqlens_values(
+        cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, fn
+    )
+    scale = d**-0.5 if scale is None else scale
+    out = query.new_zeros((total_q, h, value.shape[2]))
+    lse = query.new_full((h, total_q), float("-inf"), dtype=torch.float32)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        o, s_lse = attention(
+            query[None, q0:q1], key[None, k0:k1], value[None, k0:k1],
+            None if mask is None else mask[None, :, None, k0:k1],
+            None if bias is None else bias[None, :, None, k0:k1],
+            scale=scale, is_causal=is_causal, softcap=softcap, return_lse=True,
+        )  # fmt: skip
+        out[q0:q1] = o[0]
+        lse[:, q0:q1] = s_lse[0]
+    return (out, lse) if return_lse else out

@@ -158,3 +158,133 @@ def check_seqused_k_values(seqused_k: torch.Tensor | None, lk: int, fn: str) -> 
 def check_backend(backend) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"dmattn.attention: backend must be one of {BACKENDS}; got {backend!r}")
+
+
+def _check_dtypes_devices(query, key, value, mask, bias, fn: str) -> None:
+    if query.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{fn}: query must be float16, bfloat16, float32 or float64; got {query.dtype}"
+        )
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(f"{fn}: {name} dtype {t.dtype} differs from query dtype {query.dtype}")
+    for name, t in (("key", key), ("value", value), ("mask", mask), ("bias", bias)):
+        if t is not None and isinstance(t, torch.Tensor) and t.device != query.device:
+            raise ValueError(
+                f"{fn}: {name} is on {t.device} but query is on {query.device}; "
+                "all tensors must be on one device"
+            )
+
+
+def check_varlen_inputs(
+    query,
+    key,
+    value,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    mask=None,
+    bias=None,
+    scale=None,
+    softcap=0.0,
+    fn: str = "dmattn.attention_varlen",
+) -> None:
+    """The shape/dtype/device checks of a varlen call (SPEC.md "Shapes", varlen line)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, t, fn)
+    if query.dim() != 3:
+        raise ValueError(f"{fn}: query must be 3-D (total_q, H, D); got shape {_shape(query)}")
+    if key.dim() != 3:
+        raise ValueError(f"{fn}: key must be 3-D (total_k, Hkv, D); got shape {_shape(key)}")
+    if value.dim() != 3:
+        raise ValueError(f"{fn}: value must be 3-D (total_k, Hkv, Dv); got shape {_shape(value)}")
+    _check_dtypes_devices(query, key, value, mask, bias, fn)
+    _, h, d = query.shape
+    total_k, hkv, dk = key.shape
+    if dk != d or value.shape[0] != total_k or value.shape[1] != hkv:
+        raise ValueError(
+            f"{fn}: key (total_k, Hkv, D) and value (total_k, Hkv, Dv) must agree with each "
+            f"other and with query's D={d}; got query {_shape(query)}, key {_shape(key)}, "
+            f"value {_shape(value)}"
+        )
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(
+            f"{fn}: the number of query heads H={h} must be a multiple of the number of "
+            f"key/value heads Hkv={hkv} (query {_shape(query)}, key {_shape(key)})"
+        )
+    if d > MAX_HEAD_DIM or value.shape[2] > MAX_HEAD_DIM:
+        raise ValueError(
+            f"{fn}: head dims must be at most {MAX_HEAD_DIM}; got D={d} (query/key) and "
+            f"Dv={value.shape[2]} (value)"
+        )
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_tensor(name, cu, fn)
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{fn}: {name} must be int32; got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{fn}: {name} must have shape (B + 1,); got {_shape(cu)}")
+        if cu.device != query.device:
+            raise ValueError(f"{fn}: {name} is on {cu.device} but query is on {query.device}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(
+            f"{fn}: cu_seqlens_q and cu_seqlens_k must both have B + 1 entries; got "
+            f"{_shape(cu_seqlens_q)} and {_shape(cu_seqlens_k)}"
+        )
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)):
+            raise TypeError(f"{fn}: {name} must be an int; got {type(m).__name__}")
+        if m < 0:
+            raise ValueError(f"{fn}: {name} must be >= 0; got {m}")
+    for name, t, dtypes in (
+        ("mask", mask, (torch.bool,)),
+        ("bias", bias, (query.dtype, torch.float32)),
+    ):
+        if t is None:
+            continue
+        _check_tensor(name, t, fn)
+        if t.dtype not in dtypes:
+            want = "bool" if name == "mask" else f"query's ({query.dtype}) or torch.float32"
+            raise TypeError(f"{fn}: {name} dtype must be {want}; got {t.dtype}")
+        th = t.shape[0] if t.dim() == 2 else -1
+        if t.dim() != 2 or not (th == h or th == hkv or th == 1) or t.shape[1] != total_k:  # noqa: SIM109
+            raise ValueError(
+                f"{fn}: {name} must be per key token, (H|Hkv|1, total_k) with H={h}, "
+                f"Hkv={hkv}, total_k={total_k}; got shape {_shape(t)}"
+            )
+    check_scalars(scale, softcap, fn)
+
+
+def check_cu_seqlens_values(
+    cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, fn: str
+) -> None:
+    """cu_seqlens start at 0, never decrease, end within the packed totals, and no sequence is
+    longer than max_seqlen. Reads the tensors (one host sync), so callers skip it while tracing."""
+    if cu_seqlens_q.shape[0] < 2:
+        return
+
+    def stats(cu: torch.Tensor) -> torch.Tensor:
+        step = cu.diff().long()
+        return torch.stack([cu[0].long(), cu[-1].long(), step.max(), step.argmin(), step.min()])
+
+    pairs = (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    values = torch.stack([stats(cu) for _, cu in pairs]).tolist()  # one host sync
+    limits = ((total_q, max_seqlen_q), (total_k, max_seqlen_k))
+    for (name, _), (first, last, step_max, at, step_min), (total, max_len) in zip(
+        pairs, values, limits
+    ):
+        if first != 0:
+            raise ValueError(f"{fn}: {name} must start at 0; got {first}")
+        if step_min < 0:
+            raise ValueError(
+                f"{fn}: {name} must be monotone (non-decreasing); it falls by {-step_min} "
+                f"from index {at} to {at + 1}"
+            )
+        if last > total:
+            side = "query" if name.endswith("q") else "key/value"
+            raise ValueError(f"{fn}: {name}[-1] = {last} exceeds the packed {side} length {total}")
+        if step_max > max_len:
+            mname = "max_seqlen_q" if name.endswith("q") else "max_seqlen_k"
+            raise ValueError(
+                f"{fn}: a sequence in {name} has length {step_max}, more than {mname}={max_len}"
+            )
