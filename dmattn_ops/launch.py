@@ -22,6 +22,7 @@ from dmattn_ops.kernels.attention_bwd import (
     attention_bwd_dkdv_kernel,
     attention_bwd_dq_kernel,
 )
+from dmattn_ops.kernels.attention_decode import attention_decode_kernel, decode_combine_kernel
 from dmattn_ops.kernels.attention_fwd import attention_fwd_kernel
 from dmattn_ops.kernels.block_mask import mask_block_any_kernel
 
@@ -245,6 +246,8 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     if b * lq * h == 0 or lk == 0:
         return _empty_forward(query, value)
+    if decode_applies(lq, h, hkv, lk, mask):
+        return decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
     cfg = _config(
         d, dv, backward=False, lq=lq, masked=mask is not None, itemsize=query.element_size()
     )
@@ -612,3 +615,69 @@ def attention_varlen_backward(
     if not compute_dbias:
         return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device)
     return dq, dk, dvv, _varlen_sum_to_bias(dbias_cols, bias, hkv)
+
+
+# Decoding: split-K forward for a few queries against a long cache.
+
+DECODE_MAX_ROWS = 64  # G * Lq query rows per program
+DECODE_WAVES = 4  # aim for this many programs per SM
+
+
+def decode_applies(lq: int, h: int, hkv: int, lk: int, mask) -> bool:
+    """Lq <= 16 with the G * Lq rows of a KV group in one tile, a cache longer than one key
+    tile, and a mask (if any) with one key list per KV group (head dim 1 or Hkv, no query dim)."""
+    g = h // hkv
+    if lq > 16 or g * lq > DECODE_MAX_ROWS or lk <= _decode_block_n():
+        return False
+    return mask is None or (mask.shape[2] == 1 and (mask.shape[1] != h or g == 1))
+
+
+def _decode_block_n() -> int:
+    return 16 if interpreter_on() else 64
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k):
+    """out, lse, log_sum as attention_forward, through attention_decode_kernel and its merge."""
+    b, lq, h, d = query.shape
+    lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
+    g = h // hkv
+    device = query.device
+    block_n = _decode_block_n()
+    block_m = max(16, triton.next_power_of_2(g * lq))
+    tiles = triton.cdiv(lk, block_n)
+    splits = max(1, min(tiles, triton.cdiv(DECODE_WAVES * _sm_count(device), b * hkv)))
+    tiles_per_split = triton.cdiv(tiles, splits)
+    splits = triton.cdiv(tiles, tiles_per_split)
+    lists = build_key_lists(mask, seqused_k, b, lq, lk, is_causal, lq) if mask is not None else None
+    rows = b * h * lq
+    acc = empty((splits, rows, dv), dtype=torch.float32, device=device)
+    m = empty((splits, rows), dtype=torch.float32, device=device)
+    l_part = empty((splits, rows), dtype=torch.float32, device=device)
+    stages = 1 if interpreter_on() else (2 if query.element_size() > 2 else 3)
+    attention_decode_kernel[(splits, b * hkv)](
+        query, key, value, bias, seqused_k,
+        lists.keys if lists else None, lists.key_end if lists else None, acc, m, l_part,
+        *query.stride(), *key.stride(), *value.stride(), *_operand_strides(bias),
+        lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0,
+        lists.end_stride_b if lists else 0, 1,
+        h, g, lq, lk, d, dv, rows, tiles_per_split * block_n,
+        _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
+        IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block(d),
+        BLOCK_DV=_block(dv), DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=1 if interpreter_on() else 4, num_stages=stages,
+    )  # fmt: skip
+    out = empty((b, lq, h, dv), dtype=query.dtype, device=device)
+    lse = empty((b, h, lq), dtype=torch.float32, device=device)
+    log_sum = empty((b, h, lq), dtype=torch.float32, device=device)
+    decode_combine_kernel[(rows,)](
+        acc, m, l_part, out, lse, log_sum, rows, splits, h, lq, dv, *out.stride(),
+        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DV=_block(dv),
+        num_warps=1 if interpreter_on() else 4,
+    )  # fmt: skip
+    return out, lse, log_sum

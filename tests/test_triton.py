@@ -425,3 +425,53 @@ def test_key_lists_never_load_unlisted_keys(bias_pattern):
     assert_close(dk, rdk, 1e-4, "dk")
     assert_close(dv, rdv, 1e-4, "dv")
     assert (dk[unlisted.expand_as(dk)] == 0).all()
+
+
+# Split-K decoding (Lq <= 16 against a long cache).
+
+DECODE = [
+    param(Case(3, 1, 150, 8, 2, 32, 32)),
+    param(Case(2, 3, 97, 4, 4, 16, 24)),
+    param(Case(1, 16, 70, 2, 1, 64, 64)),
+]
+
+
+@pytest.fixture
+def decode_spy(monkeypatch):
+    """Counts calls of the split-K forward, to show the tests below run it."""
+    calls = []
+    real = launch.decode_forward
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(launch, "decode_forward", spy)
+    return calls
+
+
+@pytest.mark.parametrize("case", DECODE)
+@pytest.mark.parametrize(
+    ("mask_pattern", "bias_pattern"), [(None, "BGq"), ("bGq", "bHQ"), ("Bhq", "BHq")]
+)
+def test_decode_split_k(decode_spy, case, mask_pattern, bias_pattern):
+    c = case
+    # seqused_k: an empty cache, a partly filled one, a full one; NaN in every unused slot.
+    seqused = torch.tensor([0, 61, c.lk][: c.b], dtype=torch.int32)
+    k = torch.full((c.b, c.lk, c.hkv, c.d), math.nan, device=DEVICE)
+    v = torch.full((c.b, c.lk, c.hkv, c.dv), math.nan, device=DEVICE)
+    for b, n in enumerate(seqused.tolist()):
+        k[b, :n], v[b, :n] = torch.randn(n, c.hkv, c.d), torch.randn(n, c.hkv, c.dv)
+    run_case(
+        c, torch.float32,
+        operand_shape(mask_pattern, c) if mask_pattern else None,
+        operand_shape(bias_pattern, c), kv=(k, v), is_causal=True, softcap=3.0, seqused=seqused,
+    )  # fmt: skip
+    assert decode_spy, "the split-K decode path did not run"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_dtypes_without_seqused(decode_spy, dtype):
+    c = Case(2, 2, 130, 8, 2, 40, 40)
+    run_case(c, dtype, (1, 1, 1, c.lk), (c.b, c.hkv, 1, c.lk), is_causal=False)
+    assert decode_spy
