@@ -35,6 +35,9 @@ class Inputs:
     bias: torch.Tensor | None
     is_causal: bool
     seqused_k: torch.Tensor | None = None
+    # Varlen: q (total_q, H, D), k/v (total_k, Hkv, D), mask/bias per key token (H, total_k).
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
 
 
 @dataclass
@@ -47,7 +50,7 @@ class Case:
     lq: int
     lk: int
     d: int
-    kind: str  # dense | topk4d | keys | blocks | gqa | decode
+    kind: str  # dense | topk4d | keys | blocks | gqa | decode | varlen
     keep: int = 0
     is_causal: bool = True
     tags: list = field(default_factory=list)
@@ -55,7 +58,8 @@ class Case:
     def shrink(self) -> Case:
         """The CPU smoke version: same structure, tiny sizes."""
         lq = 1 if self.lq == 1 else 64
-        return Case(self.name, self.title, 1, 2, 2 if self.hkv == self.h else 1, lq, 128,
+        return Case(self.name, self.title, 3 if self.kind == "varlen" else 1, 2,
+                    2 if self.hkv == self.h else 1, lq, 128 if self.kind != "varlen" else 64,
                     32, self.kind, keep=min(self.keep, 32) if self.keep else 0,
                     is_causal=self.is_causal)  # fmt: skip
 
@@ -73,6 +77,8 @@ def _cases() -> list[Case]:
              128, "gqa", keep=2048),
         Case("E", "decode B8 H32 Hkv8 Lq1 Lk32768, seqused_k, bias (B,Hkv,1,Lk)", 8, 32, 8, 1,
              32768, 128, "decode", is_causal=True),
+        Case("V", "varlen training: 8 sequences of 256..4096 tokens, H16, bias+mask per key "
+             "token", 8, 16, 16, 4096, 4096, 128, "varlen"),
         Case("F64-A", "dense D64 B2 H16 L4096", 2, 16, 16, 4096, 4096, 64, "dense"),
         Case("F64-B", "4-D bias + top-1024, D64 B1 H16 L4096", 1, 16, 16, 4096, 4096, 64,
              "topk4d", keep=1024),
@@ -107,6 +113,16 @@ def build(c: Case, device: str, dtype: torch.dtype) -> Inputs:
     def randn(*shape):
         return torch.randn(*shape, device=device, dtype=dtype, generator=g)
 
+    if c.kind == "varlen":
+        # Lengths from 1/16 of the longest up to it; DMA's relu mask (keys with a positive bias).
+        lengths = torch.randint(
+            max(1, c.lq // 16), c.lq + 1, (c.b,), generator=torch.Generator().manual_seed(0)
+        )
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(device)
+        total = int(lengths.sum())
+        q, k, v = randn(total, c.h, c.d), randn(total, c.hkv, c.d), randn(total, c.hkv, c.d)
+        bias = randn(c.h, total)
+        return Inputs(q, k, v, bias > 0, bias, c.is_causal, None, cu, int(lengths.max()))
     q, k, v = randn(c.b, c.lq, c.h, c.d), randn(c.b, c.lk, c.hkv, c.d), randn(c.b, c.lk, c.hkv, c.d)
     mask = bias = seqused = None
     if c.kind == "topk4d":
@@ -134,6 +150,16 @@ def build(c: Case, device: str, dtype: torch.dtype) -> Inputs:
 
 def allowed_entries(x: Inputs) -> int:
     """Number of allowed (b, h, i, j), counted in query chunks."""
+    if x.cu_seqlens is not None:
+        # Per key j of a sequence of length L: L - j queries see it (causal), or L.
+        cu = x.cu_seqlens.tolist()
+        total = 0
+        for s in range(len(cu) - 1):
+            n = cu[s + 1] - cu[s]
+            j = torch.arange(n, device=x.q.device)
+            seen = (n - j) if x.is_causal else torch.full_like(j, n)
+            total += int((x.mask[:, cu[s] : cu[s + 1]] * seen).sum())
+        return total
     b, lq, h, _ = x.q.shape
     lk = x.k.shape[1]
     n = x.seqused_k.long() if x.seqused_k is not None else torch.full((b,), lk, device=x.q.device)
@@ -183,7 +209,18 @@ def _per_query_head(t: torch.Tensor, h: int) -> torch.Tensor:
 # Implementations: each returns a callable out = f(q, k, v, bias) on (B, L, H, D) tensors.
 
 
+def _varlen(fn, x: Inputs, **kw):
+    def f(q, k, v, bias):
+        cu, n = x.cu_seqlens, x.max_seqlen
+        return fn(q, k, v, cu, cu, n, n, x.mask, bias, is_causal=x.is_causal, **kw)
+
+    return f
+
+
 def impl_ours(x: Inputs):
+    if x.cu_seqlens is not None:
+        return _varlen(dmattn_ops.attention_varlen, x, backend="triton")
+
     def f(q, k, v, bias):
         return dmattn_ops.attention(
             q, k, v, x.mask, bias, is_causal=x.is_causal, seqused_k=x.seqused_k, backend="triton"
@@ -195,6 +232,8 @@ def impl_ours(x: Inputs):
 def impl_sdpa(x: Inputs):
     import torch.nn.functional as F
 
+    if x.cu_seqlens is not None:
+        return None  # SDPA has no variable-length batches
     dense = x.mask is None and x.bias is None and x.seqused_k is None
     h, hkv = x.q.shape[2], x.k.shape[2]
     if dense and (x.q.shape[1] == x.k.shape[1] or not x.is_causal):
@@ -230,6 +269,9 @@ def impl_flex(x: Inputs):
     cached) from the mask, the bias through score_mod, kernel options that fit an H100."""
     from dmattn_ops import flex
 
+    if x.cu_seqlens is not None:
+        return _varlen(flex.attention_varlen, x)
+
     def f(q, k, v, bias):
         return flex.attention(q, k, v, x.mask, bias, is_causal=x.is_causal, seqused_k=x.seqused_k)
 
@@ -238,6 +280,8 @@ def impl_flex(x: Inputs):
 
 def impl_ours_cpu(x: Inputs):
     """Ours on CPU without the interpreter: the chunked PyTorch implementation."""
+    if x.cu_seqlens is not None:
+        return _varlen(dmattn_ops.attention_varlen, x)
 
     def f(q, k, v, bias):
         return dmattn_ops.attention(
@@ -254,6 +298,10 @@ def check(f, x: Inputs, rows: torch.Tensor) -> float:
     """Max error of f on sampled rows against float32 math (the reference in fp32)."""
     with torch.no_grad():
         out = f(x.q, x.k, x.v, x.bias)
+    if x.cu_seqlens is not None:
+        ref = _varlen(reference.attention_varlen, x)(x.q.float(), x.k.float(), x.v.float(),
+                                                     x.bias.float())  # fmt: skip
+        return (out.float() - ref).abs().max().item() if out.isfinite().all() else float("nan")
     lq = x.q.shape[1]
     sub_mask = None
     if x.mask is not None or x.is_causal:
@@ -293,6 +341,8 @@ def run_case(c: Case, impls, device, dtype, log) -> list[dict]:
     x = build(c, device, dtype)
     entries = allowed_entries(x)
     flops_fwd = 4 * entries * c.d
+    if c.kind == "varlen":
+        flops_fwd = 4 * entries * c.d
     rows = torch.tensor([0, 1, c.lq // 3, c.lq // 2, c.lq - 1], device=device)
     rows = torch.unique(rows.clamp(max=c.lq - 1))
     results = []
@@ -301,6 +351,9 @@ def run_case(c: Case, impls, device, dtype, log) -> list[dict]:
                    fwd_tflops=None, fwdbwd_tflops=None, max_err=None, status="ok")  # fmt: skip
         try:
             f = IMPLS[name](x)
+            if f is None:
+                log(f"  {c.name:<10} {name:<8} not supported")
+                continue
             err = check(f, x, rows)
             row["max_err"] = err
             tol = 0.05 if dtype != torch.float32 else 1e-3
