@@ -91,7 +91,7 @@ def _block(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
-def _operand_strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
+def operand_strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
     """Strides of a (B|1, H|Hkv|1, Lq|1, Lk) operand with 0 on its broadcast dims."""
     if t is None:
         return (0, 0, 0, 0)
@@ -149,7 +149,7 @@ def build_tables(mask, seqused_k, b, lq, lk, is_causal, block_m, block_n) -> Tab
     nq, nk = triton.cdiv(lq, block_m), triton.cdiv(lk, block_n)
     nqm = nq if lqm > 1 else 1
     mask_any = torch.empty((bm, hm, nqm, nk), dtype=torch.int8, device=mask.device)
-    sb, sh, sm, sn = _operand_strides(mask)
+    sb, sh, sm, sn = operand_strides(mask)
     mask_block_any_kernel[(nqm, nk, bm * hm)](
         mask.view(torch.uint8), mask_any, sb, sh, sm, sn, hm, lqm, lk, nqm, nk,
         BLOCK_M=block_m, BLOCK_N=block_n,
@@ -286,7 +286,7 @@ def _launch_forward(
         lists.keys if lists else None, lists.key_end if lists else None,
         out, lse, log_sum,
         *_strides(query), *_strides(key), *_strides(value),
-        *_operand_strides(mask), *_operand_strides(bias), *_strides(out),
+        *operand_strides(mask), *operand_strides(bias), *_strides(out),
         tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
         h, h // hkv, lq, lk, d, dv, triton.cdiv(lk, cfg.block_n),
@@ -389,7 +389,7 @@ def attention_backward(
         common = _meta(cfg, d, dv, is_causal, query.dtype)
         strides = (
             *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
-            *_operand_strides(mask), *_operand_strides(bias),
+            *operand_strides(mask), *operand_strides(bias),
         )  # fmt: skip
         mask_u8 = None if lists else _mask_bytes(mask)
         mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
@@ -441,7 +441,7 @@ def _launch_backward(
     common = _meta(cfg, d, d_v, is_causal, query.dtype)
     strides = (
         *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
-        *_operand_strides(mask), *_operand_strides(bias),
+        *operand_strides(mask), *operand_strides(bias),
     )  # fmt: skip
     mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
     attention_bwd_dkdv_kernel[(nk, b * hkv)](
@@ -663,7 +663,7 @@ def decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seq
     attention_decode_kernel[(splits, b * hkv)](
         query, key, value, bias, seqused_k,
         lists.keys if lists else None, lists.key_end if lists else None, acc, m, l_part,
-        *query.stride(), *key.stride(), *value.stride(), *_operand_strides(bias),
+        *query.stride(), *key.stride(), *value.stride(), *operand_strides(bias),
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0,
         lists.end_stride_b if lists else 0, 1,
         h, g, lq, lk, d, dv, rows, tiles_per_split * block_n,

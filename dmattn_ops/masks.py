@@ -11,6 +11,9 @@ Rules shared by both:
 * The result has the broadcast shape of the bias and the mask: a (B, H, 1, Lk) bias gives a
   (B, H, 1, Lk) mask, and nothing of size Lq * Lk is allocated for it.
 * NaN in the bias at an allowed key ranks below every number (it is never preferred).
+* Where Triton runs (CUDA, or the interpreter), topk_mask uses a fused kernel
+  (kernels/topk_mask.py) for rows of up to 16384 keys; ties at the k-th value then go to the
+  lowest key indices. Elsewhere torch.topk selects, and picks among ties as it pleases.
 * ``block_size`` smooths the selection to whole key blocks: a block of ``block_size``
   consecutive keys (the last one may be shorter) is kept whole when at least half of its
   allowed keys were selected and dropped otherwise; disallowed keys stay out either way.
@@ -19,6 +22,10 @@ Rules shared by both:
 from __future__ import annotations
 
 import torch
+import triton
+
+from dmattn_ops import launch
+from dmattn_ops.kernels.topk_mask import topk_mask_kernel
 
 
 def _allowed(bias: torch.Tensor, mask: torch.Tensor | None, fn: str) -> torch.Tensor | None:
@@ -99,17 +106,49 @@ def topk_mask(
     # Allowed keys rank at finfo.min or above (NaN and -inf there become finfo.min), disallowed
     # ones at -inf: every allowed key outranks every disallowed one, so when fewer than
     # `window` keys are allowed all of them are picked, and the final & drops the rest.
+    k = min(window, score.shape[-1])
+    if k > 0 and _fused_applies(score, k):
+        return _smooth(_fused_topk(bias.detach(), allowed, k), allowed, block_size)
     lowest = torch.finfo(score.dtype).min
     score = torch.where(torch.isnan(score), lowest, score).clamp(min=lowest)
     if allowed is not None:
         score = torch.where(allowed, score, float("-inf"))
-    k = min(window, score.shape[-1])
     selected = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
     if k > 0:
         selected.scatter_(-1, score.topk(k, dim=-1).indices, True)
     if allowed is not None:
         selected &= allowed
     return _smooth(selected, allowed, block_size)
+
+
+FUSED_MAX_KEYS = 16384  # a row lives in registers
+
+
+def _fused_applies(score: torch.Tensor, k: int) -> bool:
+    """The fused kernel (kernels/topk_mask.py) runs where Triton runs, for rows that fit in
+    registers and a selection that is not the whole row."""
+    return (
+        launch.triton_runs_on(score)
+        and score.dtype in launch.TRITON_DTYPES
+        and k < score.shape[-1] <= FUSED_MAX_KEYS
+    )
+
+
+def _fused_topk(bias: torch.Tensor, allowed: torch.Tensor | None, k: int) -> torch.Tensor:
+    shape = torch.broadcast_shapes(bias.shape, allowed.shape) if allowed is not None else bias.shape
+    b, h, lq, lk = shape
+    out = torch.empty(shape, dtype=torch.bool, device=bias.device)
+    if out.numel() == 0:
+        return out
+    bias_e = bias.expand(shape)
+    mask_e = allowed.expand(shape).view(torch.uint8) if allowed is not None else None
+    block = triton.next_power_of_2(lk)
+    topk_mask_kernel[(b * h * lq,)](
+        bias_e, mask_e, out.view(torch.int8), *launch.operand_strides(bias_e),
+        *launch.operand_strides(mask_e), h, lq, lk, k, float(torch.finfo(bias.dtype).min),
+        BLOCK=block, num_warps=1 if launch.interpreter_on() else min(16, max(4, block // 512)),
+    )  # fmt: skip
+    return out
 
 
 def relu_mask(

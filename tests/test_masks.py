@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import dmattn_ops
+from dmattn_ops import masks
 from dmattn_ops.masks import relu_mask, topk_mask
 
 
@@ -99,3 +100,34 @@ def test_bad_arguments():
         topk_mask(torch.ones(2, 1, 1, 4), 2, torch.ones(3, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="block_size must be a positive int"):
         relu_mask(torch.ones(1, 1, 1, 4), block_size=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_fused_kernel_matches_torch_topk(monkeypatch, dtype):
+    """The fused selection against torch.topk on rows without ties, with a padding mask, a
+    broadcast 4-D mask, NaN/-inf/finfo.min at allowed and disallowed keys."""
+    # Distinct values per row (integers in [-150, 150) are exact in every dtype): no ties.
+    bias = (torch.rand(2, 3, 5, 300).argsort(dim=-1) - 150).to(dtype)
+    bias[0, 0, 0, :7] = torch.tensor([math.nan, -math.inf, math.inf, 1e30, -1e30, 0.5, 2.5])
+    bias[1, 2, 4, 10] = torch.finfo(dtype).min
+    mask4 = torch.rand(1, 3, 5, 300) < 0.7
+    pad = torch.ones(2, 300, dtype=torch.bool)
+    pad[1, 250:] = False
+    for mask in (None, mask4, pad):
+        for window in (1, 17, 128, 299):
+            fused = masks.topk_mask(bias, window, mask)
+            monkeypatch.setattr(masks, "_fused_applies", lambda score, k: False)
+            plain = masks.topk_mask(bias, window, mask)
+            monkeypatch.undo()
+            assert fused.shape == plain.shape
+            assert torch.equal(fused, plain), (mask is None, window)
+
+
+def test_fused_ties_go_to_the_lowest_key_indices():
+    bias = torch.zeros(1, 1, 2, 40)
+    bias[0, 0, 1, 5:9] = 1.0
+    got = masks.topk_mask(bias, 6)
+    if not masks._fused_applies(bias, 6):
+        pytest.skip("the fused kernel does not run here")
+    assert got[0, 0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
+    assert got[0, 0, 1].nonzero().flatten().tolist() == [0, 1, 5, 6, 7, 8]
