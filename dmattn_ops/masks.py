@@ -108,7 +108,8 @@ def topk_mask(
     # `window` keys are allowed all of them are picked, and the final & drops the rest.
     k = min(window, score.shape[-1])
     if k > 0 and _fused_applies(score, k):
-        return _smooth(_fused_topk(bias.detach(), allowed, k), allowed, block_size)
+        selected = torch.ops.dmattn.topk_select(bias.detach(), allowed, k)
+        return _smooth(selected, allowed, block_size)
     lowest = torch.finfo(score.dtype).min
     score = torch.where(torch.isnan(score), lowest, score).clamp(min=lowest)
     if allowed is not None:
@@ -134,8 +135,11 @@ def _fused_applies(score: torch.Tensor, k: int) -> bool:
     )
 
 
+@torch.library.custom_op("dmattn::topk_select", mutates_args=())
 def _fused_topk(bias: torch.Tensor, allowed: torch.Tensor | None, k: int) -> torch.Tensor:
-    shape = torch.broadcast_shapes(bias.shape, allowed.shape) if allowed is not None else bias.shape
+    """The k largest of every row of bias among the allowed keys (4-D, broadcast together), as
+    a bool mask of their broadcast shape. An op, so torch.compile treats the launch as opaque."""
+    shape = _broadcast(bias, allowed)
     b, h, lq, lk = shape
     out = torch.empty(shape, dtype=torch.bool, device=bias.device)
     if out.numel() == 0:
@@ -149,6 +153,17 @@ def _fused_topk(bias: torch.Tensor, allowed: torch.Tensor | None, k: int) -> tor
         BLOCK=block, num_warps=1 if launch.interpreter_on() else min(16, max(4, block // 512)),
     )  # fmt: skip
     return out
+
+
+@_fused_topk.register_fake
+def _(bias, allowed, k):
+    return bias.new_empty(_broadcast(bias, allowed), dtype=torch.bool)
+
+
+def _broadcast(bias: torch.Tensor, allowed: torch.Tensor | None) -> tuple[int, ...]:
+    return tuple(
+        torch.broadcast_shapes(bias.shape, allowed.shape) if allowed is not None else bias.shape
+    )
 
 
 def relu_mask(

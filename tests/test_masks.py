@@ -131,3 +131,10 @@ def test_fused_ties_go_to_the_lowest_key_indices():
         pytest.skip("the fused kernel does not run here")
     assert got[0, 0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
     assert got[0, 0, 1].nonzero().flatten().tolist() == [0, 1, 5, 6, 7, 8]
+
+
+def test_opcheck_topk_select():
+    bias = torch.randn(2, 1, 3, 50)
+    allowed = torch.rand(1, 2, 1, 50) < 0.8
+    torch.library.opcheck(torch.ops.dmattn.topk_select.default, (bias, allowed, 7))
+    torch.library.opcheck(torch.ops.dmattn.topk_select.default, (bias, None, 7))
