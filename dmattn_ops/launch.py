@@ -620,7 +620,7 @@ def attention_varlen_backward(
 # Decoding: split-K forward for a few queries against a long cache.
 
 DECODE_MAX_ROWS = 64  # G * Lq query rows per program
-DECODE_WAVES = 4  # aim for this many programs per SM
+DECODE_WAVES = 8  # programs per SM to aim for (measured on an H100: bench/NOTES.md)
 
 
 def decode_applies(lq: int, h: int, hkv: int, lk: int, mask) -> bool:

@@ -62,11 +62,17 @@ def _allowed(bias: torch.Tensor, mask: torch.Tensor | None, fn: str) -> torch.Te
     return mask
 
 
-def _smooth(selected: torch.Tensor, allowed: torch.Tensor | None, block_size: int | None):
+def _check_block_size(block_size) -> None:
     if block_size is None:
-        return selected
+        return
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"dmattn.masks: block_size must be a positive int; got {block_size!r}")
+
+
+def _smooth(selected: torch.Tensor, allowed: torch.Tensor | None, block_size: int | None):
+    _check_block_size(block_size)
+    if block_size is None:
+        return selected
     lk = selected.shape[-1]
     pad = (-lk) % block_size
     ok = allowed.expand_as(selected) if allowed is not None else torch.ones_like(selected)
@@ -107,9 +113,16 @@ def topk_mask(
     # ones at -inf: every allowed key outranks every disallowed one, so when fewer than
     # `window` keys are allowed all of them are picked, and the final & drops the rest.
     k = min(window, score.shape[-1])
+    _check_block_size(block_size)
     if k > 0 and _fused_applies(score, k):
-        selected = torch.ops.dmattn.topk_select(bias.detach(), allowed, k)
-        return _smooth(selected, allowed, block_size)
+        fuse_smooth = block_size is not None and block_size & (block_size - 1) == 0
+        smooth = block_size if fuse_smooth else 0
+        selected = torch.ops.dmattn.topk_select(bias.detach(), allowed, k, smooth)
+        return selected if fuse_smooth else _smooth(selected, allowed, block_size)
+    return _smooth(_torch_topk(score, allowed, k), allowed, block_size)
+
+
+def _torch_topk(score, allowed, k):
     lowest = torch.finfo(score.dtype).min
     score = torch.where(torch.isnan(score), lowest, score).clamp(min=lowest)
     if allowed is not None:
@@ -119,7 +132,7 @@ def topk_mask(
         selected.scatter_(-1, score.topk(k, dim=-1).indices, True)
     if allowed is not None:
         selected &= allowed
-    return _smooth(selected, allowed, block_size)
+    return selected
 
 
 FUSED_MAX_KEYS = 16384  # a row lives in registers
@@ -136,9 +149,17 @@ def _fused_applies(score: torch.Tensor, k: int) -> bool:
 
 
 @torch.library.custom_op("dmattn::topk_select", mutates_args=())
-def _fused_topk(bias: torch.Tensor, allowed: torch.Tensor | None, k: int) -> torch.Tensor:
+def _fused_topk(
+    bias: torch.Tensor, allowed: torch.Tensor | None, k: int, smooth: int
+) -> torch.Tensor:
     """The k largest of every row of bias among the allowed keys (4-D, broadcast together), as
-    a bool mask of their broadcast shape. An op, so torch.compile treats the launch as opaque."""
+    a bool mask of their broadcast shape, block-smoothed when smooth > 0 (a power of two). An
+    op, so torch.compile treats the launch as opaque. Where Triton cannot run, torch.topk."""
+    if not launch.triton_runs_on(bias) or bias.dtype not in launch.TRITON_DTYPES:
+        shape = _broadcast(bias, allowed)
+        score = bias.expand(shape)
+        selected = _torch_topk(score, allowed.expand(shape) if allowed is not None else None, k)
+        return _smooth(selected, allowed, smooth).contiguous() if smooth else selected
     shape = _broadcast(bias, allowed)
     b, h, lq, lk = shape
     out = torch.empty(shape, dtype=torch.bool, device=bias.device)
@@ -146,17 +167,18 @@ def _fused_topk(bias: torch.Tensor, allowed: torch.Tensor | None, k: int) -> tor
         return out
     bias_e = bias.expand(shape)
     mask_e = allowed.expand(shape).view(torch.uint8) if allowed is not None else None
-    block = triton.next_power_of_2(lk)
+    block = max(triton.next_power_of_2(lk), smooth)
+    warps = 1 if launch.interpreter_on() else min(16, max(4, block // 512))
     topk_mask_kernel[(b * h * lq,)](
         bias_e, mask_e, out.view(torch.int8), *launch.operand_strides(bias_e),
         *launch.operand_strides(mask_e), h, lq, lk, k, float(torch.finfo(bias.dtype).min),
-        BLOCK=block, num_warps=1 if launch.interpreter_on() else min(16, max(4, block // 512)),
+        BLOCK=block, SMOOTH=smooth, num_warps=warps,
     )  # fmt: skip
     return out
 
 
 @_fused_topk.register_fake
-def _(bias, allowed, k):
+def _(bias, allowed, k, smooth):
     return bias.new_empty(_broadcast(bias, allowed), dtype=torch.bool)
 
 

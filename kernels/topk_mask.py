@@ -33,9 +33,11 @@ def topk_mask_kernel(
     lowest,
     HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
+    SMOOTH: tl.constexpr,
 ):
     """Row program_id(0) = (b * H + h) * Lq + q of the (B, H, Lq, Lk) output; bias and mask
-    are read through their (broadcast, stride-0) strides."""
+    are read through their (broadcast, stride-0) strides. SMOOTH > 0 applies masks.py's block
+    smoothing with blocks of SMOOTH keys (a power of two) before the row is stored."""
     row = tl.program_id(0).to(tl.int64)
     i_b = row // (H * Lq)
     i_h = (row // Lq) % H
@@ -61,13 +63,22 @@ def topk_mask_kernel(
         )
         allowed = valid & (m != 0)
         x = tl.where(allowed, x, float("-inf"))
-    # Order-preserving int image: flip the magnitude bits of negative floats.
-    bits = x.to(tl.int32, bitcast=True)
-    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-    # Largest t with #{key >= t} >= k, by bisection over the int32 range.
-    lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
-    for _ in range(32):
+    # Order-preserving int image: flip the magnitude bits of negative floats. 16-bit biases
+    # (every value above is representable in them) need 16 bisection steps, not 32.
+    if BIAS.dtype.element_ty.primitive_bitwidth == 16:
+        bits = x.to(BIAS.dtype.element_ty).to(tl.int16, bitcast=True).to(tl.int32)
+        key = (bits ^ ((bits >> 15) & 0x7FFF)).to(tl.int64)
+        lo = tl.full([], -32768, tl.int64)
+        hi = tl.full([], 32767, tl.int64)
+        steps: tl.constexpr = 16
+    else:
+        bits = x.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+        lo = tl.full([], -2147483648, tl.int64)
+        hi = tl.full([], 2147483647, tl.int64)
+        steps: tl.constexpr = 32
+    # Largest t with #{key >= t} >= k, by bisection over the integer range.
+    for _ in range(steps):
         mid = (lo + hi + 1) // 2
         count = tl.sum(tl.where(valid & (key >= mid), 1, 0), 0)
         take = count >= k
@@ -77,5 +88,12 @@ def topk_mask_kernel(
     ties = valid & (key == lo)
     need = k - tl.sum(greater.to(tl.int32), 0)
     rank = tl.cumsum(ties.to(tl.int32), 0)
-    selected = greater | (ties & (rank <= need))
-    tl.store(OUT + row * Lk + o_j, (selected & allowed).to(tl.int8), mask=valid)
+    selected = (greater | (ties & (rank <= need))) & allowed
+    if SMOOTH > 0:
+        # Keep a block whole when at least half of its allowed keys were selected.
+        votes = tl.sum(tl.reshape(selected.to(tl.int32), (BLOCK // SMOOTH, SMOOTH)), 1)
+        eligible = tl.sum(tl.reshape(allowed.to(tl.int32), (BLOCK // SMOOTH, SMOOTH)), 1)
+        keep = (2 * votes >= eligible) & (votes > 0)
+        keep_row = tl.reshape(tl.broadcast_to(keep[:, None], (BLOCK // SMOOTH, SMOOTH)), (BLOCK,))
+        selected = keep_row & allowed
+    tl.store(OUT + row * Lk + o_j, selected.to(tl.int8), mask=valid)

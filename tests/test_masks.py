@@ -114,13 +114,13 @@ def test_fused_kernel_matches_torch_topk(monkeypatch, dtype):
     pad = torch.ones(2, 300, dtype=torch.bool)
     pad[1, 250:] = False
     for mask in (None, mask4, pad):
-        for window in (1, 17, 128, 299):
-            fused = masks.topk_mask(bias, window, mask)
+        for window, block_size in ((1, None), (17, 16), (128, None), (128, 5), (299, 64)):
+            fused = masks.topk_mask(bias, window, mask, block_size=block_size)
             monkeypatch.setattr(masks, "_fused_applies", lambda score, k: False)
-            plain = masks.topk_mask(bias, window, mask)
+            plain = masks.topk_mask(bias, window, mask, block_size=block_size)
             monkeypatch.undo()
             assert fused.shape == plain.shape
-            assert torch.equal(fused, plain), (mask is None, window)
+            assert torch.equal(fused, plain), (mask is None, window, block_size)
 
 
 def test_fused_ties_go_to_the_lowest_key_indices():
@@ -136,5 +136,6 @@ def test_fused_ties_go_to_the_lowest_key_indices():
 def test_opcheck_topk_select():
     bias = torch.randn(2, 1, 3, 50)
     allowed = torch.rand(1, 2, 1, 50) < 0.8
-    torch.library.opcheck(torch.ops.dmattn.topk_select.default, (bias, allowed, 7))
-    torch.library.opcheck(torch.ops.dmattn.topk_select.default, (bias, None, 7))
+    torch.library.opcheck(torch.ops.dmattn.topk_select.default, (bias, allowed, 7, 0))
+    torch.library.opcheck(torch.ops.dmattn.topk_select.default, (bias, allowed, 7, 16))
+    torch.library.opcheck(torch.ops.dmattn.topk_select.default, (bias, None, 7, 0))
