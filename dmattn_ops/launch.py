@@ -91,6 +91,15 @@ def _block(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
+def _head_blocks(d: int, dv: int) -> dict:
+    """BLOCK_D and BLOCK_DV, both the larger of the two. Triton 3.6 on an H100 computes wrong
+    outputs (errors ~1, fp16 and bf16) when a masked BLOCK_D exceeds BLOCK_DV with 64-key
+    tiles, e.g. D=40 (BLOCK_D 64) with Dv=24 (BLOCK_DV 32); equal blocks are always right
+    (bench/NOTES.md, 2026-11-22)."""
+    block = _block(max(d, dv))
+    return dict(BLOCK_D=block, BLOCK_DV=block)
+
+
 def operand_strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
     """Strides of a (B|1, H|Hkv|1, Lq|1, Lk) operand with 0 on its broadcast dims."""
     if t is None:
@@ -292,7 +301,7 @@ def _launch_forward(
         h, h // hkv, lq, lk, d, dv, triton.cdiv(lk, cfg.block_n),
         _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
         IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=_block(d), BLOCK_DV=_block(dv), DOT_PRECISION=_dot_precision(query.dtype),
+        **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(query.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -424,7 +433,7 @@ def attention_backward(
 def _meta(cfg: Config, d: int, dv: int, is_causal: bool, dtype: torch.dtype) -> dict:
     return dict(
         IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=_block(d), BLOCK_DV=_block(dv), DOT_PRECISION=_dot_precision(dtype),
+        **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -668,8 +677,8 @@ def decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seq
         lists.end_stride_b if lists else 0, 1,
         h, g, lq, lk, d, dv, rows, tiles_per_split * block_n,
         _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
-        IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block(d),
-        BLOCK_DV=_block(dv), DOT_PRECISION=_dot_precision(query.dtype),
+        IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_N=block_n, **_head_blocks(d, dv),
+        DOT_PRECISION=_dot_precision(query.dtype),
         num_warps=1 if interpreter_on() else 4, num_stages=stages,
     )  # fmt: skip
     out = empty((b, lq, h, dv), dtype=query.dtype, device=device)

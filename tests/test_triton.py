@@ -475,3 +475,11 @@ def test_decode_dtypes_without_seqused(decode_spy, dtype):
     c = Case(2, 2, 130, 8, 2, 40, 40)
     run_case(c, dtype, (1, 1, 1, c.lk), (c.b, c.hkv, 1, c.lk), is_causal=False)
     assert decode_spy
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("d", "dv"), [(40, 24), (48, 24), (40, 8), (24, 40)])
+def test_unequal_head_dims_16_bit(dtype, d, dv):
+    """Regression: with BLOCK_D > BLOCK_DV, Triton 3.6 on an H100 produced errors ~1 here."""
+    c = Case(2, 45, 50, 6, 2, d, dv)
+    run_case(c, dtype, (c.b, c.hkv, 1, c.lk), (c.b, c.hkv, 1, c.lk), is_causal=True, softcap=5.0)
