@@ -231,15 +231,19 @@ def backward(
 # costs nothing next to the arithmetic).
 
 
+def varlen_bounds(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end) int64 (B,) of each sequence, clamped into [0, total] exactly as the kernels
+    clamp them (kernels/common.py seq_extent)."""
+    cu = cu.to(torch.int64)
+    end = cu[1:].clamp(0, total)
+    start = torch.minimum(cu[:-1].clamp(min=0), end)
+    return start, end
+
+
 def varlen_spans(cu_q, cu_k, total_q, total_k) -> list[tuple[int, int, int, int]]:
     """(q_start, q_end, k_start, k_end) of every sequence, clamped as the kernels clamp them."""
-    cu_q, cu_k = cu_q.to(torch.int64).cpu(), cu_k.to(torch.int64).cpu()
-    spans = []
-    for b in range(cu_q.shape[0] - 1):
-        q1 = min(max(int(cu_q[b + 1]), 0), total_q)
-        k1 = min(max(int(cu_k[b + 1]), 0), total_k)
-        spans.append((min(max(int(cu_q[b]), 0), q1), q1, min(max(int(cu_k[b]), 0), k1), k1))
-    return spans
+    bounds = (*varlen_bounds(cu_q, total_q), *varlen_bounds(cu_k, total_k))
+    return list(zip(*torch.stack(bounds).tolist()))
 
 
 def _seq_operand(t, k0, k1):

@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from dmattn_ops.launch import varlen_bounds
+from dmattn_ops.chunked import varlen_bounds
 from dmattn_ops.validate import (
     check_cu_seqlens_values,
     check_inputs,

@@ -17,6 +17,7 @@ import triton
 
 from dmattn_ops import chunked
 from dmattn_ops._alloc import empty
+from dmattn_ops.chunked import varlen_bounds
 from dmattn_ops.kernels.attention_bwd import (
     attention_bwd_dbias_kernel,
     attention_bwd_dkdv_kernel,
@@ -480,15 +481,6 @@ def _launch_backward(
 
 
 # Variable-length batches: packed (total, H, D) tensors and cu_seqlens.
-
-
-def varlen_bounds(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(start, end) int64 (B,) of each sequence, clamped into [0, total] exactly as the kernels
-    clamp them (kernels/common.py seq_extent)."""
-    cu = cu.to(torch.int64)
-    end = cu[1:].clamp(0, total)
-    start = torch.minimum(cu[:-1].clamp(min=0), end)
-    return start, end
 
 
 def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, block_m) -> KeyLists:

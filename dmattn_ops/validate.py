@@ -66,19 +66,7 @@ def check_inputs(
         raise ValueError(f"{fn}: key must be 4-D (B, Lk, Hkv, D); got shape {_shape(key)}")
     if value.dim() != 4:
         raise ValueError(f"{fn}: value must be 4-D (B, Lk, Hkv, Dv); got shape {_shape(value)}")
-    if query.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{fn}: query must be float16, bfloat16, float32 or float64; got {query.dtype}"
-        )
-    for name, t in (("key", key), ("value", value)):
-        if t.dtype != query.dtype:
-            raise TypeError(f"{fn}: {name} dtype {t.dtype} differs from query dtype {query.dtype}")
-    for name, t in (("key", key), ("value", value), ("mask", mask), ("bias", bias)):
-        if t is not None and isinstance(t, torch.Tensor) and t.device != query.device:
-            raise ValueError(
-                f"{fn}: {name} is on {t.device} but query is on {query.device}; "
-                "all tensors must be on one device"
-            )
+    _check_dtypes_devices(query, key, value, mask, bias, fn)
     b, lq, h, d = query.shape
     bk, lk, hkv, dk = key.shape
     bv, lkv, hv, dv = value.shape
@@ -92,16 +80,7 @@ def check_inputs(
             f"{fn}: value must have shape (B, Lk, Hkv, Dv) = ({b}, {lk}, {hkv}, Dv) to match key "
             f"{_shape(key)}; got {_shape(value)}"
         )
-    if hkv == 0 or h % hkv != 0:
-        raise ValueError(
-            f"{fn}: the number of query heads H={h} must be a multiple of the number of "
-            f"key/value heads Hkv={hkv} (query {_shape(query)}, key {_shape(key)})"
-        )
-    if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
-        raise ValueError(
-            f"{fn}: head dims must be at most {MAX_HEAD_DIM}; got D={d} (query/key) and "
-            f"Dv={dv} (value)"
-        )
+    _check_heads(query, key, h, hkv, d, dv, fn)
     full = (b, h, lq, lk)
     if mask is not None:
         _check_tensor("mask", mask, fn)
@@ -160,6 +139,19 @@ def check_backend(backend) -> None:
         raise ValueError(f"dmattn.attention: backend must be one of {BACKENDS}; got {backend!r}")
 
 
+def _check_heads(query, key, h, hkv, d, dv, fn: str) -> None:
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(
+            f"{fn}: the number of query heads H={h} must be a multiple of the number of "
+            f"key/value heads Hkv={hkv} (query {_shape(query)}, key {_shape(key)})"
+        )
+    if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
+        raise ValueError(
+            f"{fn}: head dims must be at most {MAX_HEAD_DIM}; got D={d} (query/key) and "
+            f"Dv={dv} (value)"
+        )
+
+
 def _check_dtypes_devices(query, key, value, mask, bias, fn: str) -> None:
     if query.dtype not in FLOAT_DTYPES:
         raise TypeError(
@@ -208,16 +200,7 @@ def check_varlen_inputs(
             f"other and with query's D={d}; got query {_shape(query)}, key {_shape(key)}, "
             f"value {_shape(value)}"
         )
-    if hkv == 0 or h % hkv != 0:
-        raise ValueError(
-            f"{fn}: the number of query heads H={h} must be a multiple of the number of "
-            f"key/value heads Hkv={hkv} (query {_shape(query)}, key {_shape(key)})"
-        )
-    if d > MAX_HEAD_DIM or value.shape[2] > MAX_HEAD_DIM:
-        raise ValueError(
-            f"{fn}: head dims must be at most {MAX_HEAD_DIM}; got D={d} (query/key) and "
-            f"Dv={value.shape[2]} (value)"
-        )
+    _check_heads(query, key, h, hkv, d, value.shape[2], fn)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_tensor(name, cu, fn)
         if cu.dtype != torch.int32:
