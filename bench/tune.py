@@ -1,96 +1,86 @@
-"""Tile-config sweep: ``python -m bench.tune``. Times forward and backward separately for a few
-cases under each candidate (block_m, block_n, num_warps, num_stages) and prints the best."""
+"""Tile-config sweep: ``python -m bench.tune [A,B,...] [fwd,dkdv,dq]``.
+
+For each case and kernel kind, every candidate (block_m, block_n, num_warps, num_stages) is
+forced through launch._base_config and the kernel's own device time is read from the profiler
+(bench.profile), so the dk/dv and dq kernels are tuned separately. Where a mask needs tile
+tables both backward kernels share one config: the dkdv sweep then sets both and reports both.
+"""
 
 from __future__ import annotations
 
 import sys
 
 import torch
-import triton
 
 import dmattn_ops
 from bench.__main__ import CASES, build
+from bench.profile import _kernel_times
 from dmattn_ops import launch
 
-FWD = [
-    (128, 64, 8, 2),
-    (128, 64, 4, 3),
-    (128, 128, 8, 2),
-    (128, 64, 8, 3),
-    (64, 64, 4, 3),
-    (128, 32, 4, 3),
-    (128, 128, 8, 3),
-]
-BWD = [(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 2),
-       (128, 64, 8, 2), (32, 32, 4, 4), (64, 32, 4, 3)]  # fmt: skip
+CANDIDATES = {
+    "fwd": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
+            (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3)],
+    "dkdv": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 8, 2),
+             (64, 128, 8, 3), (32, 64, 4, 3), (16, 128, 4, 4), (32, 128, 8, 3)],
+    "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 2),
+           (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3)],
+}  # fmt: skip
+KERNELS = {
+    "fwd": ("attention_fwd_kernel",),
+    "dkdv": ("attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"),
+    "dq": ("attention_bwd_dq_kernel",),
+}
 
 
-def main(cases=("A", "B")) -> int:
+def _sweep(name: str, kind: str) -> None:
+    x = build(CASES[name], "cuda", torch.bfloat16)
+    q, k, v = (t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v))
+    bias = x.bias.detach().clone().requires_grad_() if x.bias is not None else None
+    grad = torch.randn_like(x.q)
+    inputs = [q, k, v, *([bias] if bias is not None else [])]
+
+    def step():
+        out = dmattn_ops.attention(
+            q, k, v, x.mask, bias, is_causal=x.is_causal, seqused_k=x.seqused_k
+        )
+        if kind != "fwd":
+            torch.autograd.grad(out, inputs, grad)
+
     orig = launch._base_config
+    results = []
+    for cfg in CANDIDATES[kind]:
+
+        def pick(d, dv, which, masked=False, cfg=cfg):
+            return launch.Config(*cfg) if which == kind else orig(d, dv, which, masked)
+
+        launch._base_config = pick
+        try:
+            times = {kernel: ms for kernel, ms, _ in _kernel_times(step)}
+            parts = [times.get(kernel, 0.0) for kernel in KERNELS[kind]]
+            shown = " + ".join(f"{ms:.3f}" for ms in parts)
+            results.append((sum(parts), cfg))
+            print(f"{name} {kind} {cfg} {sum(parts):.3f} ms ({shown})", flush=True)
+        except Exception as e:  # out of shared memory, say: a result, not a crash
+            print(f"{name} {kind} {cfg} FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
+        finally:
+            launch._base_config = orig
+    if results:
+        best = min(results)
+        print(f"BEST {name} {kind}: {best[1]} {best[0]:.3f} ms", flush=True)
+
+
+def main(cases: list[str], kinds: list[str]) -> int:
     for name in cases:
-        x = build(CASES[name], "cuda", torch.bfloat16)
-        leaves = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v)]
-        bias = x.bias.detach().clone().requires_grad_() if x.bias is not None else None
-        grad = torch.randn_like(x.q)
-        for which, configs in (("fwd", FWD), ("bwd", BWD)):
-            results = []
-            for cfg in configs:
-
-                def pick(d, dv, backward, masked=False, cfg=cfg, which=which):
-                    if backward == (which == "bwd"):
-                        return launch.Config(*cfg)
-                    return orig(d, dv, backward, masked)
-
-                launch._base_config = pick
-                try:
-                    out = dmattn_ops.attention(
-                        *leaves,
-                        x.mask,
-                        bias,
-                        is_causal=x.is_causal,
-                        seqused_k=x.seqused_k,
-                        backend="triton",
-                    )
-                    if which == "fwd":
-
-                        def fn():
-                            with torch.no_grad():
-                                dmattn_ops.attention(
-                                    x.q,
-                                    x.k,
-                                    x.v,
-                                    x.mask,
-                                    x.bias,
-                                    is_causal=x.is_causal,
-                                    seqused_k=x.seqused_k,
-                                    backend="triton",
-                                )
-                    else:
-
-                        def fn(out=out):
-                            torch.autograd.grad(
-                                out,
-                                [*leaves, *([bias] if bias is not None else [])],
-                                grad,
-                                retain_graph=True,
-                            )
-
-                    ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                    results.append((ms, cfg))
-                    print(f"{name} {which} {cfg} {ms:.3f} ms", flush=True)
-                except Exception as e:
-                    print(
-                        f"{name} {which} {cfg} FAILED {type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:100]}",
-                        flush=True,
-                    )
-                finally:
-                    launch._base_config = orig
-            if results:
-                best = min(results)
-                print(f"BEST {name} {which}: {best[1]} {best[0]:.3f} ms", flush=True)
+        for kind in kinds:
+            _sweep(name, kind)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1].split(",") if len(sys.argv) > 1 else ("A", "B")))
+    args = sys.argv[1:]
+    sys.exit(
+        main(
+            args[0].split(",") if args else ["A", "B"],
+            args[1].split(",") if len(args) > 1 else ["fwd", "dkdv", "dq"],
+        )
+    )

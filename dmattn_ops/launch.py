@@ -20,6 +20,7 @@ from dmattn_ops._alloc import empty
 from dmattn_ops.chunked import varlen_bounds
 from dmattn_ops.kernels.attention_bwd import (
     attention_bwd_dbias_kernel,
+    attention_bwd_delta_kernel,
     attention_bwd_dkdv_kernel,
     attention_bwd_dq_kernel,
 )
@@ -51,15 +52,26 @@ class Config:
     num_stages: int
 
 
+@dataclass(frozen=True)
+class BackwardConfigs:
+    """Tile configs of the dk/dv kernel (key tiles of block_n, stepping over query tiles of
+    block_m) and of the dq kernel (the reverse). Where tile tables are read, both kernels must
+    share one (block_m, block_n) grid: then dq is dkdv."""
+
+    dkdv: Config
+    dq: Config
+
+
 def _config(
     d: int,
     dv: int,
-    backward: bool,
+    kind: str,
     lq: int | None = None,
     masked: bool = False,
     itemsize: int = 2,
 ) -> Config:
-    cfg = _base_config(d, dv, backward, masked)
+    """kind: "fwd", "dkdv" or "dq"."""
+    cfg = _base_config(d, dv, kind, masked)
     if itemsize > 2 and not interpreter_on():
         # fp32 tiles take twice the shared memory: (128 x 128, 2 stages) needs 328 KB on an H100.
         cfg = Config(cfg.block_m, min(cfg.block_n, 64), cfg.num_warps, min(cfg.num_stages, 2))
@@ -71,12 +83,18 @@ def _config(
     return cfg
 
 
-def _base_config(d: int, dv: int, backward: bool, masked: bool = False) -> Config:
+def _backward_configs(d: int, dv: int, lq: int, itemsize: int, shared: bool) -> BackwardConfigs:
+    kv = _config(d, dv, "dkdv", lq=lq, masked=shared, itemsize=itemsize)
+    qc = kv if shared else _config(d, dv, "dq", lq=lq, itemsize=itemsize)
+    return BackwardConfigs(kv, qc)
+
+
+def _base_config(d: int, dv: int, kind: str, masked: bool = False) -> Config:
     """Measured on an H100 with `python -m bench.tune` (bench/NOTES.md)."""
     if interpreter_on():
         return Config(16, 16, 1, 1)
     width = max(d, dv)
-    if backward:
+    if kind != "fwd":
         if width <= 128:
             return Config(64, 64, 4, 2)
         return Config(32, 32, 4, 1)
@@ -258,9 +276,7 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
         return _empty_forward(query, value)
     if decode_applies(lq, h, hkv, lk, mask):
         return decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
-    cfg = _config(
-        d, dv, backward=False, lq=lq, masked=mask is not None, itemsize=query.element_size()
-    )
+    cfg = _config(d, dv, "fwd", lq=lq, masked=mask is not None, itemsize=query.element_size())
     nq = triton.cdiv(lq, cfg.block_m)
     tables = lists = None
     if compactable(mask, h, hkv):
@@ -356,8 +372,6 @@ def attention_backward(
             else torch.empty((0,), dtype=query.dtype, device=device)
         )
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dbias
-    cfg = _config(d, dv, backward=True, lq=lq, itemsize=query.element_size())
-    nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
     dbias_mode = None
     if compute_dbias:
         if bias.shape[2] == 1:
@@ -367,17 +381,18 @@ def attention_backward(
         else:
             dbias_mode = "bcast"  # its kernel reads the tile tables
     tables = lists = None
-    if compactable(mask, h, hkv) and dbias_mode != "bcast":
-        lists = build_key_lists(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m)
+    compact = compactable(mask, h, hkv) and dbias_mode != "bcast"
+    shared = (mask is not None and not compact) or dbias_mode == "bcast"
+    cfgs = _backward_configs(d, dv, lq, query.element_size(), shared)
+    cfg = cfgs.dkdv
+    if compact:
+        lists = build_key_lists(mask, seqused_k, b, lq, lk, is_causal, cfgs.dq.block_m)
     elif mask is not None:
         tables = build_tables(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m, cfg.block_n)
     # With key lists, keys outside every list are never visited: their dk/dv must start at 0.
     alloc = torch.zeros if lists else empty
 
-    delta = (grad_out.float() * out.float()).sum(dim=-1).transpose(1, 2)  # [B, H, Lq]
-    if grad_lse is not None:
-        delta = delta - grad_lse
-    delta = delta.contiguous()
+    delta = _delta(out, grad_out, grad_lse)
 
     dq = empty(query.shape, dtype=query.dtype, device=device)
     dk = alloc(key.shape, dtype=key.dtype, device=device)
@@ -392,10 +407,11 @@ def attention_backward(
 
     _launch_backward(
         query, key, value, grad_out, mask, bias, seqused_k, None, None, lse, log_sum, delta,
-        dq, dk, dvv, dbias_cols, dbias_direct, b, lq, lk, nq, nk, (h * lq, lq), (h * lk, lk),
-        tables, lists, lists, cfg, scale, is_causal, softcap,
+        dq, dk, dvv, dbias_cols, dbias_direct, b, lq, lk, lq, lk, (h * lq, lq), (h * lk, lk),
+        tables, lists, lists, cfgs, scale, is_causal, softcap,
     )  # fmt: skip
     if dbias_bcast is not None:
+        nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
         common = _meta(cfg, d, dv, is_causal, query.dtype)
         strides = (
             *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
@@ -431,6 +447,21 @@ def attention_backward(
     return dq, dk, dvv, dbias
 
 
+def _delta(out, grad_out, grad_lse) -> torch.Tensor:
+    """delta = rowsum(dO * O) - grad_lse, (B, H, Lq) float32, from (B, Lq, H, Dv) tensors of any
+    strides in one kernel (in PyTorch it took four: two casts, a product and a sum)."""
+    b, lq, h, dv = out.shape
+    delta = torch.empty((b, h, lq), dtype=torch.float32, device=out.device)
+    block_m = 16 if interpreter_on() else 64
+    attention_bwd_delta_kernel[(triton.cdiv(lq, block_m), b * h)](
+        out, grad_out, grad_lse, delta, *_strides(out), *_strides(grad_out),
+        *operand_strides(grad_lse)[:3] if grad_lse is not None else (0, 0, 0),
+        h, lq, dv, BLOCK_M=block_m, BLOCK_DV=_block(dv), HAS_GRAD_LSE=grad_lse is not None,
+        num_warps=1 if interpreter_on() else 4,
+    )  # fmt: skip
+    return delta
+
+
 def _meta(cfg: Config, d: int, dv: int, is_causal: bool, dtype: torch.dtype) -> dict:
     return dict(
         IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -441,19 +472,22 @@ def _meta(cfg: Config, d: int, dv: int, is_causal: bool, dtype: torch.dtype) -> 
 
 def _launch_backward(
     query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, lse, log_sum, delta,
-    dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, nq, nk, lse_strides, col_strides,
-    tables, lists, dkdv_lists, cfg, scale, is_causal, softcap,
+    dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
+    tables, lists, dkdv_lists, cfgs, scale, is_causal, softcap,
 ):  # fmt: skip
-    """The dk/dv and dq kernels, over 4-D views as in _launch_forward. dkdv_lists is lists, or
-    None where the mask is per query head under GQA (one key list per KV group is needed)."""
+    """The dk/dv and dq kernels, over 4-D views as in _launch_forward, with their own tile
+    configs (cfgs: BackwardConfigs). The grids cover span_q queries and span_k keys per batch
+    (Lq, Lk; varlen: the longest sequences). dkdv_lists is lists, or None where the mask is per
+    query head under GQA (one key list per KV group is needed)."""
     h, d = query.shape[2], query.shape[3]
     hkv, d_v = key.shape[2], value.shape[3]
-    common = _meta(cfg, d, d_v, is_causal, query.dtype)
+    kv, qc = cfgs.dkdv, cfgs.dq
     strides = (
         *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
         *operand_strides(mask), *operand_strides(bias),
     )  # fmt: skip
     mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
+    nk = triton.cdiv(span_k, kv.block_n)
     attention_bwd_dkdv_kernel[(nk, b * hkv)](
         query, key, value, grad_out, None if dkdv_lists else _mask_bytes(mask), bias,
         seqused_k, cu_q, cu_k, lse, log_sum, delta,
@@ -464,9 +498,10 @@ def _launch_backward(
         dkdv_lists.keys_stride_b if dkdv_lists else 0,
         dkdv_lists.keys_stride_h if dkdv_lists else 0,
         dkdv_lists.count_stride_b if dkdv_lists else 0, *lse_strides, *col_strides,
-        h, hkv, h // hkv, lq, lk, d, d_v, nq, mask_div, bias_div, float(scale), float(softcap),
-        **common,
+        h, hkv, h // hkv, lq, lk, d, d_v, triton.cdiv(span_q, kv.block_m), mask_div, bias_div,
+        float(scale), float(softcap), **_meta(kv, d, d_v, is_causal, query.dtype),
     )  # fmt: skip
+    nq = triton.cdiv(span_q, qc.block_m)
     attention_bwd_dq_kernel[(nq, b * h)](
         query, key, value, grad_out, None if lists else _mask_bytes(mask), bias,
         seqused_k, cu_q, cu_k, lse, log_sum, delta,
@@ -475,8 +510,8 @@ def _launch_backward(
         dq, dbias_direct, *strides,
         tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
-        h, h // hkv, lq, lk, d, d_v, nk, mask_div, bias_div, float(scale), float(softcap),
-        **common,
+        h, h // hkv, lq, lk, d, d_v, triton.cdiv(span_k, qc.block_n), mask_div, bias_div,
+        float(scale), float(softcap), **_meta(qc, d, d_v, is_causal, query.dtype),
     )  # fmt: skip
 
 
@@ -551,9 +586,7 @@ def attention_varlen_forward(
     if b <= 0 or total_q * h == 0 or total_k == 0 or max_q <= 0 or max_k <= 0:
         return out, lse, log_sum
     max_q = min(max_q, total_q)
-    cfg = _config(
-        d, dv, backward=False, lq=max_q, masked=mask is not None, itemsize=query.element_size()
-    )
+    cfg = _config(d, dv, "fwd", lq=max_q, masked=mask is not None, itemsize=query.element_size())
     nq = triton.cdiv(max_q, cfg.block_m)
     lists = None
     if mask is not None:
@@ -598,20 +631,19 @@ def attention_varlen_backward(
         dbias_cols = torch.zeros((h, total_k), dtype=torch.float32, device=device)
     if b > 0 and total_q * h > 0 and total_k > 0 and max_q > 0 and max_k > 0:
         max_q, max_k = min(max_q, total_q), min(max_k, total_k)
-        cfg = _config(d, dv, backward=True, lq=max_q, itemsize=query.element_size())
-        nq, nk = triton.cdiv(max_q, cfg.block_m), triton.cdiv(max_k, cfg.block_n)
+        cfgs = _backward_configs(d, dv, max_q, query.element_size(), shared=False)
         lists = None
         if mask is not None:
-            lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, cfg.block_m)
+            block_m = cfgs.dq.block_m
+            nq = triton.cdiv(max_q, block_m)
+            lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, block_m)
         dkdv_lists = lists if compactable(_varlen_operand(mask), h, hkv) else None
-        delta = (grad_out.float() * out.float()).sum(dim=-1).t()  # [H, total_q]
-        if grad_lse is not None:
-            delta = delta - grad_lse
+        delta = _delta(out[None], grad_out[None], None if grad_lse is None else grad_lse[None])
         _launch_backward(
             query[None], key[None], value[None], grad_out[None], _varlen_operand(mask),
-            _varlen_operand(bias), None, cu_q, cu_k, lse, log_sum, delta.contiguous(),
-            dq, dk, dvv, dbias_cols, None, b, total_q, total_k, nq, nk,
-            (0, total_q), (0, total_k), None, lists, dkdv_lists, cfg, scale, is_causal, softcap,
+            _varlen_operand(bias), None, cu_q, cu_k, lse, log_sum, delta[0],
+            dq, dk, dvv, dbias_cols, None, b, total_q, total_k, max_q, max_k,
+            (0, total_q), (0, total_k), None, lists, dkdv_lists, cfgs, scale, is_causal, softcap,
         )  # fmt: skip
     if not compute_dbias:
         return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device)

@@ -15,6 +15,7 @@ from dmattn_ops.kernels.common import (
     LOG2E,
     causal_key_end,
     dot,
+    dot_acc,
     interior_key_end,
     key_count,
     score_tile,
@@ -23,17 +24,25 @@ from dmattn_ops.kernels.common import (
 
 
 @triton.jit
-def _row_stats(LSE, LOGSUM, DELTA, o_row, m_m):
+def _row_stats(LSE, LOGSUM, DELTA, o_row, m_m, LOG2_SCORES: tl.constexpr):
+    """Per query row: (m_row, log_sum, delta) for _probs. Natural units: m_row is the row max
+    lse - log_sum. LOG2_SCORES: m_row is lse * log2(e) and log_sum is unused. Rows without an
+    allowed key (lse = -inf) get m_row = 0; every score of theirs is -inf."""
     lse = tl.load(LSE + o_row, mask=m_m, other=0.0)
-    log_sum = tl.load(LOGSUM + o_row, mask=m_m, other=0.0)
     delta = tl.load(DELTA + o_row, mask=m_m, other=0.0)
-    m_row = tl.where(lse == float("-inf"), 0.0, lse - log_sum)
-    return m_row, log_sum, delta
+    empty = lse == float("-inf")
+    if LOG2_SCORES:
+        return tl.where(empty, 0.0, lse * LOG2E), lse, delta
+    log_sum = tl.load(LOGSUM + o_row, mask=m_m, other=0.0)
+    return tl.where(empty, 0.0, lse - log_sum), log_sum, delta
 
 
 @triton.jit
-def _probs(s, m_row, log_sum):
-    return tl.exp2(((s - m_row[:, None]) - log_sum[:, None]) * LOG2E)
+def _probs(s, m_row, log_sum, LOG2_SCORES: tl.constexpr):
+    """P from scores and the row statistics (broadcast by the caller to s's orientation)."""
+    if LOG2_SCORES:
+        return tl.exp2(s - m_row)
+    return tl.exp2(((s - m_row) - log_sum) * LOG2E)
 
 
 @triton.jit
@@ -77,39 +86,43 @@ def _dkdv_tile(
     BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BOUNDARY: tl.constexpr,
+    LOG2_SCORES: tl.constexpr,
 ):
+    """One query tile against this program's key tile, in transposed form: S^T = K Q^T is
+    [BN, BM], so P^T and dS^T are the left operands of the dV and dK products as they stand
+    (no transpose of a register tile through shared memory)."""
     i_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_m = i_m < Lq
     o_m = i_m.to(tl.int64)
-    b_q = tl.load(
-        p_q + o_m[:, None] * stride_qm + i_d[None, :] * stride_qd,
-        mask=m_m[:, None] & (i_d[None, :] < D),
+    b_qt = tl.load(
+        p_q + o_m[None, :] * stride_qm + i_d[:, None] * stride_qd,
+        mask=m_m[None, :] & (i_d[:, None] < D),
         other=0.0,
-    )  # [BM, BD]
+    )  # [BD, BM]
     b_do = tl.load(
         p_do + o_m[:, None] * stride_dom + i_dv[None, :] * stride_dod,
         mask=m_m[:, None] & (i_dv[None, :] < Dv),
         other=0.0,
     )  # [BM, BDV]
-    m_row, log_sum, delta = _row_stats(LSE, LOGSUM, DELTA, row_base + o_m, m_m)
+    m_row, log_sum, delta = _row_stats(LSE, LOGSUM, DELTA, row_base + o_m, m_m, LOG2_SCORES)
     s, m_allowed, t = score_tile(
-        b_q, tl.trans(b_k), i_m, i_n, n_keys, Lq, scale, softcap,
+        b_k, b_qt, i_m[None, :], i_n[:, None], n_keys, Lq, scale, softcap,
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
         IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
-    p = _probs(s, m_row, log_sum)  # [BM, BN]
-    dv += dot(tl.trans(p.to(b_do.dtype)), b_do, DOT_PRECISION)
-    dp = dot(b_do, tl.trans(b_v), DOT_PRECISION)  # [BM, BN]
-    ds = p * (dp - delta[:, None])
+    p = _probs(s, m_row[None, :], log_sum[None, :], LOG2_SCORES)  # [BN, BM]
+    dv = dot_acc(p.to(b_do.dtype), b_do, dv, DOT_PRECISION)
+    dp = dot(b_v, tl.trans(b_do), DOT_PRECISION)  # [BN, BM]
+    ds = p * (dp - delta[None, :])
     if BOUNDARY or HAS_MASK:
         ds = tl.where(m_allowed, ds, 0.0)
     if DBIAS_COLS:
-        dbias_col += tl.sum(ds, 0)
+        dbias_col += tl.sum(ds, 1)
     if HAS_SOFTCAP:
         ds = ds * (1.0 - t * t)
-    dk += dot(tl.trans(ds.to(b_q.dtype)), b_q, DOT_PRECISION)
+    dk = dot_acc(ds.to(b_qt.dtype), tl.trans(b_qt), dk, DOT_PRECISION)
     return dk, dv, dbias_col
 
 
@@ -122,6 +135,7 @@ def _dkdv_tile(
         "DBIAS_COLS": lambda a: a["DBIAS_COL"] is not None,
         "COMPACT": lambda a: a["KEYS"] is not None,
         "VARLEN": lambda a: a["CU_Q"] is not None,
+        "LOG2_SCORES": lambda a: a["BIAS"] is None and not a["softcap"] > 0,
     }
 )
 @triton.jit
@@ -203,13 +217,19 @@ def attention_bwd_dkdv_kernel(
     DBIAS_COLS: tl.constexpr,
     COMPACT: tl.constexpr,
     VARLEN: tl.constexpr,
+    LOG2_SCORES: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, KV head); sums dk/dv over the G query heads of
     the group. With a bias broadcast over queries it also writes, per query head, the column sums
     of dS into DBIAS_COL (B, H, Lk) float32 (varlen: (H, total_k)).
 
     VARLEN as in the forward kernel. A mask that is not compacted is then read per tile (it is
-    per key token, so there are no tile tables)."""
+    per key token, so there are no tile tables).
+
+    LOG2_SCORES as in the forward kernel; dk is scaled by the natural scale at the end."""
+    qk_scale = scale
+    if LOG2_SCORES:
+        qk_scale = scale * LOG2E
     i_nb = tl.program_id(0)
     i_bg = tl.program_id(1)
     i_b = (i_bg // Hkv).to(tl.int64)
@@ -280,12 +300,12 @@ def attention_bwd_dkdv_kernel(
             qb_end = tl.where(i_nb * BLOCK_N < n_pos, NQ, 0)
             for qb in range(qb_start, qb_end):
                 dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
                     LSE, LOGSUM, DELTA, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
                 )  # fmt: skip
         elif HAS_MASK and not VARLEN:
             col = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_nb
@@ -293,12 +313,12 @@ def attention_bwd_dkdv_kernel(
             for it in range(0, num):
                 qb = tl.load(Q_IDX + col * NQ + it)
                 dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
                     LSE, LOGSUM, DELTA, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
                 )  # fmt: skip
         else:
             # Query tiles in three runs: boundary tiles before the first one whose rows all see
@@ -316,30 +336,30 @@ def attention_bwd_dkdv_kernel(
             qi_end = tl.minimum(tl.maximum(qi_end, qi_start), qb_end)
             for qb in range(qb_start, qi_start):
                 dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
                     LSE, LOGSUM, DELTA, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
                 )  # fmt: skip
             for qb in range(qi_start, qi_end):
                 dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
                     LSE, LOGSUM, DELTA, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, LOG2_SCORES,
                 )  # fmt: skip
             for qb in range(qi_end, qb_end):
                 dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
                     LSE, LOGSUM, DELTA, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
                 )  # fmt: skip
         if DBIAS_COLS:
             o_col = i_b * col_stride_b + i_h * col_stride_h + k_row0 + o_n
@@ -399,6 +419,7 @@ def _dq_tile(
     p_keys,
     n_pos,
     COMPACT: tl.constexpr,
+    LOG2_SCORES: tl.constexpr,
 ):
     i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if COMPACT:
@@ -418,11 +439,11 @@ def _dq_tile(
         other=0.0,
     )  # [BDV, BN]
     s, m_allowed, t = score_tile(
-        b_q, b_kt, i_m, i_n, n_keys, Lq, scale, softcap,
+        b_q, b_kt, i_m[:, None], i_n[None, :], n_keys, Lq, scale, softcap,
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
         IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
-    p = _probs(s, m_row, log_sum)
+    p = _probs(s, m_row[:, None], log_sum[:, None], LOG2_SCORES)
     dp = dot(b_do, b_vt, DOT_PRECISION)  # [BM, BN]
     ds = p * (dp - delta[:, None])
     if BOUNDARY or HAS_MASK:
@@ -436,8 +457,7 @@ def _dq_tile(
         )
     if HAS_SOFTCAP:
         ds = ds * (1.0 - t * t)
-    dq += dot(ds.to(b_kt.dtype), tl.trans(b_kt), DOT_PRECISION)
-    return dq
+    return dot_acc(ds.to(b_kt.dtype), tl.trans(b_kt), dq, DOT_PRECISION)
 
 
 @triton.heuristics(
@@ -449,6 +469,7 @@ def _dq_tile(
         "DBIAS_DIRECT": lambda a: a["DBIAS"] is not None,
         "COMPACT": lambda a: a["KEYS"] is not None,
         "VARLEN": lambda a: a["CU_Q"] is not None,
+        "LOG2_SCORES": lambda a: a["BIAS"] is None and not a["softcap"] > 0,
     }
 )
 @triton.jit
@@ -525,9 +546,13 @@ def attention_bwd_dq_kernel(
     DBIAS_DIRECT: tl.constexpr,
     COMPACT: tl.constexpr,
     VARLEN: tl.constexpr,
+    LOG2_SCORES: tl.constexpr,
 ):
     """One program: dq for BLOCK_M queries of one (batch, head). When the bias has its own
     (batch, head, query) entries, dS is also stored straight into DBIAS (B, H, Lq, Lk)."""
+    qk_scale = scale
+    if LOG2_SCORES:
+        qk_scale = scale * LOG2E
     i_mb = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
@@ -563,7 +588,7 @@ def attention_bwd_dq_kernel(
         other=0.0,
     )  # [BM, BDV]  fmt: skip
     o_row = i_b * lse_stride_b + i_h * lse_stride_h + o_m
-    m_row, log_sum, delta = _row_stats(LSE, LOGSUM, DELTA, o_row, m_m)
+    m_row, log_sum, delta = _row_stats(LSE, LOGSUM, DELTA, o_row, m_m, LOG2_SCORES)
     p_k = K + i_b * stride_kb + k_row0 * stride_kn + i_g * stride_kh
     p_v = V + i_b * stride_vb + k_row0 * stride_vn + i_g * stride_vh
     p_mask = MASK
@@ -584,10 +609,10 @@ def attention_bwd_dq_kernel(
         for kb in range(0, tl.cdiv(n_pos, BLOCK_N)):
             dq = _dq_tile(
                 dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                qk_scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, n_pos, True,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, n_pos, True, LOG2_SCORES,
             )  # fmt: skip
     elif HAS_MASK:
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
@@ -596,10 +621,10 @@ def attention_bwd_dq_kernel(
             kb = tl.load(KV_IDX + row * NK + it)
             dq = _dq_tile(
                 dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                qk_scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False, LOG2_SCORES,
             )  # fmt: skip
     else:
         m_start = i_mb * BLOCK_M
@@ -612,18 +637,18 @@ def attention_bwd_dq_kernel(
         for kb in range(0, kb_int):
             dq = _dq_tile(
                 dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                qk_scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False, LOG2_SCORES,
             )  # fmt: skip
         for kb in range(kb_int, kb_end):
             dq = _dq_tile(
                 dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                qk_scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False, LOG2_SCORES,
             )  # fmt: skip
     # dq is (B, Lq, H, D) or (total_q, H, D), contiguous.
     o_dq = ((q_start + i_m.to(tl.int64)[:, None]) * H + i_h) * D + i_d[None, :]
@@ -777,17 +802,72 @@ def attention_bwd_dbias_kernel(
                         p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh
                     p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh
                     m_row, log_sum, delta = _row_stats(
-                        LSE, LOGSUM, DELTA, (i_b * H + i_h) * Lq + o_m, m_m
+                        LSE, LOGSUM, DELTA, (i_b * H + i_h) * Lq + o_m, m_m, False
                     )
                     s, m_allowed, _ = score_tile(
-                        b_q, b_kt, i_m, i_n, n_keys, Lq, scale, softcap,
+                        b_q, b_kt, i_m[:, None], i_n[None, :], n_keys, Lq, scale, softcap,
                         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                         IS_CAUSAL, HAS_MASK, True, HAS_SOFTCAP, DOT_PRECISION, True,
                     )  # fmt: skip
-                    p = _probs(s, m_row, log_sum)
+                    p = _probs(s, m_row[:, None], log_sum[:, None], False)
                     dp = dot(b_do, b_vt, DOT_PRECISION)
                     acc += tl.where(m_allowed, p * (dp - delta[:, None]), 0.0)
         o_db = (i_bbh.to(tl.int64) * Lq + o_m[:, None]) * Lk + o_n[None, :]
         tl.store(
             DBIAS + o_db, acc.to(DBIAS.dtype.element_ty), mask=m_m[:, None] & (i_n[None, :] < Lk)
         )
+
+
+@triton.jit
+def attention_bwd_delta_kernel(
+    OUT,
+    DO,
+    GRAD_LSE,
+    DELTA,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    stride_od,
+    stride_dob,
+    stride_dom,
+    stride_doh,
+    stride_dod,
+    stride_gb,
+    stride_gh,
+    stride_gm,
+    H,
+    Lq,
+    Dv,
+    BLOCK_M: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_GRAD_LSE: tl.constexpr,
+):
+    """delta = rowsum(dO * O) - grad_lse for BLOCK_M rows of one (batch, head), in float32,
+    written to DELTA (B, H, Lq) contiguous. Varlen calls it with B = 1 and Lq = total_q."""
+    i_mb = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H).to(tl.int64)
+    i_h = (i_bh % H).to(tl.int64)
+    i_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_dv = tl.arange(0, BLOCK_DV)
+    m_m = i_m < Lq
+    o_m = i_m.to(tl.int64)
+    m_tile = m_m[:, None] & (i_dv[None, :] < Dv)
+    b_o = tl.load(
+        OUT + i_b * stride_ob + i_h * stride_oh + o_m[:, None] * stride_om
+        + i_dv[None, :] * stride_od,
+        mask=m_tile,
+        other=0.0,
+    ).to(tl.float32)  # fmt: skip
+    b_do = tl.load(
+        DO + i_b * stride_dob + i_h * stride_doh + o_m[:, None] * stride_dom
+        + i_dv[None, :] * stride_dod,
+        mask=m_tile,
+        other=0.0,
+    ).to(tl.float32)  # fmt: skip
+    delta = tl.sum(b_o * b_do, 1)
+    if HAS_GRAD_LSE:
+        delta -= tl.load(
+            GRAD_LSE + i_b * stride_gb + i_h * stride_gh + o_m * stride_gm, mask=m_m, other=0.0
+        )
+    tl.store(DELTA + i_bh.to(tl.int64) * Lq + o_m, delta, mask=m_m)

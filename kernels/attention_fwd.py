@@ -4,9 +4,10 @@ import triton
 import triton.language as tl
 
 from dmattn_ops.kernels.common import (
+    LN2,
     LOG2E,
     causal_key_end,
-    dot,
+    dot_acc,
     interior_key_end,
     score_tile,
     seq_extent,
@@ -51,7 +52,10 @@ def _fwd_tile(
     p_keys,
     n_pos,
     COMPACT: tl.constexpr,
+    LOG2_SCORES: tl.constexpr,
 ):
+    """One key tile of the online softmax. LOG2_SCORES: s and m are in log2 units (the caller
+    folded log2(e) into scale), so the exponentials need no extra multiply."""
     i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if COMPACT:
         # Positions in the sorted list of allowed keys -> key indices; past the list: n_keys.
@@ -67,22 +71,27 @@ def _fwd_tile(
         other=0.0,
     )  # [BD, BN]
     s, _, _ = score_tile(
-        b_q, b_kt, i_m, i_n, n_keys, Lq, scale, softcap,
+        b_q, b_kt, i_m[:, None], i_n[None, :], n_keys, Lq, scale, softcap,
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
         IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    # Subtract first, then scale by log2(e): (s - m) * log2e cannot overflow for finite s, m.
-    alpha = tl.exp2((m_i - m_safe) * LOG2E)  # [BM]
-    p = tl.exp2((s - m_safe[:, None]) * LOG2E)  # [BM, BN]
+    if LOG2_SCORES:
+        alpha = tl.exp2(m_i - m_safe)  # [BM]
+        p = tl.exp2(s - m_safe[:, None])  # [BM, BN]
+    else:
+        # Subtract first, then scale by log2(e): (s - m) * log2e cannot overflow for finite s, m
+        # (s * log2e can: a bias of finfo.min times log2(e) is past the float32 range).
+        alpha = tl.exp2((m_i - m_safe) * LOG2E)
+        p = tl.exp2((s - m_safe[:, None]) * LOG2E)
     l_i = l_i * alpha + tl.sum(p, 1)
     b_v = tl.load(
         p_v + o_n[:, None] * stride_vn + i_dv[None, :] * stride_vd,
         mask=m_n[:, None] & (i_dv[None, :] < Dv),
         other=0.0,
     )  # [BN, BDV]
-    acc = acc * alpha[:, None] + dot(p.to(b_v.dtype), b_v, DOT_PRECISION)
+    acc = dot_acc(p.to(b_v.dtype), b_v, acc * alpha[:, None], DOT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -94,6 +103,7 @@ def _fwd_tile(
         "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
         "COMPACT": lambda a: a["KEYS"] is not None,
         "VARLEN": lambda a: a["CU_Q"] is not None,
+        "LOG2_SCORES": lambda a: a["BIAS"] is None and not a["softcap"] > 0,
     }
 )
 @triton.jit
@@ -166,6 +176,7 @@ def attention_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     COMPACT: tl.constexpr,
     VARLEN: tl.constexpr,
+    LOG2_SCORES: tl.constexpr,
 ):
     """One program: BLOCK_M queries of one (batch, head). Writes out, lse and log_sum.
 
@@ -175,7 +186,11 @@ def attention_fwd_kernel(
 
     VARLEN: Q/K/V/OUT are packed (batch strides 0), Lq and Lk arrive as the packed totals, and
     batch b's rows start at cu_seqlens[b]; mask and bias are per key token.
+
+    LOG2_SCORES (no bias, no softcap): scores are kept in log2 units, scale * log2(e).
     """
+    if LOG2_SCORES:
+        scale = scale * LOG2E
     i_mb = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
@@ -225,7 +240,7 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, n_pos, True,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, n_pos, True, LOG2_SCORES,
             )  # fmt: skip
     elif HAS_MASK:
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
@@ -237,7 +252,7 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False, LOG2_SCORES,
             )  # fmt: skip
     else:
         # Interior key tiles first (no bounds or causal arithmetic), then the boundary ones.
@@ -254,7 +269,7 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False, LOG2_SCORES,
             )  # fmt: skip
         for kb in range(kb_int, kb_end):
             acc, l_i, m_i = _fwd_tile(
@@ -262,13 +277,15 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False, LOG2_SCORES,
             )  # fmt: skip
 
     nonempty = l_i > 0.0
     l_safe = tl.where(nonempty, l_i, 1.0)
     b_out = acc / l_safe[:, None]
     log_sum = tl.where(nonempty, tl.log(l_safe), 0.0)
+    if LOG2_SCORES:
+        m_i = m_i * LN2
     lse = tl.where(nonempty, m_i + log_sum, float("-inf"))
     tl.store(
         OUT + i_b * stride_ob + i_h * stride_oh + o_m[:, None] * stride_om

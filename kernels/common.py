@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -17,6 +18,15 @@ def dot(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b with the product accumulated inside the MMA (no separate add, no second
+    accumulator live in registers)."""
+    if DOT_PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def tanh(x):
     # exp2 form: saturates to +-1 for large |x| instead of producing inf / inf.
     e = tl.exp2(x * (2.0 * LOG2E))
@@ -25,10 +35,10 @@ def tanh(x):
 
 @triton.jit
 def score_tile(
-    b_q,
-    b_kt,
-    i_m,
-    i_n,
+    a,
+    b,
+    r_m,
+    r_n,
     n_keys,
     Lq,
     scale,
@@ -46,38 +56,44 @@ def score_tile(
     DOT_PRECISION: tl.constexpr,
     BOUNDARY: tl.constexpr,
 ):
-    """Scores of one [BM, BN] tile: (s, allowed, tanh term).
+    """Scores of one tile, s = a @ b * scale (+ bias, softcap): (s, allowed, tanh term).
 
-    s is exactly -inf where the key is not allowed. The mask and the bias are loaded only where
-    the key may be used, so NaN/Inf stored at disallowed positions never enters arithmetic.
+    r_m and r_n are the query and key indices as broadcastable 2-D tensors: ([BM, 1], [1, BN])
+    for a [BM, BN] tile (a = Q, b = K^T), or ([1, BM], [BN, 1]) for the transposed tile the
+    dk/dv kernel computes (a = K, b = Q^T).
+
+    s is exactly -inf where the key is not allowed. The mask and the bias are read only inside
+    the tensors' bounds; a disallowed score is then replaced by -inf with a select, so NaN/Inf
+    stored at disallowed positions never reaches a result. (Loading the bias under the mask's
+    own predicate would make its loads scalar: the predicate is data, not a range.)
 
     BOUNDARY=False is the interior stage: the caller guarantees every row < Lq, every key
     < n_keys and (causal) every key visible to every row, so no bounds or causal arithmetic is
     done; `allowed` is then only defined when HAS_MASK.
     """
-    x = dot(b_q, b_kt, DOT_PRECISION) * scale  # [BM, BN]
+    x = dot(a, b, DOT_PRECISION) * scale
     t = x
     if HAS_SOFTCAP:
         t = tanh(x / softcap)
         x = softcap * t
-    o_m = i_m.to(tl.int64)[:, None]
-    o_n = i_n.to(tl.int64)[None, :]
+    o_m = r_m.to(tl.int64)
+    o_n = r_n.to(tl.int64)
     m_allowed = 0
+    m_in = 0
     if BOUNDARY:
-        m_allowed = (i_m[:, None] < Lq) & (i_n[None, :] < n_keys)  # [BM, BN]
+        m_in = (r_m < Lq) & (r_n < n_keys)
+        m_allowed = m_in
         if IS_CAUSAL:
-            m_allowed = m_allowed & (i_n[None, :] <= i_m[:, None] + (n_keys - Lq))
+            m_allowed = m_allowed & (r_n <= r_m + (n_keys - Lq))
         if HAS_MASK:
-            b_mask = tl.load(
-                p_mask + o_m * stride_mask_m + o_n * stride_mask_n, mask=m_allowed, other=0
-            )  # [BM, BN]
+            b_mask = tl.load(p_mask + o_m * stride_mask_m + o_n * stride_mask_n, mask=m_in, other=0)
             m_allowed = m_allowed & (b_mask != 0)
     elif HAS_MASK:
         m_allowed = tl.load(p_mask + o_m * stride_mask_m + o_n * stride_mask_n) != 0
     if HAS_BIAS:
         p_b = p_bias + o_m * stride_bias_m + o_n * stride_bias_n
-        if BOUNDARY or HAS_MASK:
-            b_bias = tl.load(p_b, mask=m_allowed, other=0.0).to(tl.float32)  # [BM, BN]
+        if BOUNDARY:
+            b_bias = tl.load(p_b, mask=m_in, other=0.0).to(tl.float32)
         else:
             b_bias = tl.load(p_b).to(tl.float32)
         x = x + b_bias

@@ -1,0 +1,71 @@
+"""Where the time goes: ``python -m bench.profile [A,B,...]``.
+
+Runs ours forward and forward+backward on each case under torch.profiler and prints the device
+time of every kernel (and PyTorch op kernel) per call, largest first. CUDA only.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import dmattn_ops
+from bench.__main__ import CASES, build
+
+REPEAT = 10
+
+
+def _kernel_times(fn) -> list[tuple[str, float, int]]:
+    """(kernel name, device ms per call, launches per call), largest first."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPEAT):
+            fn()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total[event.name] += event.device_time
+            count[event.name] += 1
+    rows = [(name, us / 1000 / REPEAT, count[name] // REPEAT) for name, us in total.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main(names: list[str]) -> int:
+    if not torch.cuda.is_available():
+        print("bench.profile needs a CUDA device")
+        return 1
+    for name in names:
+        x = build(CASES[name], "cuda", torch.bfloat16)
+        q, k, v = (t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v))
+        bias = x.bias.detach().clone().requires_grad_() if x.bias is not None else None
+        grad = torch.randn_like(x.q)
+
+        def call(q=q, k=k, v=v, bias=bias, x=x):
+            return dmattn_ops.attention(
+                q, k, v, x.mask, bias, is_causal=x.is_causal, seqused_k=x.seqused_k
+            )
+
+        def forward(call=call):
+            with torch.no_grad():
+                call()
+
+        def train(call=call, grad=grad):
+            call().backward(grad)
+
+        for label, fn in (("forward", forward), ("forward+backward", train)):
+            rows = _kernel_times(fn)
+            print(f"\n{name} {label}: {sum(r[1] for r in rows):.3f} ms of kernels per call")
+            for kernel, ms, n in rows[:12]:
+                print(f"  {ms:8.3f} ms  x{n:<3d} {kernel[:100]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["A", "B"]))
