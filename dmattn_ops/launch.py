@@ -353,11 +353,9 @@ def attention_backward(
     compute_dbias,
 ):
     """Returns dq, dk, dv in their inputs' layouts and dtypes and dbias in bias's shape and dtype
-    (an empty (0,) tensor when compute_dbias is False).
-
-    deterministic=False: the dk/dv kernel also accumulates dq with float32 atomics (five
-    products per tile pair instead of seven across two kernels). deterministic=True: a separate
-    dq kernel owns every dq row, no atomics anywhere, bitwise reproducible."""
+    (an empty (0,) tensor when compute_dbias is False). Every path here is deterministic: no
+    kernel uses atomics, so ``deterministic`` selects nothing yet."""
+    del deterministic
     if not use_triton(query):
         return chunked.backward(
             grad_out, grad_lse, query, key, value, out, lse, log_sum, mask, bias,
@@ -396,11 +394,7 @@ def attention_backward(
 
     delta = _delta(out, grad_out, grad_lse)
 
-    atomic_dq = not deterministic
-    if atomic_dq:
-        dq = torch.zeros(query.shape, dtype=torch.float32, device=device)
-    else:
-        dq = empty(query.shape, dtype=query.dtype, device=device)
+    dq = empty(query.shape, dtype=query.dtype, device=device)
     dk = alloc(key.shape, dtype=key.dtype, device=device)
     dvv = alloc(value.shape, dtype=value.dtype, device=device)
     dbias_cols = dbias_direct = dbias_bcast = None
@@ -414,10 +408,8 @@ def attention_backward(
     _launch_backward(
         query, key, value, grad_out, mask, bias, seqused_k, None, None, lse, log_sum, delta,
         dq, dk, dvv, dbias_cols, dbias_direct, b, lq, lk, lq, lk, (h * lq, lq), (h * lk, lk),
-        tables, lists, lists, cfgs, scale, is_causal, softcap, atomic_dq,
+        tables, lists, lists, cfgs, scale, is_causal, softcap,
     )  # fmt: skip
-    if atomic_dq:
-        dq = dq.mul_(scale).to(query.dtype)
     if dbias_bcast is not None:
         nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
         common = _meta(cfg, d, dv, is_causal, query.dtype)
@@ -481,15 +473,12 @@ def _meta(cfg: Config, d: int, dv: int, is_causal: bool, dtype: torch.dtype) -> 
 def _launch_backward(
     query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, lse, log_sum, delta,
     dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
-    tables, lists, dkdv_lists, cfgs, scale, is_causal, softcap, atomic_dq,
+    tables, lists, dkdv_lists, cfgs, scale, is_causal, softcap,
 ):  # fmt: skip
     """The dk/dv and dq kernels, over 4-D views as in _launch_forward, with their own tile
     configs (cfgs: BackwardConfigs). The grids cover span_q queries and span_k keys per batch
     (Lq, Lk; varlen: the longest sequences). dkdv_lists is lists, or None where the mask is per
-    query head under GQA (one key list per KV group is needed).
-
-    atomic_dq: dq is a zeroed float32 buffer that the dk/dv kernel adds dQ into (unscaled), and
-    it also writes dbias_direct; the dq kernel is not launched."""
+    query head under GQA (one key list per KV group is needed)."""
     h, d = query.shape[2], query.shape[3]
     hkv, d_v = key.shape[2], value.shape[3]
     kv, qc = cfgs.dkdv, cfgs.dq
@@ -504,16 +493,14 @@ def _launch_backward(
         seqused_k, cu_q, cu_k, lse, log_sum, delta,
         tables.q_num if tables else None, tables.q_idx if tables else None,
         dkdv_lists.keys if dkdv_lists else None, dkdv_lists.key_count if dkdv_lists else None,
-        dk, dv, dbias_cols, dq if atomic_dq else None, dbias_direct if atomic_dq else None,
-        *strides, tables.stride_bt if tables else 0, nk,
+        dk, dv, dbias_cols, *strides,
+        tables.stride_bt if tables else 0, nk,
         dkdv_lists.keys_stride_b if dkdv_lists else 0,
         dkdv_lists.keys_stride_h if dkdv_lists else 0,
         dkdv_lists.count_stride_b if dkdv_lists else 0, *lse_strides, *col_strides,
         h, hkv, h // hkv, lq, lk, d, d_v, triton.cdiv(span_q, kv.block_m), mask_div, bias_div,
         float(scale), float(softcap), **_meta(kv, d, d_v, is_causal, query.dtype),
     )  # fmt: skip
-    if atomic_dq:
-        return
     nq = triton.cdiv(span_q, qc.block_m)
     attention_bwd_dq_kernel[(nq, b * h)](
         query, key, value, grad_out, None if lists else _mask_bytes(mask), bias,
@@ -627,7 +614,8 @@ def attention_varlen_backward(
 ):  # fmt: skip
     """dq, dk, dv in their inputs' layouts and dtypes (0 on rows outside every sequence) and
     dbias in bias's (H|Hkv|1, total_k) shape and dtype (an empty (0,) tensor unless
-    compute_dbias). deterministic as in attention_backward."""
+    compute_dbias). No atomics: always deterministic."""
+    del deterministic
     if not use_triton(query):
         return chunked.varlen_backward(
             grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k,
@@ -637,9 +625,7 @@ def attention_varlen_backward(
     total_k, hkv, dv = key.shape[0], key.shape[1], value.shape[2]
     b = cu_q.shape[0] - 1
     device = query.device
-    atomic_dq = not deterministic
-    dq = torch.zeros(query.shape, dtype=torch.float32 if atomic_dq else query.dtype, device=device)
-    dk, dvv = torch.zeros_like(key), torch.zeros_like(value)
+    dq, dk, dvv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     dbias_cols = None
     if compute_dbias:
         dbias_cols = torch.zeros((h, total_k), dtype=torch.float32, device=device)
@@ -658,10 +644,7 @@ def attention_varlen_backward(
             _varlen_operand(bias), None, cu_q, cu_k, lse, log_sum, delta[0],
             dq, dk, dvv, dbias_cols, None, b, total_q, total_k, max_q, max_k,
             (0, total_q), (0, total_k), None, lists, dkdv_lists, cfgs, scale, is_causal, softcap,
-            atomic_dq,
         )  # fmt: skip
-    if atomic_dq:
-        dq = dq.mul_(scale).to(query.dtype)
     if not compute_dbias:
         return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device)
     return dq, dk, dvv, _varlen_sum_to_bias(dbias_cols, bias, hkv)

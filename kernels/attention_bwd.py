@@ -87,21 +87,10 @@ def _dkdv_tile(
     DOT_PRECISION: tl.constexpr,
     BOUNDARY: tl.constexpr,
     LOG2_SCORES: tl.constexpr,
-    p_dq,
-    stride_dq_m,
-    p_dbias,
-    Lk,
-    ATOMIC_DQ: tl.constexpr,
-    DBIAS_DIRECT: tl.constexpr,
 ):
     """One query tile against this program's key tile, in transposed form: S^T = K Q^T is
     [BN, BM], so P^T and dS^T are the left operands of the dV and dK products as they stand
-    (no transpose of a register tile through shared memory).
-
-    ATOMIC_DQ: this tile's dQ = dS K is added into the float32 buffer at p_dq (rows
-    stride_dq_m apart) with relaxed atomics, so no dq kernel has to recompute S and dP; the
-    order of the additions varies, so this path is not bitwise reproducible. DBIAS_DIRECT: dS is
-    stored at p_dbias, (Lq, Lk) row-major."""
+    (no transpose of a register tile through shared memory)."""
     i_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
@@ -131,24 +120,9 @@ def _dkdv_tile(
         ds = tl.where(m_allowed, ds, 0.0)
     if DBIAS_COLS:
         dbias_col += tl.sum(ds, 1)
-    if DBIAS_DIRECT:
-        tl.store(
-            p_dbias + o_m[None, :] * Lk + i_n.to(tl.int64)[:, None],
-            ds.to(p_dbias.dtype.element_ty),
-            mask=m_m[None, :] & (i_n[:, None] < Lk),
-        )
     if HAS_SOFTCAP:
         ds = ds * (1.0 - t * t)
-    b_ds = ds.to(b_qt.dtype)
-    dk = dot_acc(b_ds, tl.trans(b_qt), dk, DOT_PRECISION)
-    if ATOMIC_DQ:
-        b_dq = dot(tl.trans(b_ds), b_k, DOT_PRECISION)  # [BM, BD]
-        tl.atomic_add(
-            p_dq + o_m[:, None] * stride_dq_m + i_d[None, :],
-            b_dq,
-            mask=m_m[:, None] & (i_d[None, :] < D),
-            sem="relaxed",
-        )
+    dk = dot_acc(ds.to(b_qt.dtype), tl.trans(b_qt), dk, DOT_PRECISION)
     return dk, dv, dbias_col
 
 
@@ -159,8 +133,6 @@ def _dkdv_tile(
         "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
         "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
         "DBIAS_COLS": lambda a: a["DBIAS_COL"] is not None,
-        "ATOMIC_DQ": lambda a: a["DQ_ACC"] is not None,
-        "DBIAS_DIRECT": lambda a: a["DBIAS"] is not None,
         "COMPACT": lambda a: a["KEYS"] is not None,
         "VARLEN": lambda a: a["CU_Q"] is not None,
         "LOG2_SCORES": lambda a: a["BIAS"] is None and not a["softcap"] > 0,
@@ -187,8 +159,6 @@ def attention_bwd_dkdv_kernel(
     DK,
     DV,
     DBIAS_COL,
-    DQ_ACC,
-    DBIAS,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -245,8 +215,6 @@ def attention_bwd_dkdv_kernel(
     HAS_SEQUSED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DBIAS_COLS: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
-    DBIAS_DIRECT: tl.constexpr,
     COMPACT: tl.constexpr,
     VARLEN: tl.constexpr,
     LOG2_SCORES: tl.constexpr,
@@ -254,10 +222,6 @@ def attention_bwd_dkdv_kernel(
     """One program: BLOCK_N keys of one (batch, KV head); sums dk/dv over the G query heads of
     the group. With a bias broadcast over queries it also writes, per query head, the column sums
     of dS into DBIAS_COL (B, H, Lk) float32 (varlen: (H, total_k)).
-
-    With DQ_ACC ((B, Lq, H, D) or (total_q, H, D) float32, zeroed) it also adds every tile's dQ
-    into it (see _dkdv_tile), and with DBIAS ((B, H, Lq, Lk), zeroed) it stores dS there: the dq
-    kernel is then not launched.
 
     VARLEN as in the forward kernel. A mask that is not compacted is then read per tile (it is
     per key token, so there are no tile tables).
@@ -329,13 +293,6 @@ def attention_bwd_dkdv_kernel(
             p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh + k_row0 * stride_bn
         row_base = i_b * lse_stride_b + i_h * lse_stride_h + q_row0
         dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
-        stride_dq_m = H * D
-        p_dq = DQ_ACC
-        if ATOMIC_DQ:
-            p_dq = DQ_ACC + (q_start * H + i_h) * D
-        p_dbias = DBIAS
-        if DBIAS_DIRECT:
-            p_dbias = DBIAS + (i_b * H + i_h) * Lq * Lk
         if COMPACT:
             qb_start = 0
             if IS_CAUSAL:
@@ -349,7 +306,6 @@ def attention_bwd_dkdv_kernel(
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
-                    p_dq, stride_dq_m, p_dbias, Lk, ATOMIC_DQ, DBIAS_DIRECT,
                 )  # fmt: skip
         elif HAS_MASK and not VARLEN:
             col = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_nb
@@ -363,7 +319,6 @@ def attention_bwd_dkdv_kernel(
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
-                    p_dq, stride_dq_m, p_dbias, Lk, ATOMIC_DQ, DBIAS_DIRECT,
                 )  # fmt: skip
         else:
             # Query tiles in three runs: boundary tiles before the first one whose rows all see
@@ -387,7 +342,6 @@ def attention_bwd_dkdv_kernel(
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
-                    p_dq, stride_dq_m, p_dbias, Lk, ATOMIC_DQ, DBIAS_DIRECT,
                 )  # fmt: skip
             for qb in range(qi_start, qi_end):
                 dk, dv, dbias_col = _dkdv_tile(
@@ -397,7 +351,6 @@ def attention_bwd_dkdv_kernel(
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, LOG2_SCORES,
-                    p_dq, stride_dq_m, p_dbias, Lk, ATOMIC_DQ, DBIAS_DIRECT,
                 )  # fmt: skip
             for qb in range(qi_end, qb_end):
                 dk, dv, dbias_col = _dkdv_tile(
@@ -407,7 +360,6 @@ def attention_bwd_dkdv_kernel(
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
-                    p_dq, stride_dq_m, p_dbias, Lk, ATOMIC_DQ, DBIAS_DIRECT,
                 )  # fmt: skip
         if DBIAS_COLS:
             o_col = i_b * col_stride_b + i_h * col_stride_h + k_row0 + o_n

@@ -44,7 +44,6 @@ def run_case(
     bias=None,
     kv=None,
     check_grads=True,
-    deterministic=False,
 ):
     """Runs the Triton path and the oracle (float64 and in dtype) and checks out, lse, grads."""
     q = torch.randn(c.b, c.lq, c.h, c.d, dtype=dtype, device=DEVICE)
@@ -78,7 +77,7 @@ def run_case(
         return out, lse, grads
 
     def triton_attention(*args, **kw):
-        return dmattn_ops.attention(*args, backend="triton", deterministic=deterministic, **kw)
+        return dmattn_ops.attention(*args, backend="triton", **kw)
 
     out, lse, grads = run(triton_attention, inputs, lambda t: t.dtype)
     ref64 = run(reference.attention, inputs, lambda t: torch.float64)
@@ -263,31 +262,6 @@ def test_bf16_large_logits():
     bias = (torch.randn(1, 1, c.lq, c.lk, device=DEVICE) * 1e4).bfloat16()
     run_case(c, torch.bfloat16, bias=bias, kv=(k, v), is_causal=True)
     del q
-
-
-@pytest.mark.parametrize(
-    "mask_shape,bias_shape,softcap,dtype",
-    [
-        (None, "BHQK", 0.0, torch.float32),  # dbias stored by the dq kernel
-        ("B1QK", "B11K", 0.0, torch.float16),  # tile tables, dbias column sums
-        ("B11K", "BG1K", 2.0, torch.float32),  # key lists, GQA, softcap
-        ("BHQK", "1HQK", 0.0, torch.bfloat16),  # per-head tables, dbias shared over batch
-    ],
-    ids=["dense-dbias", "tables", "key-lists", "tables-bcast-dbias"],
-)
-def test_deterministic_path_matches_oracle(mask_shape, bias_shape, softcap, dtype):
-    # deterministic=True runs the separate dq kernel instead of the atomic dq accumulation.
-    c = Case(2, 37, 53, 4, 2, 32, 32)
-    dims = {"B": c.b, "H": c.h, "G": c.hkv, "Q": c.lq, "K": c.lk, "1": 1}
-
-    def shape(s):
-        return None if s is None else tuple(dims[x] for x in s)
-
-    seqused = torch.tensor([c.lk, 40], dtype=torch.int32)
-    run_case(
-        c, dtype, shape(mask_shape), shape(bias_shape), is_causal=True, softcap=softcap,
-        seqused=seqused, deterministic=True,
-    )  # fmt: skip
 
 
 def test_deterministic_backward_is_bitwise_reproducible():
