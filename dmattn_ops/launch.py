@@ -102,7 +102,7 @@ def _base_config(d: int, dv: int, kind: str, masked: bool = False) -> Config:
         return Config(128, 64, 4, 3)
     if width <= 128:
         # With a mask, wider key tiles amortise the table lookup and the mask loads.
-        return Config(128, 128, 8, 2) if masked else Config(128, 64, 8, 3)
+        return Config(128, 128, 8, 2) if masked else Config(128, 128, 8, 3)
     return Config(64, 32, 4, 1)
 
 
@@ -153,13 +153,21 @@ class Tables:
     key tiles of each query tile in ascending order; q_num / q_idx the active query tiles of each
     key tile. Bt is B when seqused_k or the mask varies over the batch, else 1; Ht is the mask's
     head dim.
+
+    Interior tiles (all rows < Lq, all keys < seqused_k, every key causally visible to every row)
+    are read without predicates. They form a prefix of each query tile's key tiles and a run of
+    each key tile's query tiles, so: kv_int (Bt, Ht, NQ), the first kv_int entries of kv_idx are
+    interior; q_lo / q_hi (Bt, Ht, NK), entries [q_lo, q_hi) of q_idx are interior.
     """
 
     active: torch.Tensor
     kv_num: torch.Tensor
     kv_idx: torch.Tensor
+    kv_int: torch.Tensor
     q_num: torch.Tensor
     q_idx: torch.Tensor
+    q_lo: torch.Tensor
+    q_hi: torch.Tensor
     stride_b: int
     stride_bt: int
 
@@ -194,12 +202,25 @@ def build_tables(mask, seqused_k, b, lq, lk, is_causal, block_m, block_n) -> Tab
     k_start = torch.arange(nk, device=device) * block_n  # [NK]
     window = k_start[None, None, :] < key_end[:, :, None]  # [Bw, NQ, NK]
     active = (mask_any != 0) & window[:, None]  # [Bt, Hm, NQ, NK]
+    # Interior: the same test as the kernels' interior_key_end (first row sees the last key).
+    m_start = torch.arange(nq, device=device) * block_m  # [NQ]
+    interior_end = n[:, None].expand(-1, nq)
+    if is_causal:
+        interior_end = torch.minimum(interior_end, m_start[None, :] + 1 + n[:, None] - lq)
+    interior = (k_start[None, None, :] + block_n <= interior_end[:, :, None]) & (
+        m_start + block_m <= lq
+    )[None, :, None]  # [Bw, NQ, NK]
+    active_int = active & interior[:, None]
+    before_int = active & (interior.cumsum(dim=1) == 0)[:, None]  # query tiles before the run
+    kv_int = active_int.sum(dim=-1, dtype=torch.int32).contiguous()
+    q_lo = before_int.sum(dim=-2, dtype=torch.int32)
+    q_hi = (q_lo + active_int.sum(dim=-2, dtype=torch.int32)).contiguous()
     active = active.to(torch.int8).contiguous()
     kv_num, kv_idx = _ordered_active(active)
     q_num, q_idx = _ordered_active(active.transpose(-1, -2))
     bt = active.shape[0]
     return Tables(
-        active, kv_num, kv_idx, q_num, q_idx,
+        active, kv_num, kv_idx, kv_int, q_num, q_idx, q_lo.contiguous(), q_hi,
         stride_b=hm * nq if bt > 1 else 0,
         stride_bt=hm * nk if bt > 1 else 0,
     )  # fmt: skip
@@ -309,6 +330,7 @@ def _launch_forward(
     attention_fwd_kernel[(nq, b * h)](
         query, key, value, None if lists else _mask_bytes(mask), bias, seqused_k, cu_q, cu_k,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
+        tables.kv_int if tables else None,
         lists.keys if lists else None, lists.key_end if lists else None,
         out, lse, log_sum,
         *_strides(query), *_strides(key), *_strides(value),
@@ -492,6 +514,7 @@ def _launch_backward(
         query, key, value, grad_out, None if dkdv_lists else _mask_bytes(mask), bias,
         seqused_k, cu_q, cu_k, lse, log_sum, delta,
         tables.q_num if tables else None, tables.q_idx if tables else None,
+        tables.q_lo if tables else None, tables.q_hi if tables else None,
         dkdv_lists.keys if dkdv_lists else None, dkdv_lists.key_count if dkdv_lists else None,
         dk, dv, dbias_cols, *strides,
         tables.stride_bt if tables else 0, nk,
@@ -506,6 +529,7 @@ def _launch_backward(
         query, key, value, grad_out, None if lists else _mask_bytes(mask), bias,
         seqused_k, cu_q, cu_k, lse, log_sum, delta,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
+        tables.kv_int if tables else None,
         lists.keys if lists else None, lists.key_end if lists else None,
         dq, dbias_direct, *strides,
         tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,

@@ -154,6 +154,8 @@ def attention_bwd_dkdv_kernel(
     DELTA,
     Q_NUM,
     Q_IDX,
+    Q_LO,
+    Q_HI,
     KEYS,
     KEY_COUNT,
     DK,
@@ -310,7 +312,30 @@ def attention_bwd_dkdv_kernel(
         elif HAS_MASK and not VARLEN:
             col = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_nb
             num = tl.load(Q_NUM + col)
-            for it in range(0, num):
+            # Listed query tiles [Q_LO, Q_HI) are interior: unpredicated mask and bias loads.
+            q_lo = tl.load(Q_LO + col)
+            q_hi = tl.load(Q_HI + col)
+            for it in range(0, q_lo):
+                qb = tl.load(Q_IDX + col * NQ + it)
+                dk, dv, dbias_col = _dkdv_tile(
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
+                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
+                    LSE, LOGSUM, DELTA, row_base,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
+                )  # fmt: skip
+            for it in range(q_lo, q_hi):
+                qb = tl.load(Q_IDX + col * NQ + it)
+                dk, dv, dbias_col = _dkdv_tile(
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
+                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
+                    LSE, LOGSUM, DELTA, row_base,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, LOG2_SCORES,
+                )  # fmt: skip
+            for it in range(q_hi, num):
                 qb = tl.load(Q_IDX + col * NQ + it)
                 dk, dv, dbias_col = _dkdv_tile(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
@@ -488,6 +513,7 @@ def attention_bwd_dq_kernel(
     DELTA,
     KV_NUM,
     KV_IDX,
+    KV_INT,
     KEYS,
     KEY_END,
     DQ,
@@ -617,7 +643,17 @@ def attention_bwd_dq_kernel(
     elif HAS_MASK:
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
         num = tl.load(KV_NUM + row)
-        for it in range(0, num):
+        n_int = tl.load(KV_INT + row)  # as in the forward kernel
+        for it in range(0, n_int):
+            kb = tl.load(KV_IDX + row * NK + it)
+            dq = _dq_tile(
+                dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                qk_scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
+                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False, LOG2_SCORES,
+            )  # fmt: skip
+        for it in range(n_int, num):
             kb = tl.load(KV_IDX + row * NK + it)
             dq = _dq_tile(
                 dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,

@@ -118,6 +118,7 @@ def attention_fwd_kernel(
     CU_K,
     KV_NUM,
     KV_IDX,
+    KV_INT,
     KEYS,
     KEY_END,
     OUT,
@@ -181,6 +182,7 @@ def attention_fwd_kernel(
     """One program: BLOCK_M queries of one (batch, head). Writes out, lse and log_sum.
 
     With a mask, KV_NUM / KV_IDX list the key tiles of this query tile that hold any allowed key
+    (KV_INT of them, first in the list, interior)
     (built once per call); tiles outside the list are never loaded. Without one, the loop bound
     comes from causality and seqused_k.
 
@@ -245,7 +247,18 @@ def attention_fwd_kernel(
     elif HAS_MASK:
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
         num = tl.load(KV_NUM + row)
-        for it in range(0, num):
+        # The first KV_INT listed tiles are interior: unpredicated mask and bias loads.
+        n_int = tl.load(KV_INT + row)
+        for it in range(0, n_int):
+            kb = tl.load(KV_IDX + row * NK + it)
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
+                p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False, LOG2_SCORES,
+            )  # fmt: skip
+        for it in range(n_int, num):
             kb = tl.load(KV_IDX + row * NK + it)
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
