@@ -55,8 +55,7 @@ class Config:
 @dataclass(frozen=True)
 class BackwardConfigs:
     """Tile configs of the dk/dv kernel (key tiles of block_n, stepping over query tiles of
-    block_m) and of the dq kernel (the reverse). Where tile tables are read, both kernels must
-    share one (block_m, block_n) grid: then dq is dkdv."""
+    block_m) and of the dq kernel (the reverse); each reads tile tables of its own grid."""
 
     dkdv: Config
     dq: Config
@@ -83,10 +82,30 @@ def _config(
     return cfg
 
 
-def _backward_configs(d: int, dv: int, lq: int, itemsize: int, shared: bool) -> BackwardConfigs:
-    kv = _config(d, dv, "dkdv", lq=lq, masked=shared, itemsize=itemsize)
-    qc = kv if shared else _config(d, dv, "dq", lq=lq, itemsize=itemsize)
-    return BackwardConfigs(kv, qc)
+def _backward_configs(d: int, dv: int, lq: int, itemsize: int) -> BackwardConfigs:
+    return BackwardConfigs(
+        _config(d, dv, "dkdv", lq=lq, itemsize=itemsize),
+        _config(d, dv, "dq", lq=lq, itemsize=itemsize),
+    )
+
+
+def _backward_tables(mask, seqused_k, b, lq, lk, is_causal, cfgs: BackwardConfigs):
+    """Tile tables of the dk/dv kernel and of the dq kernel, each on its own tile grid. When
+    the grids share block_n and one block_m divides the other, the mask is read once and the
+    coarser grid is pooled from the finer."""
+    kv, qc = cfgs.dkdv, cfgs.dq
+    fine, coarse = sorted((kv.block_m, qc.block_m))
+    if kv.block_n == qc.block_n and coarse % fine == 0:
+        any_fine = block_any(mask, lq, lk, fine, kv.block_n)
+        any_coarse = _pool_queries(any_fine, coarse // fine)
+        any_kv, any_q = (any_fine, any_coarse) if kv.block_m == fine else (any_coarse, any_fine)
+    else:
+        any_kv = any_q = None
+    args = (mask, seqused_k, b, lq, lk, is_causal)
+    tables = build_tables(*args, kv.block_m, kv.block_n, mask_any=any_kv)
+    if qc == kv:
+        return tables, tables
+    return tables, build_tables(*args, qc.block_m, qc.block_n, mask_any=any_q)
 
 
 def _base_config(d: int, dv: int, kind: str, masked: bool = False) -> Config:
@@ -94,10 +113,10 @@ def _base_config(d: int, dv: int, kind: str, masked: bool = False) -> Config:
     if interpreter_on():
         return Config(16, 16, 1, 1)
     width = max(d, dv)
-    if kind != "fwd":
-        if width <= 128:
-            return Config(64, 64, 4, 2)
-        return Config(32, 32, 4, 1)
+    if kind == "dkdv":
+        return Config(32, 64, 4, 3) if width <= 128 else Config(32, 32, 4, 1)
+    if kind == "dq":
+        return Config(64, 64, 4, 2) if width <= 128 else Config(32, 32, 4, 1)
     if width <= 64:
         return Config(128, 64, 4, 3)
     if width <= 128:
@@ -178,9 +197,9 @@ def _ordered_active(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num, order.contiguous()
 
 
-def build_tables(mask, seqused_k, b, lq, lk, is_causal, block_m, block_n) -> Tables:
-    """Activity of every (query tile, key tile): the mask has an allowed entry there and the
-    tile lies inside the causal / seqused_k window. One pass over the mask."""
+def block_any(mask, lq, lk, block_m, block_n) -> torch.Tensor:
+    """(Bm, Hm, NQ | 1, NK) int8: whether each (query tile, key tile) of the mask allows any
+    entry. One pass over the mask."""
     bm, hm, lqm, _ = mask.shape
     nq, nk = triton.cdiv(lq, block_m), triton.cdiv(lk, block_n)
     nqm = nq if lqm > 1 else 1
@@ -190,6 +209,26 @@ def build_tables(mask, seqused_k, b, lq, lk, is_causal, block_m, block_n) -> Tab
         mask.view(torch.uint8), mask_any, sb, sh, sm, sn, hm, lqm, lk, nqm, nk,
         BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
+    return mask_any
+
+
+def _pool_queries(mask_any: torch.Tensor, ratio: int) -> torch.Tensor:
+    """block_any for query tiles `ratio` times taller, from the finer one (no mask pass)."""
+    if ratio == 1 or mask_any.shape[2] == 1:
+        return mask_any
+    pad = -mask_any.shape[2] % ratio
+    fine = torch.nn.functional.pad(mask_any, (0, 0, 0, pad))
+    return fine.unflatten(2, (-1, ratio)).amax(dim=3)
+
+
+def build_tables(mask, seqused_k, b, lq, lk, is_causal, block_m, block_n, mask_any=None) -> Tables:
+    """Activity of every (query tile, key tile): the mask has an allowed entry there (mask_any,
+    from block_any unless given) and the tile lies inside the causal / seqused_k window."""
+    nq = triton.cdiv(lq, block_m)
+    if mask_any is None:
+        mask_any = block_any(mask, lq, lk, block_m, block_n)
+    hm = mask.shape[1]
+    nk = mask_any.shape[3]
     device = mask.device
     if seqused_k is not None:
         n = seqused_k.to(torch.int64).clamp(0, lk)  # [B]
@@ -402,15 +441,14 @@ def attention_backward(
             dbias_mode = "direct"
         else:
             dbias_mode = "bcast"  # its kernel reads the tile tables
-    tables = lists = None
+    tables = dq_tables = lists = None
     compact = compactable(mask, h, hkv) and dbias_mode != "bcast"
-    shared = (mask is not None and not compact) or dbias_mode == "bcast"
-    cfgs = _backward_configs(d, dv, lq, query.element_size(), shared)
+    cfgs = _backward_configs(d, dv, lq, query.element_size())
     cfg = cfgs.dkdv
     if compact:
         lists = build_key_lists(mask, seqused_k, b, lq, lk, is_causal, cfgs.dq.block_m)
     elif mask is not None:
-        tables = build_tables(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m, cfg.block_n)
+        tables, dq_tables = _backward_tables(mask, seqused_k, b, lq, lk, is_causal, cfgs)
     # With key lists, keys outside every list are never visited: their dk/dv must start at 0.
     alloc = torch.zeros if lists else empty
 
@@ -430,7 +468,7 @@ def attention_backward(
     _launch_backward(
         query, key, value, grad_out, mask, bias, seqused_k, None, None, lse, log_sum, delta,
         dq, dk, dvv, dbias_cols, dbias_direct, b, lq, lk, lq, lk, (h * lq, lq), (h * lk, lk),
-        tables, lists, lists, cfgs, scale, is_causal, softcap,
+        tables, dq_tables, lists, lists, cfgs, scale, is_causal, softcap,
     )  # fmt: skip
     if dbias_bcast is not None:
         nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
@@ -495,7 +533,7 @@ def _meta(cfg: Config, d: int, dv: int, is_causal: bool, dtype: torch.dtype) -> 
 def _launch_backward(
     query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, lse, log_sum, delta,
     dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
-    tables, lists, dkdv_lists, cfgs, scale, is_causal, softcap,
+    tables, dq_tables, lists, dkdv_lists, cfgs, scale, is_causal, softcap,
 ):  # fmt: skip
     """The dk/dv and dq kernels, over 4-D views as in _launch_forward, with their own tile
     configs (cfgs: BackwardConfigs). The grids cover span_q queries and span_k keys per batch
@@ -528,11 +566,11 @@ def _launch_backward(
     attention_bwd_dq_kernel[(nq, b * h)](
         query, key, value, grad_out, None if lists else _mask_bytes(mask), bias,
         seqused_k, cu_q, cu_k, lse, log_sum, delta,
-        tables.kv_num if tables else None, tables.kv_idx if tables else None,
-        tables.kv_int if tables else None,
+        dq_tables.kv_num if dq_tables else None, dq_tables.kv_idx if dq_tables else None,
+        dq_tables.kv_int if dq_tables else None,
         lists.keys if lists else None, lists.key_end if lists else None,
         dq, dbias_direct, *strides,
-        tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
+        dq_tables.stride_b if dq_tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
         h, h // hkv, lq, lk, d, d_v, triton.cdiv(span_k, qc.block_n), mask_div, bias_div,
         float(scale), float(softcap), **_meta(qc, d, d_v, is_causal, query.dtype),
@@ -655,7 +693,7 @@ def attention_varlen_backward(
         dbias_cols = torch.zeros((h, total_k), dtype=torch.float32, device=device)
     if b > 0 and total_q * h > 0 and total_k > 0 and max_q > 0 and max_k > 0:
         max_q, max_k = min(max_q, total_q), min(max_k, total_k)
-        cfgs = _backward_configs(d, dv, max_q, query.element_size(), shared=False)
+        cfgs = _backward_configs(d, dv, max_q, query.element_size())
         lists = None
         if mask is not None:
             block_m = cfgs.dq.block_m
@@ -667,7 +705,8 @@ def attention_varlen_backward(
             query[None], key[None], value[None], grad_out[None], _varlen_operand(mask),
             _varlen_operand(bias), None, cu_q, cu_k, lse, log_sum, delta[0],
             dq, dk, dvv, dbias_cols, None, b, total_q, total_k, max_q, max_k,
-            (0, total_q), (0, total_k), None, lists, dkdv_lists, cfgs, scale, is_causal, softcap,
+            (0, total_q), (0, total_k), None, None, lists, dkdv_lists, cfgs, scale, is_causal,
+            softcap,
         )  # fmt: skip
     if not compute_dbias:
         return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device)

@@ -264,6 +264,27 @@ def test_bf16_large_logits():
     del q
 
 
+@pytest.mark.parametrize("dq_block_m", [16, 32], ids=["same-grid", "pooled-grid"])
+def test_backward_kernels_on_their_own_tile_grids(monkeypatch, dq_block_m):
+    # The dq kernel's tile tables pooled from the dk/dv kernel's finer ones (one mask pass).
+    orig = launch._base_config
+
+    def configs(d, dv, kind, masked=False):
+        if kind == "dkdv":
+            return launch.Config(16, 16, 1, 1)
+        if kind == "dq":
+            return launch.Config(dq_block_m, 16, 1, 1)
+        return orig(d, dv, kind, masked)
+
+    monkeypatch.setattr(launch, "_base_config", configs)
+    c = Case(2, 70, 75, 2, 1, 16, 16)
+    seqused = torch.tensor([75, 50], dtype=torch.int32)
+    mask = make_mask((c.b, c.h, c.lq, c.lk), density=0.3, device=DEVICE)
+    mask[:, :, 32:64] = False  # whole pooled query tiles without an allowed key
+    run_case(c, torch.float32, mask=mask, bias_shape=(c.b, c.h, c.lq, c.lk), is_causal=True,
+             seqused=seqused)  # fmt: skip
+
+
 def test_deterministic_backward_is_bitwise_reproducible():
     c = Case(2, 50, 70, 4, 2, 32, 32)
     q = torch.randn(c.b, c.lq, c.h, c.d, device=DEVICE, dtype=torch.bfloat16)
