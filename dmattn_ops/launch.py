@@ -26,7 +26,11 @@ from dmattn_ops.kernels.attention_bwd import (
 )
 from dmattn_ops.kernels.attention_decode import attention_decode_kernel, decode_combine_kernel
 from dmattn_ops.kernels.attention_fwd import attention_fwd_kernel
-from dmattn_ops.kernels.block_mask import mask_block_any_kernel
+from dmattn_ops.kernels.block_mask import (
+    mask_block_any_kernel,
+    tile_cols_kernel,
+    tile_rows_kernel,
+)
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -191,12 +195,6 @@ class Tables:
     stride_bt: int
 
 
-def _ordered_active(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    num = active.sum(dim=-1, dtype=torch.int32)
-    order = torch.argsort((active == 0).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
-    return num, order.contiguous()
-
-
 def block_any(mask, lq, lk, block_m, block_n) -> torch.Tensor:
     """(Bm, Hm, NQ | 1, NK) int8: whether each (query tile, key tile) of the mask allows any
     entry. One pass over the mask."""
@@ -223,43 +221,36 @@ def _pool_queries(mask_any: torch.Tensor, ratio: int) -> torch.Tensor:
 
 def build_tables(mask, seqused_k, b, lq, lk, is_causal, block_m, block_n, mask_any=None) -> Tables:
     """Activity of every (query tile, key tile): the mask has an allowed entry there (mask_any,
-    from block_any unless given) and the tile lies inside the causal / seqused_k window."""
-    nq = triton.cdiv(lq, block_m)
+    from block_any unless given) and the tile lies inside the causal / seqused_k window. Two
+    kernel launches (rows, then columns) whatever the shapes: the host cost stays flat."""
     if mask_any is None:
         mask_any = block_any(mask, lq, lk, block_m, block_n)
-    hm = mask.shape[1]
-    nk = mask_any.shape[3]
+    bm, hm, _, nk = mask_any.shape
+    nq = triton.cdiv(lq, block_m)
+    bt = b if seqused_k is not None else bm
     device = mask.device
-    if seqused_k is not None:
-        n = seqused_k.to(torch.int64).clamp(0, lk)  # [B]
-    else:
-        n = torch.full((1,), lk, dtype=torch.int64, device=device)
-    m_end = torch.clamp((torch.arange(nq, device=device) + 1) * block_m, max=lq)  # [NQ]
-    key_end = n[:, None].expand(-1, nq)
-    if is_causal:
-        key_end = torch.minimum(key_end, m_end[None, :] + n[:, None] - lq).clamp(min=0)
-    k_start = torch.arange(nk, device=device) * block_n  # [NK]
-    window = k_start[None, None, :] < key_end[:, :, None]  # [Bw, NQ, NK]
-    active = (mask_any != 0) & window[:, None]  # [Bt, Hm, NQ, NK]
-    # Interior: the same test as the kernels' interior_key_end (first row sees the last key).
-    m_start = torch.arange(nq, device=device) * block_m  # [NQ]
-    interior_end = n[:, None].expand(-1, nq)
-    if is_causal:
-        interior_end = torch.minimum(interior_end, m_start[None, :] + 1 + n[:, None] - lq)
-    interior = (k_start[None, None, :] + block_n <= interior_end[:, :, None]) & (
-        m_start + block_m <= lq
-    )[None, :, None]  # [Bw, NQ, NK]
-    active_int = active & interior[:, None]
-    before_int = active & (interior.cumsum(dim=1) == 0)[:, None]  # query tiles before the run
-    kv_int = active_int.sum(dim=-1, dtype=torch.int32).contiguous()
-    q_lo = before_int.sum(dim=-2, dtype=torch.int32)
-    q_hi = (q_lo + active_int.sum(dim=-2, dtype=torch.int32)).contiguous()
-    active = active.to(torch.int8).contiguous()
-    kv_num, kv_idx = _ordered_active(active)
-    q_num, q_idx = _ordered_active(active.transpose(-1, -2))
-    bt = active.shape[0]
+    shape = (bt, hm, nq)
+    active = empty((*shape, nk), dtype=torch.int8, device=device)
+    kv_num = empty(shape, dtype=torch.int32, device=device)
+    kv_int = empty(shape, dtype=torch.int32, device=device)
+    kv_idx = empty((*shape, nk), dtype=torch.int32, device=device)
+    q_num, q_lo, q_hi = (empty((bt, hm, nk), dtype=torch.int32, device=device) for _ in "abc")
+    q_idx = empty((bt, hm, nk, nq), dtype=torch.int32, device=device)
+    sb, sh, sq, _ = operand_strides(mask_any)
+    common = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(is_causal),
+        num_warps=1 if interpreter_on() else 4,
+    )  # fmt: skip
+    tile_rows_kernel[(nq, bt * hm)](
+        mask_any, seqused_k, active, kv_num, kv_idx, kv_int, sb, sh, sq,
+        hm, lq, lk, nq, nk, seqused_k is not None, BLOCK_K=_block(nk), **common,
+    )  # fmt: skip
+    tile_cols_kernel[(nk, bt * hm)](
+        active, seqused_k, q_num, q_idx, q_lo, q_hi,
+        hm, lq, lk, nq, nk, seqused_k is not None, BLOCK_Q=_block(nq), **common,
+    )  # fmt: skip
     return Tables(
-        active, kv_num, kv_idx, kv_int, q_num, q_idx, q_lo.contiguous(), q_hi,
+        active, kv_num, kv_idx, kv_int, q_num, q_idx, q_lo, q_hi,
         stride_b=hm * nq if bt > 1 else 0,
         stride_bt=hm * nk if bt > 1 else 0,
     )  # fmt: skip

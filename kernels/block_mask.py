@@ -39,3 +39,112 @@ def mask_block_any_kernel(
     )  # [BM, BN]  fmt: skip
     b_any = tl.max(tl.max((b_mask != 0).to(tl.int32), 1), 0)
     tl.store(OUT + (i_bh.to(tl.int64) * NQm + i_qb) * NK + i_kb, b_any.to(tl.int8))
+
+
+@triton.jit
+def _tile_window(
+    qb, kb, n, Lq, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr
+):
+    """(inside, interior) of tile (qb, kb) for a batch with n keys: inside, the tile holds a key
+    some row may see (causality, n); interior, every row < Lq sees every key of it."""
+    m_start = qb * BLOCK_M
+    m_end = tl.minimum(m_start + BLOCK_M, Lq)
+    k_start = kb * BLOCK_N
+    key_end = n
+    int_end = n
+    if IS_CAUSAL:
+        key_end = tl.maximum(tl.minimum(n, m_end + n - Lq), 0)
+        int_end = tl.minimum(n, m_start + 1 + n - Lq)
+    inside = k_start < key_end
+    interior = (k_start + BLOCK_N <= int_end) & (m_start + BLOCK_M <= Lq)
+    return inside, interior
+
+
+@triton.jit
+def tile_rows_kernel(
+    ANY,
+    SEQUSED,
+    ACTIVE,
+    KV_NUM,
+    KV_IDX,
+    KV_INT,
+    any_stride_b,
+    any_stride_h,
+    any_stride_q,
+    Hm,
+    Lq,
+    Lk,
+    NQ,
+    NK,
+    has_seqused,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+):
+    """One program per (table batch, mask head, query tile): its active key tiles (the mask
+    allows an entry and the tile is inside the window) in ascending order, how many, and how
+    many of the leading ones are interior. Tables are (Bt, Hm, NQ[, NK]) contiguous."""
+    qb = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // Hm
+    i_h = i_bh % Hm
+    kb = tl.arange(0, BLOCK_K)
+    m_k = kb < NK
+    n = Lk
+    if has_seqused:
+        n = tl.minimum(tl.maximum(tl.load(SEQUSED + i_b), 0), Lk)
+    any_row = tl.load(
+        ANY + i_b * any_stride_b + i_h * any_stride_h + qb * any_stride_q + kb, mask=m_k, other=0
+    )
+    inside, interior = _tile_window(qb, kb, n, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    active = m_k & (any_row != 0) & inside
+    row = i_bh.to(tl.int64) * NQ + qb
+    tl.store(ACTIVE + row * NK + kb, active.to(tl.int8), mask=m_k)
+    pos = tl.cumsum(active.to(tl.int32), 0) - 1
+    tl.store(KV_IDX + row * NK + pos, kb, mask=active)
+    tl.store(KV_NUM + row, tl.sum(active.to(tl.int32), 0))
+    tl.store(KV_INT + row, tl.sum((active & interior).to(tl.int32), 0))
+
+
+@triton.jit
+def tile_cols_kernel(
+    ACTIVE,
+    SEQUSED,
+    Q_NUM,
+    Q_IDX,
+    Q_LO,
+    Q_HI,
+    Hm,
+    Lq,
+    Lk,
+    NQ,
+    NK,
+    has_seqused,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+):
+    """One program per (table batch, mask head, key tile): its active query tiles in ascending
+    order, how many, and the run [q_lo, q_hi) of them that is interior."""
+    kb = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // Hm
+    qb = tl.arange(0, BLOCK_Q)
+    m_q = qb < NQ
+    n = Lk
+    if has_seqused:
+        n = tl.minimum(tl.maximum(tl.load(SEQUSED + i_b), 0), Lk)
+    base = i_bh.to(tl.int64) * NQ
+    active = tl.load(ACTIVE + (base + qb) * NK + kb, mask=m_q, other=0) != 0
+    _, interior = _tile_window(qb, kb, n, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    interior = interior & m_q
+    first_int = tl.min(tl.where(interior, qb, NQ), 0)
+    col = i_bh.to(tl.int64) * NK + kb
+    pos = tl.cumsum(active.to(tl.int32), 0) - 1
+    tl.store(Q_IDX + col * NQ + pos, qb, mask=active)
+    tl.store(Q_NUM + col, tl.sum(active.to(tl.int32), 0))
+    q_lo = tl.sum((active & (qb < first_int)).to(tl.int32), 0)
+    tl.store(Q_LO + col, q_lo)
+    tl.store(Q_HI + col, q_lo + tl.sum((active & interior).to(tl.int32), 0))
