@@ -243,11 +243,11 @@ def build_tables(mask, seqused_k, b, lq, lk, is_causal, block_m, block_n, mask_a
     )  # fmt: skip
     tile_rows_kernel[(nq, bt * hm)](
         mask_any, seqused_k, active, kv_num, kv_idx, kv_int, sb, sh, sq,
-        hm, lq, lk, nq, nk, seqused_k is not None, BLOCK_K=_block(nk), **common,
+        hm, lq, lk, nq, nk, HAS_SEQUSED=seqused_k is not None, BLOCK_K=_block(nk), **common,
     )  # fmt: skip
     tile_cols_kernel[(nk, bt * hm)](
         active, seqused_k, q_num, q_idx, q_lo, q_hi,
-        hm, lq, lk, nq, nk, seqused_k is not None, BLOCK_Q=_block(nq), **common,
+        hm, lq, lk, nq, nk, HAS_SEQUSED=seqused_k is not None, BLOCK_Q=_block(nq), **common,
     )  # fmt: skip
     return Tables(
         active, kv_num, kv_idx, kv_int, q_num, q_idx, q_lo, q_hi,

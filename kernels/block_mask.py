@@ -76,7 +76,7 @@ def tile_rows_kernel(
     Lk,
     NQ,
     NK,
-    has_seqused,
+    HAS_SEQUSED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -92,7 +92,7 @@ def tile_rows_kernel(
     kb = tl.arange(0, BLOCK_K)
     m_k = kb < NK
     n = Lk
-    if has_seqused:
+    if HAS_SEQUSED:
         n = tl.minimum(tl.maximum(tl.load(SEQUSED + i_b), 0), Lk)
     any_row = tl.load(
         ANY + i_b * any_stride_b + i_h * any_stride_h + qb * any_stride_q + kb, mask=m_k, other=0
@@ -120,7 +120,7 @@ def tile_cols_kernel(
     Lk,
     NQ,
     NK,
-    has_seqused,
+    HAS_SEQUSED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -134,7 +134,7 @@ def tile_cols_kernel(
     qb = tl.arange(0, BLOCK_Q)
     m_q = qb < NQ
     n = Lk
-    if has_seqused:
+    if HAS_SEQUSED:
         n = tl.minimum(tl.maximum(tl.load(SEQUSED + i_b), 0), Lk)
     base = i_bh.to(tl.int64) * NQ
     active = tl.load(ACTIVE + (base + qb) * NK + kb, mask=m_q, other=0) != 0
