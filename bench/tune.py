@@ -2,8 +2,8 @@
 
 For each case and kernel kind, every candidate (block_m, block_n, num_warps, num_stages) is
 forced through launch._base_config and the kernel's own device time is read from the profiler
-(bench.profile), so the dk/dv and dq kernels are tuned separately. Where a mask needs tile
-tables both backward kernels share one config: the dkdv sweep then sets both and reports both.
+(bench.profile), so the dk/dv and dq kernels are tuned separately (each reads tile tables on its
+own grid). The dkdv sweep also reports the dq kernel's time, which a shared mask pass affects.
 """
 
 from __future__ import annotations
