@@ -18,7 +18,7 @@ from bench.__main__ import CASES, build
 REPEAT = 10
 
 
-def _kernel_times(fn) -> list[tuple[str, float, int]]:
+def kernel_times(fn) -> list[tuple[str, float, int]]:
     """(kernel name, device ms per call, launches per call), largest first."""
     for _ in range(3):
         fn()
@@ -60,7 +60,7 @@ def main(names: list[str]) -> int:
             call().backward(grad)
 
         for label, fn in (("forward", forward), ("forward+backward", train)):
-            rows = _kernel_times(fn)
+            rows = kernel_times(fn)
             print(f"\n{name} {label}: {sum(r[1] for r in rows):.3f} ms of kernels per call")
             for kernel, ms, n in rows[:12]:
                 print(f"  {ms:8.3f} ms  x{n:<3d} {kernel[:100]}")

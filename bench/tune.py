@@ -14,7 +14,7 @@ import torch
 
 import dmattn_ops
 from bench.__main__ import CASES, build
-from bench.profile import _kernel_times
+from bench.profile import kernel_times
 from dmattn_ops import launch
 
 CANDIDATES = {
@@ -55,7 +55,7 @@ def _sweep(name: str, kind: str) -> None:
 
         launch._base_config = pick
         try:
-            times = {kernel: ms for kernel, ms, _ in _kernel_times(step)}
+            times = {kernel: ms for kernel, ms, _ in kernel_times(step)}
             parts = [times.get(kernel, 0.0) for kernel in KERNELS[kind]]
             shown = " + ".join(f"{ms:.3f}" for ms in parts)
             results.append((sum(parts), cfg))

@@ -173,9 +173,9 @@ class Tables:
     """Which key tiles each query tile must visit (and the transpose), per table (batch, head).
 
     active (Bt, Ht, NQ, NK) int8; kv_num (Bt, Ht, NQ) and kv_idx (Bt, Ht, NQ, NK) list the active
-    key tiles of each query tile in ascending order; q_num / q_idx the active query tiles of each
-    key tile. Bt is B when seqused_k or the mask varies over the batch, else 1; Ht is the mask's
-    head dim.
+    key tiles of each query tile in ascending order (entries past kv_num are never written nor
+    read); q_num / q_idx the active query tiles of each key tile, likewise. Bt is B when
+    seqused_k or the mask varies over the batch, else 1; Ht is the mask's head dim.
 
     Interior tiles (all rows < Lq, all keys < seqused_k, every key causally visible to every row)
     are read without predicates. They form a prefix of each query tile's key tiles and a run of
