@@ -190,10 +190,13 @@ def attention_fwd_kernel(
     batch b's rows start at cu_seqlens[b]; mask and bias are per key token.
 
     LOG2_SCORES (no bias, no softcap): scores are kept in log2 units, scale * log2(e).
+
+    Query tiles launch last first: under causality the last tiles have the most keys, and
+    launching them first leaves the short ones for the tail of the grid.
     """
     if LOG2_SCORES:
         scale = scale * LOG2E
-    i_mb = tl.program_id(0)
+    i_mb = tl.num_programs(0) - 1 - tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
     i_h = (i_bh % H).to(tl.int64)
