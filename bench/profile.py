@@ -12,8 +12,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import dmattn_ops
-from bench.__main__ import CASES, build
+from bench.__main__ import CASES, build, impl_ours
 
 REPEAT = 10
 
@@ -47,10 +46,10 @@ def main(names: list[str]) -> int:
         bias = x.bias.detach().clone().requires_grad_() if x.bias is not None else None
         grad = torch.randn_like(x.q)
 
-        def call(q=q, k=k, v=v, bias=bias, x=x):
-            return dmattn_ops.attention(
-                q, k, v, x.mask, bias, is_causal=x.is_causal, seqused_k=x.seqused_k
-            )
+        f = impl_ours(x)  # the bench's own call, varlen included
+
+        def call(f=f, q=q, k=k, v=v, bias=bias):
+            return f(q, k, v, bias)
 
         def forward(call=call):
             with torch.no_grad():

@@ -13,11 +13,13 @@ import triton.language as tl
 
 from dmattn_ops.kernels.common import (
     LOG2E,
+    PER_ENTRY,
     causal_key_end,
     dot,
     dot_acc,
     interior_key_end,
     key_count,
+    operand_kind,
     score_tile,
     seq_extent,
 )
@@ -128,8 +130,8 @@ def _dkdv_tile(
 
 @triton.heuristics(
     {
-        "HAS_MASK": lambda a: a["MASK"] is not None,
-        "HAS_BIAS": lambda a: a["BIAS"] is not None,
+        "HAS_MASK": lambda a: operand_kind(a["MASK"], a["stride_mm"]),
+        "HAS_BIAS": lambda a: operand_kind(a["BIAS"], a["stride_bm"]),
         "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
         "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
         "DBIAS_COLS": lambda a: a["DBIAS_COL"] is not None,
@@ -487,8 +489,8 @@ def _dq_tile(
 
 @triton.heuristics(
     {
-        "HAS_MASK": lambda a: a["MASK"] is not None,
-        "HAS_BIAS": lambda a: a["BIAS"] is not None,
+        "HAS_MASK": lambda a: operand_kind(a["MASK"], a["stride_mm"]),
+        "HAS_BIAS": lambda a: operand_kind(a["BIAS"], a["stride_bm"]),
         "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
         "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
         "DBIAS_DIRECT": lambda a: a["DBIAS"] is not None,
@@ -695,7 +697,7 @@ def attention_bwd_dq_kernel(
 
 @triton.heuristics(
     {
-        "HAS_MASK": lambda a: a["MASK"] is not None,
+        "HAS_MASK": lambda a: operand_kind(a["MASK"], a["stride_mm"]),
         "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
         "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
     }
@@ -843,7 +845,7 @@ def attention_bwd_dbias_kernel(
                     s, m_allowed, _ = score_tile(
                         b_q, b_kt, i_m[:, None], i_n[None, :], n_keys, Lq, scale, softcap,
                         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                        IS_CAUSAL, HAS_MASK, True, HAS_SOFTCAP, DOT_PRECISION, True,
+                        IS_CAUSAL, HAS_MASK, PER_ENTRY, HAS_SOFTCAP, DOT_PRECISION, True,
                     )  # fmt: skip
                     p = _probs(s, m_row[:, None], log_sum[:, None], False)
                     dp = dot(b_do, b_vt, DOT_PRECISION)

@@ -9,6 +9,7 @@ from dmattn_ops.kernels.common import (
     causal_key_end,
     dot_acc,
     interior_key_end,
+    operand_kind,
     score_tile,
     seq_extent,
 )
@@ -97,8 +98,8 @@ def _fwd_tile(
 
 @triton.heuristics(
     {
-        "HAS_MASK": lambda a: a["MASK"] is not None,
-        "HAS_BIAS": lambda a: a["BIAS"] is not None,
+        "HAS_MASK": lambda a: operand_kind(a["MASK"], a["stride_mm"]),
+        "HAS_BIAS": lambda a: operand_kind(a["BIAS"], a["stride_bm"]),
         "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
         "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
         "COMPACT": lambda a: a["KEYS"] is not None,

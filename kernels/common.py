@@ -6,6 +6,20 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
+# What the kernels' HAS_MASK / HAS_BIAS constexprs hold (0, absent, is falsy): PER_KEY operands
+# have one entry per key, broadcast over the queries (query stride 0), and are loaded once per
+# tile column instead of once per score; PER_ENTRY operands have their own query rows.
+PER_KEY = tl.constexpr(1)
+PER_ENTRY = tl.constexpr(2)
+
+
+def operand_kind(t, stride_m: int) -> int:
+    """HAS_MASK / HAS_BIAS of a launch: 0 for None, else PER_KEY or PER_ENTRY by its query
+    stride (the launchers pass 0 on broadcast dims)."""
+    if t is None:
+        return 0
+    return PER_ENTRY.value if stride_m != 0 else PER_KEY.value
+
 
 @triton.jit
 def dot(a, b, DOT_PRECISION: tl.constexpr):
@@ -70,6 +84,10 @@ def score_tile(
     BOUNDARY=False is the interior stage: the caller guarantees every row < Lq, every key
     < n_keys and (causal) every key visible to every row, so no bounds or causal arithmetic is
     done; `allowed` is then only defined when HAS_MASK.
+
+    HAS_MASK / HAS_BIAS are 0 (absent), PER_KEY or PER_ENTRY (see above). A PER_KEY operand is
+    loaded with the shape of r_n and broadcast: a per-entry pointer tensor would issue BLOCK_M
+    loads of every element (its query stride of 0 is a runtime value).
     """
     x = dot(a, b, DOT_PRECISION) * scale
     t = x
@@ -82,25 +100,44 @@ def score_tile(
     m_in = 0
     if BOUNDARY:
         m_in = (r_m < Lq) & (r_n < n_keys)
-        m_allowed = m_in
+    if HAS_MASK:
+        b_mask = load_operand(
+            p_mask, o_m, o_n, stride_mask_m, stride_mask_n, r_n < n_keys, m_in, 0, HAS_MASK,
+            BOUNDARY,
+        )  # fmt: skip
+        m_allowed = b_mask != 0
+    if BOUNDARY:
+        m_allowed = m_allowed & m_in if HAS_MASK else m_in
         if IS_CAUSAL:
             m_allowed = m_allowed & (r_n <= r_m + (n_keys - Lq))
-        if HAS_MASK:
-            b_mask = tl.load(p_mask + o_m * stride_mask_m + o_n * stride_mask_n, mask=m_in, other=0)
-            m_allowed = m_allowed & (b_mask != 0)
-    elif HAS_MASK:
-        m_allowed = tl.load(p_mask + o_m * stride_mask_m + o_n * stride_mask_n) != 0
     if HAS_BIAS:
-        p_b = p_bias + o_m * stride_bias_m + o_n * stride_bias_n
-        if BOUNDARY:
-            b_bias = tl.load(p_b, mask=m_in, other=0.0).to(tl.float32)
-        else:
-            b_bias = tl.load(p_b).to(tl.float32)
-        x = x + b_bias
+        b_bias = load_operand(
+            p_bias, o_m, o_n, stride_bias_m, stride_bias_n, r_n < n_keys, m_in, 0.0, HAS_BIAS,
+            BOUNDARY,
+        )  # fmt: skip
+        x = x + b_bias.to(tl.float32)
     s = x
     if BOUNDARY or HAS_MASK:
         s = tl.where(m_allowed, x, float("-inf"))
     return s, m_allowed, t
+
+
+@triton.jit
+def load_operand(
+    p, o_m, o_n, stride_m, stride_n, m_n, m_in, other, KIND: tl.constexpr, BOUNDARY: tl.constexpr
+):
+    """Mask or bias entries of a score tile: with the shape of o_n when KIND is PER_KEY, else
+    of the whole tile. BOUNDARY loads are predicated on the bounds (m_n: key < n_keys, for a
+    PER_KEY operand; m_in: row and key in bounds, for a PER_ENTRY one)."""
+    if KIND == PER_KEY:
+        ptr = p + o_n * stride_n
+        inside = m_n
+    else:
+        ptr = p + o_m * stride_m + o_n * stride_n
+        inside = m_in
+    if BOUNDARY:
+        return tl.load(ptr, mask=inside, other=other)
+    return tl.load(ptr)
 
 
 @triton.jit

@@ -139,6 +139,20 @@ def test_every_broadcast_pattern(pattern):
     )
 
 
+def test_per_key_operands_given_as_expanded_views():
+    """A mask and a bias with one row per key, passed as (B, H, Lq, Lk) views with query stride
+    0, are loaded once per key (PER_KEY) on tile tables, through boundary and interior tiles;
+    dbias comes back in the view's full shape."""
+    c = Case(2, 37, 45, 4, 2, 32, 32)
+    full = (c.b, c.h, c.lq, c.lk)
+    mask = make_mask((c.b, c.h, 1, c.lk), density=0.8, device=DEVICE).expand(full)
+    bias = make_bias((c.b, c.h, 1, c.lk), dtype=torch.float32, device=DEVICE).expand(full)
+    assert mask.stride(2) == 0 and bias.stride(2) == 0
+    assert not launch.compactable(mask, c.h, c.hkv)
+    _, _, grads = run_case(c, torch.float32, mask=mask, bias=bias, is_causal=True)
+    assert grads[3].shape == full
+
+
 @pytest.mark.parametrize(
     "mask_pattern,bias_pattern",
     [("bhq", "BHQ"), ("BGQ", "bhq"), ("bHq", "BGq"), ("Bhq", "bGQ"), ("BHQ", "bhQ")],
