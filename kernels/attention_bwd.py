@@ -19,6 +19,7 @@ from dmattn_ops.kernels.common import (
     dot_acc,
     interior_key_end,
     key_count,
+    listed_interior_count,
     operand_kind,
     score_tile,
     seq_extent,
@@ -297,21 +298,7 @@ def attention_bwd_dkdv_kernel(
             p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh + k_row0 * stride_bn
         row_base = i_b * lse_stride_b + i_h * lse_stride_h + q_row0
         dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
-        if COMPACT:
-            qb_start = 0
-            if IS_CAUSAL:
-                qb_start = tl.maximum(j_first - n_keys + Lq, 0) // BLOCK_M
-            qb_end = tl.where(i_nb * BLOCK_N < n_pos, NQ, 0)
-            for qb in range(qb_start, qb_end):
-                dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
-                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    LSE, LOGSUM, DELTA, row_base,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
-                )  # fmt: skip
-        elif HAS_MASK and not VARLEN:
+        if HAS_MASK and not VARLEN and not COMPACT:
             col = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_nb
             num = tl.load(Q_NUM + col)
             # Listed query tiles [Q_LO, Q_HI) are interior: unpredicated mask and bias loads.
@@ -350,15 +337,26 @@ def attention_bwd_dkdv_kernel(
         else:
             # Query tiles in three runs: boundary tiles before the first one whose rows all see
             # the whole key tile, interior tiles (no bounds or causal arithmetic), then the
-            # boundary tiles after the last full one. Nothing past seqused_k.
-            k0 = i_nb * BLOCK_N
+            # boundary tiles after the last full one. Nothing past seqused_k. A tile of listed
+            # keys (COMPACT) spans its first and last key; one with unused list entries has
+            # no interior run.
+            if COMPACT:
+                k_lo = j_first
+                k_hi = tl.max(i_n, 0)
+                k_any = i_nb * BLOCK_N < n_pos
+                k_full = (i_nb + 1) * BLOCK_N <= n_pos
+            else:
+                k_lo = i_nb * BLOCK_N
+                k_hi = k_lo + BLOCK_N - 1
+                k_any = k_lo < n_keys
+                k_full = k_lo + BLOCK_N <= n_keys
             qb_start = 0
             qi_start = 0
             if IS_CAUSAL:
-                qb_start = tl.maximum(k0 - n_keys + Lq, 0) // BLOCK_M
-                qi_start = tl.cdiv(tl.maximum(k0 + BLOCK_N - 1 - n_keys + Lq, 0), BLOCK_M)
-            qb_end = tl.where(k0 < n_keys, NQ, 0)
-            qi_end = tl.where(k0 + BLOCK_N <= n_keys, Lq // BLOCK_M, 0)
+                qb_start = tl.maximum(k_lo - n_keys + Lq, 0) // BLOCK_M
+                qi_start = tl.cdiv(tl.maximum(k_hi - n_keys + Lq, 0), BLOCK_M)
+            qb_end = tl.where(k_any, NQ, 0)
+            qi_end = tl.where(k_full, Lq // BLOCK_M, 0)
             qi_start = tl.minimum(tl.maximum(qi_start, qb_start), qb_end)
             qi_end = tl.minimum(tl.maximum(qi_end, qi_start), qb_end)
             for qb in range(qb_start, qi_start):
@@ -450,7 +448,10 @@ def _dq_tile(
 ):
     i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if COMPACT:
-        i_n = tl.load(p_keys + i_n, mask=i_n < n_pos, other=n_keys)
+        if BOUNDARY:
+            i_n = tl.load(p_keys + i_n, mask=i_n < n_pos, other=n_keys)
+        else:
+            i_n = tl.load(p_keys + i_n)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_n = i_n < n_keys
@@ -631,10 +632,21 @@ def attention_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if COMPACT:
+        # As in the forward kernel: listed tiles every row sees in full first.
         i_hm = i_h // mask_hdiv
         p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + k_row0
-        n_pos = tl.load(KEY_END + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
-        for kb in range(0, tl.cdiv(n_pos, BLOCK_N)):
+        p_end = KEY_END + i_b * table_stride_b + i_hm * table_stride_h
+        n_pos = tl.load(p_end + i_mb)
+        kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, BLOCK_M, IS_CAUSAL) // BLOCK_N
+        for kb in range(0, kb_int):
+            dq = _dq_tile(
+                dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                qk_scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
+                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, n_pos, True, LOG2_SCORES,
+            )  # fmt: skip
+        for kb in range(kb_int, tl.cdiv(n_pos, BLOCK_N)):
             dq = _dq_tile(
                 dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
                 qk_scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,

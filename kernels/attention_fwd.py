@@ -9,6 +9,7 @@ from dmattn_ops.kernels.common import (
     causal_key_end,
     dot_acc,
     interior_key_end,
+    listed_interior_count,
     operand_kind,
     score_tile,
     seq_extent,
@@ -60,7 +61,10 @@ def _fwd_tile(
     i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if COMPACT:
         # Positions in the sorted list of allowed keys -> key indices; past the list: n_keys.
-        i_n = tl.load(p_keys + i_n, mask=i_n < n_pos, other=n_keys)
+        if BOUNDARY:
+            i_n = tl.load(p_keys + i_n, mask=i_n < n_pos, other=n_keys)
+        else:
+            i_n = tl.load(p_keys + i_n)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_n = i_n < n_keys
@@ -236,11 +240,22 @@ def attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     if COMPACT:
         # The mask is the same for every query: iterate over tiles of its sorted allowed keys,
-        # up to the last one this query tile may see (KEY_END, from causality and seqused_k).
+        # up to the last one this query tile may see (KEY_END, from causality and seqused_k),
+        # the tiles every row sees in full first (no bounds or causal arithmetic).
         i_hm = i_h // mask_hdiv
         p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + k_row0
-        n_pos = tl.load(KEY_END + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
-        for kb in range(0, tl.cdiv(n_pos, BLOCK_N)):
+        p_end = KEY_END + i_b * table_stride_b + i_hm * table_stride_h
+        n_pos = tl.load(p_end + i_mb)
+        kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, BLOCK_M, IS_CAUSAL) // BLOCK_N
+        for kb in range(0, kb_int):
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
+                p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, n_pos, True, LOG2_SCORES,
+            )  # fmt: skip
+        for kb in range(kb_int, tl.cdiv(n_pos, BLOCK_N)):
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,

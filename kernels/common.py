@@ -141,6 +141,18 @@ def load_operand(
 
 
 @triton.jit
+def listed_interior_count(p_end, i_mb, n_pos, Lq, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """How many leading entries of a sorted allowed-key list are interior for query tile i_mb
+    (its rows all exist and all see them). p_end[i] is how many entries tile i may see (n_pos
+    for this tile). Under causality that is p_end[i_mb - 1]: the keys the previous tile's last
+    row sees, one fewer than this tile's first row sees."""
+    n_int = n_pos
+    if IS_CAUSAL:
+        n_int = tl.load(p_end + i_mb - 1, mask=i_mb > 0, other=0)
+    return tl.where((i_mb + 1) * BLOCK_M <= Lq, n_int, 0)
+
+
+@triton.jit
 def interior_key_end(
     m_start, n_keys, Lq, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr
 ):

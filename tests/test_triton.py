@@ -471,6 +471,25 @@ DECODE = [
 ]
 
 
+@pytest.mark.parametrize("lq,lk", [(96, 96), (70, 100)], ids=["Lq=Lk", "Lq<Lk"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_key_lists_interior_and_boundary_tiles(lq, lk, is_causal):
+    """Per-key masks dense enough that the listed keys fill interior tiles (every row of the
+    query tile sees them: no bounds or causal arithmetic) as well as boundary ones, with
+    seqused_k cutting one batch's list short."""
+    c = Case(2, lq, lk, 4, 2, 32, 32)
+    mask = make_mask((c.b, c.hkv, 1, c.lk), density=0.9, device=DEVICE)
+    assert launch.compactable(mask, c.h, c.hkv)
+    run_case(
+        c,
+        torch.float32,
+        bias_shape=(c.b, c.hkv, 1, c.lk),
+        mask=mask,
+        is_causal=is_causal,
+        seqused=torch.tensor([lk, lk - 9], dtype=torch.int32),
+    )
+
+
 @pytest.fixture
 def decode_spy(monkeypatch):
     """Counts calls of the split-K forward, to show the tests below run it."""
