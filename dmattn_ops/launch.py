@@ -320,8 +320,16 @@ def _empty_forward(query, value):
     return out, lse, log_sum
 
 
+def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A small index or statistics tensor the kernels read as dense rows (seqused_k + b,
+    cu_seqlens + b, lse + row): any other layout, a vmap-folded one with batch stride 0
+    included, is copied first."""
+    return None if t is None else t.contiguous()
+
+
 def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k):
     """Returns out (B, Lq, H, Dv), lse and log_sum, both float32 (B, H, Lq)."""
+    seqused_k = _dense(seqused_k)
     if not use_triton(query):
         return chunked.forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
     b, lq, h, d = query.shape
@@ -411,6 +419,7 @@ def attention_backward(
     (an empty (0,) tensor when compute_dbias is False). Every path here is deterministic: no
     kernel uses atomics, so ``deterministic`` selects nothing yet."""
     del deterministic
+    seqused_k, lse, log_sum = _dense(seqused_k), _dense(lse), _dense(log_sum)
     if not use_triton(query):
         return chunked.backward(
             grad_out, grad_lse, query, key, value, out, lse, log_sum, mask, bias,
@@ -630,6 +639,7 @@ def attention_varlen_forward(
 ):
     """Returns out (total_q, H, Dv), lse and log_sum, both float32 (H, total_q). Rows of out and
     lse outside every sequence are 0 and -inf."""
+    cu_q, cu_k = _dense(cu_q), _dense(cu_k)
     if not use_triton(query):
         return chunked.varlen_forward(
             query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, softcap
@@ -672,6 +682,7 @@ def attention_varlen_backward(
     dbias in bias's (H|Hkv|1, total_k) shape and dtype (an empty (0,) tensor unless
     compute_dbias). No atomics: always deterministic."""
     del deterministic
+    cu_q, cu_k, lse, log_sum = _dense(cu_q), _dense(cu_k), _dense(lse), _dense(log_sum)
     if not use_triton(query):
         return chunked.varlen_backward(
             grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k,

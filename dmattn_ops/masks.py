@@ -10,7 +10,8 @@ Rules shared by both:
   attention's mask, or a 2-D padding mask (B, Lk).
 * The result has the broadcast shape of the bias and the mask: a (B, H, 1, Lk) bias gives a
   (B, H, 1, Lk) mask, and nothing of size Lq * Lk is allocated for it.
-* NaN in the bias at an allowed key ranks below every number (it is never preferred).
+* NaN in the bias at an allowed key ranks below every number, -inf included (it is never
+  preferred to a number).
 * Where Triton runs (CUDA, or the interpreter), topk_mask uses a fused kernel
   (kernels/topk_mask.py) for rows of up to 16384 keys; ties at the k-th value then go to the
   lowest key indices. Elsewhere torch.topk selects, and picks among ties as it pleases.
@@ -109,9 +110,9 @@ def topk_mask(
     shape = torch.broadcast_shapes(score.shape, allowed.shape) if allowed is not None else None
     if shape is not None:
         score = score.expand(shape)
-    # Allowed keys rank at finfo.min or above (NaN and -inf there become finfo.min), disallowed
-    # ones at -inf: every allowed key outranks every disallowed one, so when fewer than
-    # `window` keys are allowed all of them are picked, and the final & drops the rest.
+    # Allowed numbers rank by value, allowed NaN below them, disallowed keys below everything
+    # (rank_key): when fewer than `window` keys are allowed all of them are picked, and the
+    # final & drops the rest.
     k = min(window, score.shape[-1])
     _check_block_size(block_size)
     if k > 0 and _fused_applies(score, k):
@@ -122,14 +123,38 @@ def topk_mask(
     return _smooth(_torch_topk(score, allowed, k), allowed, block_size)
 
 
-def _torch_topk(score, allowed, k):
-    lowest = torch.finfo(score.dtype).min
-    score = torch.where(torch.isnan(score), lowest, score).clamp(min=lowest)
+_INT_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+# -inf's bits as a signed integer of the float's width.
+_NEG_INF_BITS = {
+    torch.float16: 0xFC00 - (1 << 16),
+    torch.bfloat16: 0xFF80 - (1 << 16),
+    torch.float32: 0xFF800000 - (1 << 32),
+    torch.float64: 0xFFF0000000000000 - (1 << 64),
+}
+
+
+def rank_key(score: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """An integer image of the scores in the order topk_mask ranks them: numbers by value
+    (-inf lowest among them), then NaN, then disallowed keys; int64, or int32 for 16-bit
+    scores. The float's bits with the magnitude bits of negative values flipped are monotone
+    in its value; NaN and disallowed keys take the two images just below -inf's."""
+    bits = score.view(_INT_OF[score.element_size()])
+    wide = torch.int32 if score.element_size() == 2 else torch.int64
+    bits = bits.to(wide)
+    width = 8 * score.element_size() - 1
+    key = bits ^ ((bits >> width) & ((1 << width) - 1))
+    neg_inf = _NEG_INF_BITS[score.dtype] ^ ((1 << width) - 1)
+    key = torch.where(torch.isnan(score), neg_inf - 1, key)
     if allowed is not None:
-        score = torch.where(allowed, score, float("-inf"))
+        key = torch.where(allowed, key, neg_inf - 2)
+    return key
+
+
+def _torch_topk(score, allowed, k):
     selected = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
     if k > 0:
-        selected.scatter_(-1, score.topk(k, dim=-1).indices, True)
+        key = rank_key(score, allowed)
+        selected.scatter_(-1, key.topk(k, dim=-1).indices, True)
     if allowed is not None:
         selected &= allowed
     return selected
@@ -171,7 +196,7 @@ def _fused_topk(
     warps = 1 if launch.interpreter_on() else min(16, max(4, block // 512))
     topk_mask_kernel[(b * h * lq,)](
         bias_e, mask_e, out.view(torch.int8), *launch.operand_strides(bias_e),
-        *launch.operand_strides(mask_e), h, lq, lk, k, float(torch.finfo(bias.dtype).min),
+        *launch.operand_strides(mask_e), h, lq, lk, k,
         BLOCK=block, SMOOTH=smooth, num_warps=warps,
     )  # fmt: skip
     return out

@@ -260,9 +260,10 @@ class AttentionFunction(torch.autograd.Function):
 
 
 DOUBLE_BACKWARD_ERROR = (
-    "dmattn: double backward (a gradient of a gradient of attention) is not supported; "
+    "dmattn: double backward (a derivative of a gradient of attention: autograd.grad with "
+    "create_graph, torch.func.grad of grad, hessian, jacfwd of jacrev) is not supported; "
     "differentiate the attention output once, or use dmattn_ops.reference.attention, which "
-    "plain autograd differentiates to any order"
+    "autograd and torch.func differentiate to any order"
 )
 
 
@@ -338,7 +339,31 @@ def _forward_autograd(
         )
 
 
+def _outer_grad_levels(tensors) -> bool:
+    """Whether a torch.func transform outside the current one tracks any of these tensors.
+
+    Called from the backward ops' Autograd kernels: each tensor is unwrapped from the current
+    level inwards; a grad or jvp wrapper (functorch's TensorWrapper) found below the current
+    level means an enclosing grad/jvp/jacfwd/hessian would differentiate this gradient. The
+    single-level Function applied here cannot record for that level (it runs its forward with
+    grad mode off, which hides the call from the enclosing level), so the result would be a
+    silent zero; the caller raises instead.
+    """
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    F = torch._C._functorch
+    current = F.peek_interpreter_stack().level()
+    for t in tensors:
+        while F.is_functorch_wrapped_tensor(t) or F.is_batchedtensor(t):
+            if F.is_gradtrackingtensor(t) and F.maybe_get_level(t) < current:
+                return True
+            t = F.get_unwrapped(t)
+    return False
+
+
 def _backward_autograd(keyset, *args):
+    if _outer_grad_levels(a for a in args if isinstance(a, torch.Tensor)):
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
     if _needs_grad(*(a for a in args if isinstance(a, torch.Tensor))):
         return _apply(_BackwardFunction, *args)
     with torch._C._AutoDispatchBelowAutograd():
@@ -669,6 +694,8 @@ def _varlen_forward_autograd(
 
 
 def _varlen_backward_autograd(keyset, *args):
+    if _outer_grad_levels(a for a in args if isinstance(a, torch.Tensor)):
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
     if _needs_grad(*(a for a in args if isinstance(a, torch.Tensor))):
         return _apply(_VarlenBackwardFunction, *args)
     with torch._C._AutoDispatchBelowAutograd():

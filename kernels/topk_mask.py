@@ -30,7 +30,6 @@ def topk_mask_kernel(
     Lq,
     Lk,
     k,
-    lowest,
     HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
     SMOOTH: tl.constexpr,
@@ -49,11 +48,7 @@ def topk_mask_kernel(
         BIAS + i_b * stride_bb + i_h * stride_bh + i_q * stride_bm + o_j * stride_bn,
         mask=valid,
         other=0.0,
-    ).to(tl.float32)
-    # The ranking of masks.topk_mask: NaN and anything below the dtype's lowest finite value
-    # rank as that value; disallowed keys rank at -inf, below every allowed key.
-    x = tl.where(x != x, lowest, x)
-    x = tl.maximum(x, lowest)
+    )
     allowed = valid
     if HAS_MASK:
         m = tl.load(
@@ -62,21 +57,30 @@ def topk_mask_kernel(
             other=0,
         )
         allowed = valid & (m != 0)
-        x = tl.where(allowed, x, float("-inf"))
-    # Order-preserving int image: flip the magnitude bits of negative floats. 16-bit biases
-    # (every value above is representable in them) need 16 bisection steps, not 32.
+    # The ranking of masks.rank_key: numbers by value through an order-preserving int image
+    # (the magnitude bits of negative floats flipped), then NaN, then disallowed keys, on the
+    # two images just below -inf's. 16-bit biases need 16 bisection steps, not 32.
     if BIAS.dtype.element_ty.primitive_bitwidth == 16:
-        bits = x.to(BIAS.dtype.element_ty).to(tl.int16, bitcast=True).to(tl.int32)
+        # Through float32 and back: Triton's interpreter bitcasts bfloat16 wrongly otherwise.
+        x16 = x.to(tl.float32).to(BIAS.dtype.element_ty)
+        bits = x16.to(tl.int16, bitcast=True).to(tl.int32)
         key = (bits ^ ((bits >> 15) & 0x7FFF)).to(tl.int64)
+        neg_inf = tl.full([], float("-inf"), tl.float32).to(BIAS.dtype.element_ty)
+        inf_bits = neg_inf.to(tl.int16, bitcast=True).to(tl.int32)
         lo = tl.full([], -32768, tl.int64)
         hi = tl.full([], 32767, tl.int64)
         steps: tl.constexpr = 16
+        inf_key = (inf_bits ^ 0x7FFF).to(tl.int64)
     else:
-        bits = x.to(tl.int32, bitcast=True)
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
         key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483647, tl.int64)
         steps: tl.constexpr = 32
+        inf_key = tl.full([], -2139095041, tl.int64)  # -inf: 0xFF800000 ^ 0x7FFFFFFF
+    x32 = x.to(tl.float32)
+    key = tl.where(x32 != x32, inf_key - 1, key)
+    key = tl.where(allowed, key, inf_key - 2)
     # Largest t with #{key >= t} >= k, by bisection over the integer range.
     for _ in range(steps):
         mid = (lo + hi + 1) // 2
