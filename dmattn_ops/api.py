@@ -98,7 +98,7 @@ def attention(
         out, lse, _ = torch.ops.dmattn.attention_forward(
             query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
         )
-        return out, lse
+        return out, lse.float()  # float64 inputs keep a float64 lse inside the ops
     return torch.ops.dmattn.attention(
         query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
     )
@@ -168,5 +168,5 @@ def attention_varlen(
         out, lse, _ = torch.ops.dmattn.attention_varlen_forward(
             *args, scale, is_causal, softcap, deterministic
         )
-        return out, lse
+        return out, lse.float()
     return torch.ops.dmattn.attention_varlen(*args, scale, is_causal, softcap, deterministic)

@@ -34,6 +34,21 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of lse and lse_rem: float32, float64 for float64 inputs (a float64 row max such
+    as a bias of finfo(float64).min is outside float32's range)."""
+    return compute_dtype(dtype)
+
+
+def lse_split(m: torch.Tensor, log_l: torch.Tensor, nonempty: torch.Tensor):
+    """(lse, lse_rem) as kernels/common.py lse_split: lse = m + log_l rounded, lse_rem what the
+    rounding dropped (TwoSum), so (s - lse) - lse_rem recovers s - m - log_l exactly."""
+    lse = m + log_l
+    b_virtual = lse - m
+    lse_rem = (m - (lse - b_virtual)) + (log_l - b_virtual)
+    return torch.where(nonempty, lse, float("-inf")), torch.where(nonempty, lse_rem, 0)
+
+
 def _blocks(b: int, h: int, lq: int, lk: int, block_q, block_k) -> tuple[int, int]:
     block_k = block_k or max(16, min(256, lk))
     block_q = block_q or max(16, min(256, lq))
@@ -114,19 +129,20 @@ def forward(
     block_q=None,
     block_k=None,
 ):
-    """Returns out (B, Lq, H, Dv) in query's dtype, and lse and log_sum, float32 (B, H, Lq).
+    """Returns out (B, Lq, H, Dv) in query's dtype, and lse and lse_rem (B, H, Lq), float32
+    (float64 for float64 inputs).
 
-    log_sum = log(sum_j exp(s_ij - max_j s_ij)), 0 for empty rows; backward recovers the row max
-    as lse - log_sum, which stays exact when the max is huge (see kernels/attention_bwd.py).
+    lse_rem = (max + log_sum) - lse, what rounding lse dropped (0 for empty rows); backward
+    recomputes P as exp((s - lse) - lse_rem), exact however large the row max is.
     """
     pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
     b, lq, h, lk, hkv, g, dv, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.dv, pb.ct
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
-    lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
-    log_sum = empty((b, h, lq), dtype=torch.float32, device=query.device)
+    lse = empty((b, h, lq), dtype=stats_dtype(query.dtype), device=query.device)
+    lse_rem = empty((b, h, lq), dtype=stats_dtype(query.dtype), device=query.device)
     out5 = out.permute(0, 2, 1, 3).unflatten(1, (hkv, g))  # [B, Hkv, G, Lq, Dv] view
     lse5 = lse.unflatten(1, (hkv, g))  # [B, Hkv, G, Lq] view
-    log_sum5 = log_sum.unflatten(1, (hkv, g))
+    lse_rem5 = lse_rem.unflatten(1, (hkv, g))
     block_q, block_k = _blocks(b, h, lq, lk, block_q, block_k)
     neg_inf = float("-inf")
     for q0 in range(0, lq, block_q):
@@ -146,10 +162,10 @@ def forward(
             m = m_new
         nonempty = denom > 0
         out5[:, :, :, q0:q1] = (acc / torch.where(nonempty, denom, 1)[..., None]).to(out.dtype)
-        log_l = torch.where(nonempty, torch.log(torch.where(nonempty, denom, 1)), 0)
-        lse5[:, :, :, q0:q1] = torch.where(nonempty, log_l + m, neg_inf).float()
-        log_sum5[:, :, :, q0:q1] = log_l.float()
-    return out, lse, log_sum
+        log_l = torch.log(torch.where(nonempty, denom, 1))
+        m_safe = torch.where(nonempty, m, 0)
+        lse5[:, :, :, q0:q1], lse_rem5[:, :, :, q0:q1] = lse_split(m_safe, log_l, nonempty)
+    return out, lse, lse_rem
 
 
 def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -165,7 +181,7 @@ def backward(
     value,
     out,
     lse,
-    log_sum,
+    lse_rem,
     mask,
     bias,
     scale,
@@ -179,7 +195,7 @@ def backward(
 ):
     """Returns dq, dk, dv in their inputs' shapes and dtypes, and dbias in bias's shape and dtype
     (an empty tensor when compute_dbias is False). P is recomputed as
-    exp((s - max) - log_sum) with max = lse - log_sum."""
+    exp(min((s - lse) - lse_rem, 0)): the exponent is at most 0 in exact arithmetic."""
     pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
     b, lq, h, lk, hkv, g, d, dv, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.d, pb.dv, pb.ct
     dev = query.device
@@ -189,8 +205,8 @@ def backward(
         delta = delta - grad_lse.to(ct)
     delta = delta.unflatten(1, (hkv, g))  # [B, Hkv, G, Lq]
     lse5 = lse.unflatten(1, (hkv, g)).to(ct)
-    log_sum5 = log_sum.unflatten(1, (hkv, g)).to(ct)
-    row_max5 = torch.where(lse5 == float("-inf"), 0, lse5 - log_sum5)
+    lse_rem5 = lse_rem.unflatten(1, (hkv, g)).to(ct)
+    lse5 = torch.where(lse5 == float("-inf"), 0, lse5)
 
     dq = torch.zeros((b, hkv, g, lq, d), dtype=ct, device=dev)
     dk = torch.zeros((b, hkv, 1, lk, d), dtype=ct, device=dev)
@@ -206,7 +222,8 @@ def backward(
             k1 = min(k0 + block_k, lk)
             s, allowed, t, q, k, v = pb.tile(q0, q1, k0, k1)
             rows = slice(q0, q1)
-            p = torch.exp((s - row_max5[:, :, :, rows, None]) - log_sum5[:, :, :, rows, None])
+            x = (s - lse5[:, :, :, rows, None]) - lse_rem5[:, :, :, rows, None]
+            p = torch.exp(x.clamp(max=0))
             dp = doc @ v.transpose(-1, -2)
             ds = torch.where(allowed, p * (dp - delta[:, :, :, q0:q1, None]), 0)
             if dbias is not None:
@@ -252,28 +269,29 @@ def _seq_operand(t, k0, k1):
 
 
 def varlen_forward(query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, softcap):
-    """Packed (total, H, D) inputs -> out (total_q, H, Dv), lse and log_sum (H, total_q); rows
+    """Packed (total, H, D) inputs -> out (total_q, H, Dv), lse and lse_rem (H, total_q); rows
     outside every sequence are 0, -inf and 0."""
     total_q, h, _ = query.shape
     out = torch.zeros((total_q, h, value.shape[-1]), dtype=query.dtype, device=query.device)
-    lse = torch.full((h, total_q), float("-inf"), dtype=torch.float32, device=query.device)
-    log_sum = torch.zeros((h, total_q), dtype=torch.float32, device=query.device)
+    stats = dict(dtype=stats_dtype(query.dtype), device=query.device)
+    lse = torch.full((h, total_q), float("-inf"), **stats)
+    lse_rem = torch.zeros((h, total_q), **stats)
     for q0, q1, k0, k1 in varlen_spans(cu_q, cu_k, total_q, key.shape[0]):
         if q1 == q0:
             continue
-        o, s_lse, s_log_sum = forward(
+        o, s_lse, s_lse_rem = forward(
             query[None, q0:q1], key[None, k0:k1], value[None, k0:k1],
             _seq_operand(mask, k0, k1), _seq_operand(bias, k0, k1),
             scale, is_causal, softcap, None,
         )  # fmt: skip
         out[q0:q1] = o[0]
         lse[:, q0:q1] = s_lse[0]
-        log_sum[:, q0:q1] = s_log_sum[0]
-    return out, lse, log_sum
+        lse_rem[:, q0:q1] = s_lse_rem[0]
+    return out, lse, lse_rem
 
 
 def varlen_backward(
-    grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k,
+    grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k,
     mask, bias, scale, is_causal, softcap, compute_dbias,
 ):  # fmt: skip
     """dq, dk, dv (0 outside every sequence) and dbias in bias's (H|Hkv|1, total_k) shape."""
@@ -285,7 +303,7 @@ def varlen_backward(
         grads = backward(
             grad_out[None, q0:q1], None if grad_lse is None else grad_lse[None, :, q0:q1],
             query[None, q0:q1], key[None, k0:k1], value[None, k0:k1], out[None, q0:q1],
-            lse[None, :, q0:q1], log_sum[None, :, q0:q1],
+            lse[None, :, q0:q1], lse_rem[None, :, q0:q1],
             _seq_operand(mask, k0, k1), _seq_operand(bias, k0, k1),
             scale, is_causal, softcap, None, compute_dbias,
         )  # fmt: skip

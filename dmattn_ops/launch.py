@@ -316,8 +316,8 @@ def _empty_forward(query, value):
     b, lq, h, _ = query.shape
     out = torch.zeros((b, lq, h, value.shape[-1]), dtype=query.dtype, device=query.device)
     lse = torch.full((b, h, lq), float("-inf"), dtype=torch.float32, device=query.device)
-    log_sum = torch.zeros((b, h, lq), dtype=torch.float32, device=query.device)
-    return out, lse, log_sum
+    lse_rem = torch.zeros((b, h, lq), dtype=torch.float32, device=query.device)
+    return out, lse, lse_rem
 
 
 def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -328,7 +328,7 @@ def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k):
-    """Returns out (B, Lq, H, Dv), lse and log_sum, both float32 (B, H, Lq)."""
+    """Returns out (B, Lq, H, Dv), lse and lse_rem, both float32 (B, H, Lq)."""
     seqused_k = _dense(seqused_k)
     if not use_triton(query):
         return chunked.forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
@@ -347,12 +347,12 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
         tables = build_tables(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m, cfg.block_n)
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
-    log_sum = empty((b, h, lq), dtype=torch.float32, device=query.device)
+    lse_rem = empty((b, h, lq), dtype=torch.float32, device=query.device)
     _launch_forward(
-        query, key, value, mask, bias, seqused_k, None, None, out, lse, log_sum,
+        query, key, value, mask, bias, seqused_k, None, None, out, lse, lse_rem,
         b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, is_causal, softcap,
     )  # fmt: skip
-    return out, lse, log_sum
+    return out, lse, lse_rem
 
 
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -361,7 +361,7 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def _launch_forward(
-    query, key, value, mask, bias, seqused_k, cu_q, cu_k, out, lse, log_sum,
+    query, key, value, mask, bias, seqused_k, cu_q, cu_k, out, lse, lse_rem,
     b, lq, lk, nq, lse_strides, tables, lists, cfg, scale, is_causal, softcap,
 ):  # fmt: skip
     """query/key/value/out 4-D, mask/bias 4-D broadcast operands. Varlen: (1, total, H, D)
@@ -373,7 +373,7 @@ def _launch_forward(
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
         tables.kv_int if tables else None,
         lists.keys if lists else None, lists.key_end if lists else None,
-        out, lse, log_sum,
+        out, lse, lse_rem,
         *_strides(query), *_strides(key), *_strides(value),
         *operand_strides(mask), *operand_strides(bias), *_strides(out),
         tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
@@ -405,7 +405,7 @@ def attention_backward(
     value,
     out,
     lse,
-    log_sum,
+    lse_rem,
     mask,
     bias,
     scale,
@@ -419,10 +419,10 @@ def attention_backward(
     (an empty (0,) tensor when compute_dbias is False). Every path here is deterministic: no
     kernel uses atomics, so ``deterministic`` selects nothing yet."""
     del deterministic
-    seqused_k, lse, log_sum = _dense(seqused_k), _dense(lse), _dense(log_sum)
+    seqused_k, lse, lse_rem = _dense(seqused_k), _dense(lse), _dense(lse_rem)
     if not use_triton(query):
         return chunked.backward(
-            grad_out, grad_lse, query, key, value, out, lse, log_sum, mask, bias,
+            grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias,
             scale, is_causal, softcap, seqused_k, compute_dbias,
         )  # fmt: skip
     b, lq, h, d = query.shape
@@ -469,7 +469,7 @@ def attention_backward(
         dbias_bcast = empty(bias.shape, dtype=bias.dtype, device=device)
 
     _launch_backward(
-        query, key, value, grad_out, mask, bias, seqused_k, None, None, lse, log_sum, delta,
+        query, key, value, grad_out, mask, bias, seqused_k, None, None, lse, lse_rem, delta,
         dq, dk, dvv, dbias_cols, dbias_direct, b, lq, lk, lq, lk, (h * lq, lq), (h * lk, lk),
         tables, dq_tables, lists, lists, cfgs, scale, is_causal, softcap,
     )  # fmt: skip
@@ -491,7 +491,7 @@ def attention_backward(
         else:
             n_head, head_mul = h, 0
         attention_bwd_dbias_kernel[(nq, bb * hb)](
-            query, key, value, grad_out, mask_u8, bias, seqused_k, lse, log_sum, delta,
+            query, key, value, grad_out, mask_u8, bias, seqused_k, lse, lse_rem, delta,
             tables.active if tables else None, dbias_bcast, *strides,
             tables.stride_b if tables else 0, nq,
             h, g, hb, lq, lk, d, dv, nq, nk, n_batch, batch_mul, n_head, head_mul,
@@ -534,7 +534,7 @@ def _meta(cfg: Config, d: int, dv: int, is_causal: bool, dtype: torch.dtype) -> 
 
 
 def _launch_backward(
-    query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, lse, log_sum, delta,
+    query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, lse, lse_rem, delta,
     dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
     tables, dq_tables, lists, dkdv_lists, cfgs, scale, is_causal, softcap,
 ):  # fmt: skip
@@ -553,7 +553,7 @@ def _launch_backward(
     nk = triton.cdiv(span_k, kv.block_n)
     attention_bwd_dkdv_kernel[(nk, b * hkv)](
         query, key, value, grad_out, None if dkdv_lists else _mask_bytes(mask), bias,
-        seqused_k, cu_q, cu_k, lse, log_sum, delta,
+        seqused_k, cu_q, cu_k, lse, lse_rem, delta,
         tables.q_num if tables else None, tables.q_idx if tables else None,
         tables.q_lo if tables else None, tables.q_hi if tables else None,
         dkdv_lists.keys if dkdv_lists else None, dkdv_lists.key_count if dkdv_lists else None,
@@ -568,7 +568,7 @@ def _launch_backward(
     nq = triton.cdiv(span_q, qc.block_m)
     attention_bwd_dq_kernel[(nq, b * h)](
         query, key, value, grad_out, None if lists else _mask_bytes(mask), bias,
-        seqused_k, cu_q, cu_k, lse, log_sum, delta,
+        seqused_k, cu_q, cu_k, lse, lse_rem, delta,
         dq_tables.kv_num if dq_tables else None, dq_tables.kv_idx if dq_tables else None,
         dq_tables.kv_int if dq_tables else None,
         lists.keys if lists else None, lists.key_end if lists else None,
@@ -630,14 +630,14 @@ def _varlen_operand(t: torch.Tensor | None) -> torch.Tensor | None:
 def _varlen_empty(total_q, h, dv, query):
     out = torch.zeros((total_q, h, dv), dtype=query.dtype, device=query.device)
     lse = torch.full((h, total_q), float("-inf"), dtype=torch.float32, device=query.device)
-    log_sum = torch.zeros((h, total_q), dtype=torch.float32, device=query.device)
-    return out, lse, log_sum
+    lse_rem = torch.zeros((h, total_q), dtype=torch.float32, device=query.device)
+    return out, lse, lse_rem
 
 
 def attention_varlen_forward(
     query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap
 ):
-    """Returns out (total_q, H, Dv), lse and log_sum, both float32 (H, total_q). Rows of out and
+    """Returns out (total_q, H, Dv), lse and lse_rem, both float32 (H, total_q). Rows of out and
     lse outside every sequence are 0 and -inf."""
     cu_q, cu_k = _dense(cu_q), _dense(cu_k)
     if not use_triton(query):
@@ -648,9 +648,9 @@ def attention_varlen_forward(
     total_k, dv = key.shape[0], value.shape[2]
     b = cu_q.shape[0] - 1
     # Written in full: rows outside every sequence are never visited by a kernel.
-    out, lse, log_sum = _varlen_empty(total_q, h, dv, query)
+    out, lse, lse_rem = _varlen_empty(total_q, h, dv, query)
     if b <= 0 or total_q * h == 0 or total_k == 0 or max_q <= 0 or max_k <= 0:
-        return out, lse, log_sum
+        return out, lse, lse_rem
     max_q = min(max_q, total_q)
     cfg = _config(d, dv, "fwd", lq=max_q, masked=mask is not None, itemsize=query.element_size())
     nq = triton.cdiv(max_q, cfg.block_m)
@@ -659,10 +659,10 @@ def attention_varlen_forward(
         lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, cfg.block_m)
     _launch_forward(
         query[None], key[None], value[None], _varlen_operand(mask), _varlen_operand(bias),
-        None, cu_q, cu_k, out[None], lse, log_sum, b, total_q, total_k, nq, (0, total_q),
+        None, cu_q, cu_k, out[None], lse, lse_rem, b, total_q, total_k, nq, (0, total_q),
         None, lists, cfg, scale, is_causal, softcap,
     )  # fmt: skip
-    return out, lse, log_sum
+    return out, lse, lse_rem
 
 
 def _varlen_sum_to_bias(cols: torch.Tensor, bias: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -675,17 +675,17 @@ def _varlen_sum_to_bias(cols: torch.Tensor, bias: torch.Tensor, hkv: int) -> tor
 
 
 def attention_varlen_backward(
-    grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k, max_q, max_k,
+    grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
     mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
 ):  # fmt: skip
     """dq, dk, dv in their inputs' layouts and dtypes (0 on rows outside every sequence) and
     dbias in bias's (H|Hkv|1, total_k) shape and dtype (an empty (0,) tensor unless
     compute_dbias). No atomics: always deterministic."""
     del deterministic
-    cu_q, cu_k, lse, log_sum = _dense(cu_q), _dense(cu_k), _dense(lse), _dense(log_sum)
+    cu_q, cu_k, lse, lse_rem = _dense(cu_q), _dense(cu_k), _dense(lse), _dense(lse_rem)
     if not use_triton(query):
         return chunked.varlen_backward(
-            grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k,
+            grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k,
             mask, bias, scale, is_causal, softcap, compute_dbias,
         )  # fmt: skip
     total_q, h, d = query.shape
@@ -708,7 +708,7 @@ def attention_varlen_backward(
         delta = _delta(out[None], grad_out[None], None if grad_lse is None else grad_lse[None])
         _launch_backward(
             query[None], key[None], value[None], grad_out[None], _varlen_operand(mask),
-            _varlen_operand(bias), None, cu_q, cu_k, lse, log_sum, delta[0],
+            _varlen_operand(bias), None, cu_q, cu_k, lse, lse_rem, delta[0],
             dq, dk, dvv, dbias_cols, None, b, total_q, total_k, max_q, max_k,
             (0, total_q), (0, total_k), None, None, lists, dkdv_lists, cfgs, scale, is_causal,
             softcap,
@@ -744,7 +744,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k):
-    """out, lse, log_sum as attention_forward, through attention_decode_kernel and its merge."""
+    """out, lse, lse_rem as attention_forward, through attention_decode_kernel and its merge."""
     b, lq, h, d = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     g = h // hkv
@@ -775,10 +775,10 @@ def decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seq
     )  # fmt: skip
     out = empty((b, lq, h, dv), dtype=query.dtype, device=device)
     lse = empty((b, h, lq), dtype=torch.float32, device=device)
-    log_sum = empty((b, h, lq), dtype=torch.float32, device=device)
+    lse_rem = empty((b, h, lq), dtype=torch.float32, device=device)
     decode_combine_kernel[(rows,)](
-        acc, m, l_part, out, lse, log_sum, rows, splits, h, lq, dv, *out.stride(),
+        acc, m, l_part, out, lse, lse_rem, rows, splits, h, lq, dv, *out.stride(),
         BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DV=_block(dv),
         num_warps=1 if interpreter_on() else 4,
     )  # fmt: skip
-    return out, lse, log_sum
+    return out, lse, lse_rem

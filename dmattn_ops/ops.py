@@ -4,10 +4,12 @@ autograd and vmap rules.
 Three ops:
 
 * ``dmattn::attention`` -- the public op of SPEC.md, differentiable in query, key, value, bias.
-* ``dmattn::attention_forward`` -> (out, lse, log_sum) -- carries the forward kernel;
+* ``dmattn::attention_forward`` -> (out, lse, lse_rem) -- carries the forward kernel;
   differentiable in query, key, value and bias through out and lse (a gradient of lse folds into
-  delta). log_sum = log(sum_j exp(s_ij - max_j s_ij)) is what backward needs besides lse to
-  recompute P exactly when a row's max is huge (a finfo.min bias); it carries no gradient.
+  delta). lse and lse_rem are float32 (float64 for float64 inputs); lse_rem = (max_j s_ij +
+  log sum_j exp(s_ij - max)) - lse is what rounding lse dropped, which backward needs to
+  recompute P = exp((s - lse) - lse_rem) exactly when a row's max is huge (a finfo.min bias,
+  logits of 1e6); it carries no gradient.
 * ``dmattn::attention_backward`` -> (dq, dk, dv, dbias) -- carries the backward kernel. dbias has
   bias's shape and dtype when ``compute_dbias``, else it is an empty (0,) tensor.
 
@@ -28,6 +30,7 @@ import torch
 from torch._functorch.autograd_function import enable_single_level_autograd_function
 
 from dmattn_ops import launch
+from dmattn_ops.chunked import stats_dtype
 from dmattn_ops.validate import check_inputs, check_varlen_inputs
 
 ATTENTION_SCHEMA = (
@@ -38,11 +41,11 @@ ATTENTION_SCHEMA = (
 FORWARD_SCHEMA = (
     "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? bias, "
     "float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic=False) "
-    "-> (Tensor out, Tensor lse, Tensor log_sum)"
+    "-> (Tensor out, Tensor lse, Tensor lse_rem)"
 )
 BACKWARD_SCHEMA = (
     "attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, "
-    "Tensor value, Tensor out, Tensor lse, Tensor log_sum, Tensor? mask, Tensor? bias, "
+    "Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor? mask, Tensor? bias, "
     "float scale, "
     "bool is_causal, float softcap, Tensor? seqused_k, bool deterministic, bool compute_dbias) "
     "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)"
@@ -87,7 +90,7 @@ def _backward_impl(
     value,
     out,
     lse,
-    log_sum,
+    lse_rem,
     mask,
     bias,
     scale,
@@ -105,7 +108,7 @@ def _backward_impl(
         value,
         out,
         lse,
-        log_sum,
+        lse_rem,
         mask,
         bias,
         scale,
@@ -154,9 +157,9 @@ def _forward_fake(
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn::attention")
     b, lq, h, _ = query.shape
     out = query.new_empty((b, lq, h, value.shape[-1]))
-    lse = query.new_empty((b, h, lq), dtype=torch.float32)
-    log_sum = query.new_empty((b, h, lq), dtype=torch.float32)
-    return out, lse, log_sum
+    lse = query.new_empty((b, h, lq), dtype=stats_dtype(query.dtype))
+    lse_rem = query.new_empty((b, h, lq), dtype=stats_dtype(query.dtype))
+    return out, lse, lse_rem
 
 
 @torch.library.register_fake("dmattn::attention_backward")
@@ -168,7 +171,7 @@ def _backward_fake(
     value,
     out,
     lse,
-    log_sum,
+    lse_rem,
     mask,
     bias,
     scale,
@@ -203,7 +206,7 @@ def _needs_grad(*tensors) -> bool:
 
 
 class AttentionFunction(torch.autograd.Function):
-    """(query, key, value, mask, bias, seqused_k, Options) -> (out, lse, log_sum)."""
+    """(query, key, value, mask, bias, seqused_k, Options) -> (out, lse, lse_rem)."""
 
     @staticmethod
     def forward(query, key, value, mask, bias, seqused_k, options: Options):
@@ -223,15 +226,15 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         query, key, value, mask, bias, seqused_k, options = inputs
-        out, lse, log_sum = output
-        ctx.save_for_backward(query, key, value, mask, bias, seqused_k, out, lse, log_sum)
-        ctx.mark_non_differentiable(log_sum)
+        out, lse, lse_rem = output
+        ctx.save_for_backward(query, key, value, mask, bias, seqused_k, out, lse, lse_rem)
+        ctx.mark_non_differentiable(lse_rem)
         ctx.options = options
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse, _grad_log_sum):
-        query, key, value, mask, bias, seqused_k, out, lse, log_sum = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_lse, _grad_lse_rem):
+        query, key, value, mask, bias, seqused_k, out, lse, lse_rem = ctx.saved_tensors
         if grad_out is None and grad_lse is None:
             return (None,) * 7
         if grad_out is None:
@@ -246,7 +249,7 @@ class AttentionFunction(torch.autograd.Function):
             value,
             out,
             lse,
-            log_sum,
+            lse_rem,
             mask,
             bias,
             o.scale,
@@ -460,7 +463,7 @@ def _forward_vmap(
 ):
     in_dims = _pad_dims(in_dims, 10)
     n, b = info.batch_size, _batch_size(query, in_dims[0])
-    out, lse, log_sum = torch.ops.dmattn.attention_forward(
+    out, lse, lse_rem = torch.ops.dmattn.attention_forward(
         _fold(query, in_dims[0], n, b),
         _fold(key, in_dims[1], n, b),
         _fold(value, in_dims[2], n, b),
@@ -472,7 +475,7 @@ def _forward_vmap(
         _fold(seqused_k, in_dims[8], n, b),
         deterministic,
     )
-    return (_unfold(out, n, b), _unfold(lse, n, b), _unfold(log_sum, n, b)), (0, 0, 0)
+    return (_unfold(out, n, b), _unfold(lse, n, b), _unfold(lse_rem, n, b)), (0, 0, 0)
 
 
 @torch.library.register_vmap("dmattn::attention_backward")
@@ -486,7 +489,7 @@ def _backward_vmap(
     value,
     out,
     lse,
-    log_sum,
+    lse_rem,
     mask,
     bias,
     scale,
@@ -500,7 +503,7 @@ def _backward_vmap(
     compute_dbias = compute_dbias and bias is not None
     # Each vmapped sample needs its own dbias, so a bias shared over the batch is expanded here
     # and its batch dim summed back below.
-    tensors = (grad_out, grad_lse, query, key, value, out, lse, log_sum)
+    tensors = (grad_out, grad_lse, query, key, value, out, lse, lse_rem)
     folded = [_fold(t, d, n, b) for t, d in zip(tensors, in_dims)]
     dq, dk, dv, dbias = torch.ops.dmattn.attention_backward(
         *folded,
@@ -534,11 +537,11 @@ VARLEN_FORWARD_SCHEMA = (
     "attention_varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
     "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, Tensor? bias, "
     "float scale, bool is_causal, float softcap, bool deterministic=False) "
-    "-> (Tensor out, Tensor lse, Tensor log_sum)"
+    "-> (Tensor out, Tensor lse, Tensor lse_rem)"
 )
 VARLEN_BACKWARD_SCHEMA = (
     "attention_varlen_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, "
-    "Tensor value, Tensor out, Tensor lse, Tensor log_sum, Tensor cu_seqlens_q, "
+    "Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor cu_seqlens_q, "
     "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, "
     "Tensor? bias, float scale, bool is_causal, float softcap, bool deterministic, "
     "bool compute_dbias) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, "
@@ -562,11 +565,11 @@ def _varlen_forward_impl(
 
 
 def _varlen_backward_impl(
-    grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k, max_q, max_k,
+    grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
     mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
 ):  # fmt: skip
     return launch.attention_varlen_backward(
-        grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k, max_q, max_k,
+        grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
         mask, bias, scale, is_causal, softcap, deterministic, compute_dbias and bias is not None,
     )  # fmt: skip
 
@@ -602,14 +605,14 @@ def _varlen_forward_fake(
     )  # fmt: skip
     total_q, h, _ = query.shape
     out = query.new_empty((total_q, h, value.shape[-1]))
-    lse = query.new_empty((h, total_q), dtype=torch.float32)
-    log_sum = query.new_empty((h, total_q), dtype=torch.float32)
-    return out, lse, log_sum
+    lse = query.new_empty((h, total_q), dtype=stats_dtype(query.dtype))
+    lse_rem = query.new_empty((h, total_q), dtype=stats_dtype(query.dtype))
+    return out, lse, lse_rem
 
 
 @torch.library.register_fake("dmattn::attention_varlen_backward")
 def _varlen_backward_fake(
-    grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k, max_q, max_k,
+    grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
     mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
 ):  # fmt: skip
     dbias = bias.new_empty(bias.shape) if compute_dbias and bias is not None else None
@@ -626,7 +629,7 @@ class VarlenOptions(Options):
 
 
 class VarlenAttentionFunction(torch.autograd.Function):
-    """(query, key, value, cu_q, cu_k, mask, bias, VarlenOptions) -> (out, lse, log_sum)."""
+    """(query, key, value, cu_q, cu_k, mask, bias, VarlenOptions) -> (out, lse, lse_rem)."""
 
     @staticmethod
     def forward(query, key, value, cu_q, cu_k, mask, bias, options: VarlenOptions):
@@ -639,15 +642,15 @@ class VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         query, key, value, cu_q, cu_k, mask, bias, options = inputs
-        out, lse, log_sum = output
-        ctx.save_for_backward(query, key, value, cu_q, cu_k, mask, bias, out, lse, log_sum)
-        ctx.mark_non_differentiable(log_sum)
+        out, lse, lse_rem = output
+        ctx.save_for_backward(query, key, value, cu_q, cu_k, mask, bias, out, lse, lse_rem)
+        ctx.mark_non_differentiable(lse_rem)
         ctx.options = options
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse, _grad_log_sum):
-        query, key, value, cu_q, cu_k, mask, bias, out, lse, log_sum = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_lse, _grad_lse_rem):
+        query, key, value, cu_q, cu_k, mask, bias, out, lse, lse_rem = ctx.saved_tensors
         if grad_out is None and grad_lse is None:
             return (None,) * 8
         if grad_out is None:
@@ -655,7 +658,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
         o = ctx.options
         compute_dbias = bias is not None and ctx.needs_input_grad[6]
         dq, dk, dv, dbias = torch.ops.dmattn.attention_varlen_backward(
-            grad_out, grad_lse, query, key, value, out, lse, log_sum, cu_q, cu_k,
+            grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k,
             o.max_seqlen_q, o.max_seqlen_k, mask, bias, o.scale, o.is_causal, o.softcap,
             o.deterministic, compute_dbias,
         )  # fmt: skip

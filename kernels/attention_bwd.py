@@ -1,8 +1,9 @@
-"""Backward kernels. P is recomputed as exp((s - max) - log_sum), with max = lse - log_sum.
+"""Backward kernels. P is recomputed as exp((s - lse) - lse_rem).
 
-Storing log_sum = log(sum exp(s - max)) next to lse keeps P exact when the row max is huge:
-with a bias of finfo(bf16).min on every allowed key, lse = max + log(L) rounds to max in float32
-and exp(s - lse) would be 1 instead of 1 / L.
+lse_rem = (max + log_sum) - lse is what rounding lse to float32 dropped (common.lse_split).
+Carrying it keeps P exact when the row max is huge: with a bias of finfo(bf16).min on every
+allowed key, lse = max + log(L) rounds to max in float32 and exp(s - lse) alone would be 1
+instead of 1 / L; with logits of 1e6, lse's rounding alone would be a relative error of 3%.
 
 No kernel here uses atomics: every output element is written by exactly one program, so
 gradients are bitwise reproducible.
@@ -27,25 +28,22 @@ from dmattn_ops.kernels.common import (
 
 
 @triton.jit
-def _row_stats(LSE, LOGSUM, DELTA, o_row, m_m, LOG2_SCORES: tl.constexpr):
-    """Per query row: (m_row, log_sum, delta) for _probs. Natural units: m_row is the row max
-    lse - log_sum. LOG2_SCORES: m_row is lse * log2(e) and log_sum is unused. Rows without an
-    allowed key (lse = -inf) get m_row = 0; every score of theirs is -inf."""
+def _row_stats(LSE, LSE_REM, DELTA, o_row, m_m):
+    """Per query row: (lse, lse_rem, delta) for _probs. Rows without an allowed key
+    (lse = -inf) get lse 0; every score of theirs is -inf."""
     lse = tl.load(LSE + o_row, mask=m_m, other=0.0)
+    lse_rem = tl.load(LSE_REM + o_row, mask=m_m, other=0.0)
     delta = tl.load(DELTA + o_row, mask=m_m, other=0.0)
-    empty = lse == float("-inf")
-    if LOG2_SCORES:
-        return tl.where(empty, 0.0, lse * LOG2E), lse, delta
-    log_sum = tl.load(LOGSUM + o_row, mask=m_m, other=0.0)
-    return tl.where(empty, 0.0, lse - log_sum), log_sum, delta
+    return tl.where(lse == float("-inf"), 0.0, lse), lse_rem, delta
 
 
 @triton.jit
-def _probs(s, m_row, log_sum, LOG2_SCORES: tl.constexpr):
-    """P from scores and the row statistics (broadcast by the caller to s's orientation)."""
-    if LOG2_SCORES:
-        return tl.exp2(s - m_row)
-    return tl.exp2(((s - m_row) - log_sum) * LOG2E)
+def _probs(s, lse, lse_rem):
+    """P = exp((s - lse) - lse_rem) (broadcast by the caller to s's orientation). s - lse is
+    exact near the row max, and lse_rem carries what lse's rounding dropped. The exponent is
+    at most 0 in exact arithmetic (s <= max <= lse + lse_rem); clamping it there keeps P <= 1
+    when a recomputed score differs from the forward's by a rounding at huge logits."""
+    return tl.exp2(tl.minimum((s - lse) - lse_rem, 0.0) * LOG2E)
 
 
 @triton.jit
@@ -70,7 +68,7 @@ def _dkdv_tile(
     stride_dom,
     stride_dod,
     LSE,
-    LOGSUM,
+    LSE_REM,
     DELTA,
     row_base,
     p_mask,
@@ -89,7 +87,6 @@ def _dkdv_tile(
     BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BOUNDARY: tl.constexpr,
-    LOG2_SCORES: tl.constexpr,
 ):
     """One query tile against this program's key tile, in transposed form: S^T = K Q^T is
     [BN, BM], so P^T and dS^T are the left operands of the dV and dK products as they stand
@@ -109,13 +106,13 @@ def _dkdv_tile(
         mask=m_m[:, None] & (i_dv[None, :] < Dv),
         other=0.0,
     )  # [BM, BDV]
-    m_row, log_sum, delta = _row_stats(LSE, LOGSUM, DELTA, row_base + o_m, m_m, LOG2_SCORES)
+    lse_row, lse_rem, delta = _row_stats(LSE, LSE_REM, DELTA, row_base + o_m, m_m)
     s, m_allowed, t = score_tile(
         b_k, b_qt, i_m[None, :], i_n[:, None], n_keys, Lq, scale, softcap,
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
         IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
-    p = _probs(s, m_row[None, :], log_sum[None, :], LOG2_SCORES)  # [BN, BM]
+    p = _probs(s, lse_row[None, :], lse_rem[None, :])  # [BN, BM]
     dv = dot_acc(p.to(b_do.dtype), b_do, dv, DOT_PRECISION)
     dp = dot(b_v, tl.trans(b_do), DOT_PRECISION)  # [BN, BM]
     ds = p * (dp - delta[None, :])
@@ -138,7 +135,6 @@ def _dkdv_tile(
         "DBIAS_COLS": lambda a: a["DBIAS_COL"] is not None,
         "COMPACT": lambda a: a["KEYS"] is not None,
         "VARLEN": lambda a: a["CU_Q"] is not None,
-        "LOG2_SCORES": lambda a: a["BIAS"] is None and not a["softcap"] > 0,
     }
 )
 @triton.jit
@@ -153,7 +149,7 @@ def attention_bwd_dkdv_kernel(
     CU_Q,
     CU_K,
     LSE,
-    LOGSUM,
+    LSE_REM,
     DELTA,
     Q_NUM,
     Q_IDX,
@@ -222,19 +218,13 @@ def attention_bwd_dkdv_kernel(
     DBIAS_COLS: tl.constexpr,
     COMPACT: tl.constexpr,
     VARLEN: tl.constexpr,
-    LOG2_SCORES: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, KV head); sums dk/dv over the G query heads of
     the group. With a bias broadcast over queries it also writes, per query head, the column sums
     of dS into DBIAS_COL (B, H, Lk) float32 (varlen: (H, total_k)).
 
     VARLEN as in the forward kernel. A mask that is not compacted is then read per tile (it is
-    per key token, so there are no tile tables).
-
-    LOG2_SCORES as in the forward kernel; dk is scaled by the natural scale at the end."""
-    qk_scale = scale
-    if LOG2_SCORES:
-        qk_scale = scale * LOG2E
+    per key token, so there are no tile tables)."""
     i_nb = tl.program_id(0)
     i_bg = tl.program_id(1)
     i_b = (i_bg // Hkv).to(tl.int64)
@@ -307,32 +297,32 @@ def attention_bwd_dkdv_kernel(
             for it in range(0, q_lo):
                 qb = tl.load(Q_IDX + col * NQ + it)
                 dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    LSE, LOGSUM, DELTA, row_base,
+                    LSE, LSE_REM, DELTA, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
                 )  # fmt: skip
             for it in range(q_lo, q_hi):
                 qb = tl.load(Q_IDX + col * NQ + it)
                 dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    LSE, LOGSUM, DELTA, row_base,
+                    LSE, LSE_REM, DELTA, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, LOG2_SCORES,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
                 )  # fmt: skip
             for it in range(q_hi, num):
                 qb = tl.load(Q_IDX + col * NQ + it)
                 dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    LSE, LOGSUM, DELTA, row_base,
+                    LSE, LSE_REM, DELTA, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
                 )  # fmt: skip
         else:
             # Query tiles in three runs: boundary tiles before the first one whose rows all see
@@ -361,30 +351,30 @@ def attention_bwd_dkdv_kernel(
             qi_end = tl.minimum(tl.maximum(qi_end, qi_start), qb_end)
             for qb in range(qb_start, qi_start):
                 dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    LSE, LOGSUM, DELTA, row_base,
+                    LSE, LSE_REM, DELTA, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
                 )  # fmt: skip
             for qb in range(qi_start, qi_end):
                 dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    LSE, LOGSUM, DELTA, row_base,
+                    LSE, LSE_REM, DELTA, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, LOG2_SCORES,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
                 )  # fmt: skip
             for qb in range(qi_end, qb_end):
                 dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, qk_scale, softcap,
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    LSE, LOGSUM, DELTA, row_base,
+                    LSE, LSE_REM, DELTA, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, LOG2_SCORES,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
                 )  # fmt: skip
         if DBIAS_COLS:
             o_col = i_b * col_stride_b + i_h * col_stride_h + k_row0 + o_n
@@ -406,8 +396,8 @@ def _dq_tile(
     dq,
     b_q,
     b_do,
-    m_row,
-    log_sum,
+    lse_row,
+    lse_rem,
     delta,
     i_m,
     kb,
@@ -444,7 +434,6 @@ def _dq_tile(
     p_keys,
     n_pos,
     COMPACT: tl.constexpr,
-    LOG2_SCORES: tl.constexpr,
 ):
     i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if COMPACT:
@@ -471,7 +460,7 @@ def _dq_tile(
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
         IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
-    p = _probs(s, m_row[:, None], log_sum[:, None], LOG2_SCORES)
+    p = _probs(s, lse_row[:, None], lse_rem[:, None])
     dp = dot(b_do, b_vt, DOT_PRECISION)  # [BM, BN]
     ds = p * (dp - delta[:, None])
     if BOUNDARY or HAS_MASK:
@@ -497,7 +486,6 @@ def _dq_tile(
         "DBIAS_DIRECT": lambda a: a["DBIAS"] is not None,
         "COMPACT": lambda a: a["KEYS"] is not None,
         "VARLEN": lambda a: a["CU_Q"] is not None,
-        "LOG2_SCORES": lambda a: a["BIAS"] is None and not a["softcap"] > 0,
     }
 )
 @triton.jit
@@ -512,7 +500,7 @@ def attention_bwd_dq_kernel(
     CU_Q,
     CU_K,
     LSE,
-    LOGSUM,
+    LSE_REM,
     DELTA,
     KV_NUM,
     KV_IDX,
@@ -575,13 +563,9 @@ def attention_bwd_dq_kernel(
     DBIAS_DIRECT: tl.constexpr,
     COMPACT: tl.constexpr,
     VARLEN: tl.constexpr,
-    LOG2_SCORES: tl.constexpr,
 ):
     """One program: dq for BLOCK_M queries of one (batch, head). When the bias has its own
     (batch, head, query) entries, dS is also stored straight into DBIAS (B, H, Lq, Lk)."""
-    qk_scale = scale
-    if LOG2_SCORES:
-        qk_scale = scale * LOG2E
     i_mb = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
@@ -617,7 +601,7 @@ def attention_bwd_dq_kernel(
         other=0.0,
     )  # [BM, BDV]  fmt: skip
     o_row = i_b * lse_stride_b + i_h * lse_stride_h + o_m
-    m_row, log_sum, delta = _row_stats(LSE, LOGSUM, DELTA, o_row, m_m, LOG2_SCORES)
+    lse_row, lse_rem, delta = _row_stats(LSE, LSE_REM, DELTA, o_row, m_m)
     p_k = K + i_b * stride_kb + k_row0 * stride_kn + i_g * stride_kh
     p_v = V + i_b * stride_vb + k_row0 * stride_vn + i_g * stride_vh
     p_mask = MASK
@@ -640,19 +624,19 @@ def attention_bwd_dq_kernel(
         kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, BLOCK_M, IS_CAUSAL) // BLOCK_N
         for kb in range(0, kb_int):
             dq = _dq_tile(
-                dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                qk_scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, n_pos, True, LOG2_SCORES,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, n_pos, True,
             )  # fmt: skip
         for kb in range(kb_int, tl.cdiv(n_pos, BLOCK_N)):
             dq = _dq_tile(
-                dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                qk_scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, n_pos, True, LOG2_SCORES,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, n_pos, True,
             )  # fmt: skip
     elif HAS_MASK:
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
@@ -661,20 +645,20 @@ def attention_bwd_dq_kernel(
         for it in range(0, n_int):
             kb = tl.load(KV_IDX + row * NK + it)
             dq = _dq_tile(
-                dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                qk_scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False, LOG2_SCORES,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False,
             )  # fmt: skip
         for it in range(n_int, num):
             kb = tl.load(KV_IDX + row * NK + it)
             dq = _dq_tile(
-                dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                qk_scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False, LOG2_SCORES,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
             )  # fmt: skip
     else:
         m_start = i_mb * BLOCK_M
@@ -686,19 +670,19 @@ def attention_bwd_dq_kernel(
         )
         for kb in range(0, kb_int):
             dq = _dq_tile(
-                dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                qk_scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False, LOG2_SCORES,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False,
             )  # fmt: skip
         for kb in range(kb_int, kb_end):
             dq = _dq_tile(
-                dq, b_q, b_do, m_row, log_sum, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                qk_scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False, LOG2_SCORES,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
             )  # fmt: skip
     # dq is (B, Lq, H, D) or (total_q, H, D), contiguous.
     o_dq = ((q_start + i_m.to(tl.int64)[:, None]) * H + i_h) * D + i_d[None, :]
@@ -724,7 +708,7 @@ def attention_bwd_dbias_kernel(
     BIAS,
     SEQUSED,
     LSE,
-    LOGSUM,
+    LSE_REM,
     DELTA,
     ACTIVE,
     DBIAS,
@@ -851,15 +835,15 @@ def attention_bwd_dbias_kernel(
                     if HAS_MASK:
                         p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh
                     p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh
-                    m_row, log_sum, delta = _row_stats(
-                        LSE, LOGSUM, DELTA, (i_b * H + i_h) * Lq + o_m, m_m, False
+                    lse_row, lse_rem, delta = _row_stats(
+                        LSE, LSE_REM, DELTA, (i_b * H + i_h) * Lq + o_m, m_m
                     )
                     s, m_allowed, _ = score_tile(
                         b_q, b_kt, i_m[:, None], i_n[None, :], n_keys, Lq, scale, softcap,
                         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                         IS_CAUSAL, HAS_MASK, PER_ENTRY, HAS_SOFTCAP, DOT_PRECISION, True,
                     )  # fmt: skip
-                    p = _probs(s, m_row[:, None], log_sum[:, None], False)
+                    p = _probs(s, lse_row[:, None], lse_rem[:, None])
                     dp = dot(b_do, b_vt, DOT_PRECISION)
                     acc += tl.where(m_allowed, p * (dp - delta[:, None]), 0.0)
         o_db = (i_bbh.to(tl.int64) * Lq + o_m[:, None]) * Lk + o_n[None, :]

@@ -11,7 +11,13 @@ import triton
 import triton.language as tl
 
 from dmattn_ops.kernels.attention_fwd import _fwd_tile
-from dmattn_ops.kernels.common import LOG2E, PER_ENTRY, causal_key_end, key_count
+from dmattn_ops.kernels.common import (
+    LOG2E,
+    PER_ENTRY,
+    causal_key_end,
+    key_count,
+    lse_split,
+)
 
 
 @triton.heuristics(
@@ -130,7 +136,7 @@ def attention_decode_kernel(
             scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
             BIAS, 0, 0, p_bias, stride_bm, stride_bn,
             IS_CAUSAL, False, HAS_BIAS, HAS_SOFTCAP,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, end, COMPACT, False,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, end, COMPACT,
         )  # fmt: skip
     row = (i_b * H + i_h) * Lq + i_q
     o_split = i_s.to(tl.int64) * n_rows
@@ -150,7 +156,7 @@ def decode_combine_kernel(
     L,
     OUT,
     LSE,
-    LOGSUM,
+    LSE_REM,
     n_rows,
     S,
     H,
@@ -189,6 +195,6 @@ def decode_combine_kernel(
         out.to(OUT.dtype.element_ty),
         mask=i_dv < Dv,
     )
-    log_sum = tl.where(nonempty, tl.log(l_safe), 0.0)
-    tl.store(LSE + row, tl.where(nonempty, m_safe + log_sum, float("-inf")))
-    tl.store(LOGSUM + row, log_sum)
+    lse, lse_rem = lse_split(m_safe, tl.log(l_safe), nonempty)
+    tl.store(LSE + row, lse)
+    tl.store(LSE_REM + row, lse_rem)

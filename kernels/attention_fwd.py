@@ -4,12 +4,12 @@ import triton
 import triton.language as tl
 
 from dmattn_ops.kernels.common import (
-    LN2,
     LOG2E,
     causal_key_end,
     dot_acc,
     interior_key_end,
     listed_interior_count,
+    lse_split,
     operand_kind,
     score_tile,
     seq_extent,
@@ -54,10 +54,9 @@ def _fwd_tile(
     p_keys,
     n_pos,
     COMPACT: tl.constexpr,
-    LOG2_SCORES: tl.constexpr,
 ):
-    """One key tile of the online softmax. LOG2_SCORES: s and m are in log2 units (the caller
-    folded log2(e) into scale), so the exponentials need no extra multiply."""
+    """One key tile of the online softmax, in natural units (so that backward recomputes the
+    very scores whose max the forward stored)."""
     i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if COMPACT:
         # Positions in the sorted list of allowed keys -> key indices; past the list: n_keys.
@@ -82,14 +81,10 @@ def _fwd_tile(
     )  # fmt: skip
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    if LOG2_SCORES:
-        alpha = tl.exp2(m_i - m_safe)  # [BM]
-        p = tl.exp2(s - m_safe[:, None])  # [BM, BN]
-    else:
-        # Subtract first, then scale by log2(e): (s - m) * log2e cannot overflow for finite s, m
-        # (s * log2e can: a bias of finfo.min times log2(e) is past the float32 range).
-        alpha = tl.exp2((m_i - m_safe) * LOG2E)
-        p = tl.exp2((s - m_safe[:, None]) * LOG2E)
+    # Subtract first, then scale by log2(e): (s - m) * log2e cannot overflow for finite s, m
+    # (s * log2e can: a bias of finfo.min times log2(e) is past the float32 range).
+    alpha = tl.exp2((m_i - m_safe) * LOG2E)  # [BM]
+    p = tl.exp2((s - m_safe[:, None]) * LOG2E)  # [BM, BN]
     l_i = l_i * alpha + tl.sum(p, 1)
     b_v = tl.load(
         p_v + o_n[:, None] * stride_vn + i_dv[None, :] * stride_vd,
@@ -108,7 +103,6 @@ def _fwd_tile(
         "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
         "COMPACT": lambda a: a["KEYS"] is not None,
         "VARLEN": lambda a: a["CU_Q"] is not None,
-        "LOG2_SCORES": lambda a: a["BIAS"] is None and not a["softcap"] > 0,
     }
 )
 @triton.jit
@@ -128,7 +122,7 @@ def attention_fwd_kernel(
     KEY_END,
     OUT,
     LSE,
-    LOGSUM,
+    LSE_REM,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -182,9 +176,8 @@ def attention_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     COMPACT: tl.constexpr,
     VARLEN: tl.constexpr,
-    LOG2_SCORES: tl.constexpr,
 ):
-    """One program: BLOCK_M queries of one (batch, head). Writes out, lse and log_sum.
+    """One program: BLOCK_M queries of one (batch, head). Writes out, lse and lse_rem.
 
     With a mask, KV_NUM / KV_IDX list the key tiles of this query tile that hold any allowed key
     (KV_INT of them, first in the list, interior)
@@ -194,13 +187,9 @@ def attention_fwd_kernel(
     VARLEN: Q/K/V/OUT are packed (batch strides 0), Lq and Lk arrive as the packed totals, and
     batch b's rows start at cu_seqlens[b]; mask and bias are per key token.
 
-    LOG2_SCORES (no bias, no softcap): scores are kept in log2 units, scale * log2(e).
-
     Query tiles launch last first: under causality the last tiles have the most keys, and
     launching them first leaves the short ones for the tail of the grid.
     """
-    if LOG2_SCORES:
-        scale = scale * LOG2E
     i_mb = tl.num_programs(0) - 1 - tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
@@ -253,7 +242,7 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, n_pos, True, LOG2_SCORES,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, n_pos, True,
             )  # fmt: skip
         for kb in range(kb_int, tl.cdiv(n_pos, BLOCK_N)):
             acc, l_i, m_i = _fwd_tile(
@@ -261,7 +250,7 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, n_pos, True, LOG2_SCORES,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, n_pos, True,
             )  # fmt: skip
     elif HAS_MASK:
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
@@ -275,7 +264,7 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False, LOG2_SCORES,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False,
             )  # fmt: skip
         for it in range(n_int, num):
             kb = tl.load(KV_IDX + row * NK + it)
@@ -284,7 +273,7 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False, LOG2_SCORES,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
             )  # fmt: skip
     else:
         # Interior key tiles first (no bounds or causal arithmetic), then the boundary ones.
@@ -301,7 +290,7 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False, LOG2_SCORES,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False,
             )  # fmt: skip
         for kb in range(kb_int, kb_end):
             acc, l_i, m_i = _fwd_tile(
@@ -309,16 +298,13 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                 IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False, LOG2_SCORES,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
             )  # fmt: skip
 
     nonempty = l_i > 0.0
     l_safe = tl.where(nonempty, l_i, 1.0)
     b_out = acc / l_safe[:, None]
-    log_sum = tl.where(nonempty, tl.log(l_safe), 0.0)
-    if LOG2_SCORES:
-        m_i = m_i * LN2
-    lse = tl.where(nonempty, m_i + log_sum, float("-inf"))
+    lse, lse_rem = lse_split(tl.where(nonempty, m_i, 0.0), tl.log(l_safe), nonempty)
     tl.store(
         OUT + i_b * stride_ob + i_h * stride_oh + o_m[:, None] * stride_om
         + i_dv[None, :] * stride_od,
@@ -327,4 +313,4 @@ def attention_fwd_kernel(
     )  # fmt: skip
     o_row = i_b * lse_stride_b + i_h * lse_stride_h + o_m
     tl.store(LSE + o_row, lse, mask=m_m)
-    tl.store(LOGSUM + o_row, log_sum, mask=m_m)
+    tl.store(LSE_REM + o_row, lse_rem, mask=m_m)

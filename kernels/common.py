@@ -41,6 +41,19 @@ def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def lse_split(m, log_sum, nonempty):
+    """(lse, lse_rem) of rows with max m and log_sum = log(sum exp(s - m)): lse = m + log_sum
+    rounded to float32 and lse_rem = (m + log_sum) - lse exactly (Knuth's TwoSum), so that
+    backward recomputes P = exp((s - lse) - lse_rem) to float32 accuracy however large |m| is
+    (s - lse is exact near the max). Empty rows: (-inf, 0)."""
+    lse = m + log_sum
+    b_virtual = lse - m
+    a_virtual = lse - b_virtual
+    lse_rem = (m - a_virtual) + (log_sum - b_virtual)
+    return tl.where(nonempty, lse, float("-inf")), tl.where(nonempty, lse_rem, 0.0)
+
+
+@triton.jit
 def tanh(x):
     # exp2 form: saturates to +-1 for large |x| instead of producing inf / inf.
     e = tl.exp2(x * (2.0 * LOG2E))

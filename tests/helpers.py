@@ -17,9 +17,10 @@ import torch
 from dmattn_ops import reference
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# lse is float32 by contract and backward recomputes P = exp(s - lse): in float64 the gradients
-# carry a relative error of about |lse| * 2^-24 from that rounding (a few such terms add up).
-LSE_ROUNDING = 2.0**-24
+# For float64 inputs the ops keep lse (and its remainder) in float64 and backward recomputes
+# P = exp((s - lse) - lse_rem): the gradients carry a relative error of about |lse| * 2^-53 per
+# term from that recomputation (a few such terms add up), as plain float64 autograd does.
+LSE_ROUNDING = 2.0**-53
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,13 @@ class TestSchemas(expecttest.TestCase):
     def test_forward_schema(self):
         self.assertExpectedInline(
             str(OPS["attention_forward"]._schema),
-            """dmattn::attention_forward(Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic=False) -> (Tensor out, Tensor lse, Tensor log_sum)""",
+            """dmattn::attention_forward(Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic=False) -> (Tensor out, Tensor lse, Tensor lse_rem)""",
         )
 
     def test_backward_schema(self):
         self.assertExpectedInline(
             str(OPS["attention_backward"]._schema),
-            """dmattn::attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, Tensor log_sum, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic, bool compute_dbias) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)""",
+            """dmattn::attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic, bool compute_dbias) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)""",
         )
 
 
@@ -83,7 +83,7 @@ def test_opcheck_attention_backward(sample, with_grad_lse):
     _, (q, k, v, mask, bias), kw = sample
     q, k, v = (t.detach() for t in (q, k, v))
     bias = bias.detach() if bias is not None else None
-    out, lse, log_sum = OPS["attention_forward"](
+    out, lse, lse_rem = OPS["attention_forward"](
         q, k, v, mask, bias, 0.3, kw["is_causal"], kw["softcap"], kw["seqused_k"], False
     )
     grad_out = torch.randn_like(out)
@@ -96,7 +96,7 @@ def test_opcheck_attention_backward(sample, with_grad_lse):
         v,
         out,
         lse,
-        log_sum,
+        lse_rem,
         mask,
         bias,
         0.3,

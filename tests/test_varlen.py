@@ -226,8 +226,8 @@ class TestVarlenSchemas(expecttest.TestCase):
             "\n".join(str(op._schema) for op in OPS.values()),
             """\
 dmattn::attention_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask=None, Tensor? bias=None, float? scale=None, bool is_causal=False, float softcap=0., bool deterministic=False) -> Tensor
-dmattn::attention_varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, bool deterministic=False) -> (Tensor out, Tensor lse, Tensor log_sum)
-dmattn::attention_varlen_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, Tensor log_sum, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, bool deterministic, bool compute_dbias) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)""",
+dmattn::attention_varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, bool deterministic=False) -> (Tensor out, Tensor lse, Tensor lse_rem)
+dmattn::attention_varlen_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, bool deterministic, bool compute_dbias) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)""",
         )
 
 
@@ -242,11 +242,11 @@ def test_opcheck_varlen(is_causal):
 
 def test_opcheck_varlen_backward():
     q, k, v, cu_q, cu_k, max_q, max_k, mask, bias = varlen_sample(requires_grad=False)
-    out, lse, log_sum = OPS["attention_varlen_forward"](
+    out, lse, lse_rem = OPS["attention_varlen_forward"](
         q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, 0.3, True, 0.0
     )
     args = (
-        torch.randn_like(out), torch.randn_like(lse), q, k, v, out, lse, log_sum, cu_q, cu_k,
+        torch.randn_like(out), torch.randn_like(lse), q, k, v, out, lse, lse_rem, cu_q, cu_k,
         max_q, max_k, mask, bias, 0.3, True, 0.0, False, True,
     )  # fmt: skip
     torch.library.opcheck(OPS["attention_varlen_backward"], args, test_utils="ALL")

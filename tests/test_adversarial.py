@@ -1,0 +1,173 @@
+"""Inputs an adversarial probe found silently wrong (issue 19), each against the float64 oracle.
+
+The Triton cases run compiled on a GPU and in Triton's interpreter on CPU; the CPU cases run the
+chunked PyTorch path.
+"""
+
+import math
+
+import pytest
+import torch
+from helpers import assert_close, float64_grad_bound, low_precision_bound
+
+import dmattn_ops
+from dmattn_ops import launch, masks, reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(
+    DEVICE == "cpu" and not launch.interpreter_on(), reason="needs CUDA or TRITON_INTERPRET=1"
+)
+
+
+def _randn(*shape, dtype=torch.float32, device=DEVICE):
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+def _grads(fn, tensors, grad_out=None):
+    """fn(*tensors) and the gradients of <fn(...), grad_out> w.r.t. the tensors."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    grad_out = torch.ones_like(out) if grad_out is None else grad_out.to(out.dtype)
+    return out, torch.autograd.grad((out * grad_out).sum(), leaves)
+
+
+@needs_triton
+def test_non_contiguous_seqused_k():
+    q, k, v = _randn(2, 9, 2, 16), _randn(2, 9, 2, 16), _randn(2, 9, 2, 16)
+    seqused = torch.tensor([5, 9, 3, 1], dtype=torch.int32, device=DEVICE)[::2]  # [5, 3]
+    assert not seqused.is_contiguous()
+    go = _randn(2, 9, 2, 16)
+    fn = lambda q, k, v: dmattn_ops.attention(q, k, v, seqused_k=seqused, backend="triton")
+    out, grads = _grads(fn, (q, k, v), go)
+    ref = lambda q, k, v: reference.attention(q, k, v, seqused_k=seqused.contiguous())
+    ref_out, ref_grads = _grads(ref, [t.double() for t in (q, k, v)], go.double())
+    low_out, low_grads = _grads(ref, (q, k, v), go)
+    assert_close(out, ref_out, low_precision_bound(ref_out, low_out, q.dtype), "out")
+    for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
+        assert_close(g, r, low_precision_bound(r, lo, q.dtype), name)
+
+
+@needs_triton
+def test_non_contiguous_cu_seqlens():
+    cu = torch.tensor([0, 99, 5, 99, 12, 99], dtype=torch.int32, device=DEVICE)[::2]  # [0, 5, 12]
+    assert not cu.is_contiguous()
+    q, k, v = _randn(12, 2, 16), _randn(12, 2, 16), _randn(12, 2, 16)
+    out = dmattn_ops.attention_varlen(q, k, v, cu, cu, 7, 7, is_causal=True, backend="triton")
+    want = reference.attention_varlen(
+        *(t.double() for t in (q, k, v)), cu.contiguous(), cu.contiguous(), 7, 7, is_causal=True
+    )
+    low = reference.attention_varlen(q, k, v, cu.contiguous(), cu.contiguous(), 7, 7, is_causal=True)
+    assert_close(out, want, low_precision_bound(want, low, q.dtype), "out")
+
+
+@needs_triton
+def test_vmap_folds_stride_zero_operands():
+    """vmap over query with B = 1 and an unbatched seqused_k folds them into batch-stride-0
+    views; the kernels must not read past their storage (forward, and vmap(vjp) = jacrev)."""
+    q = _randn(3, 1, 9, 2, 16)
+    k, v = _randn(1, 9, 2, 16), _randn(1, 9, 2, 16)
+    seqused = torch.tensor([6], dtype=torch.int32, device=DEVICE)
+    fn = lambda x: dmattn_ops.attention(x, k, v, seqused_k=seqused, backend="triton")
+    batched = torch.func.vmap(fn)(q)
+    one_by_one = torch.stack([fn(x) for x in q])
+    assert_close(batched, one_by_one, 0.0, "vmap out")
+
+    bias = _randn(1, 2, 5, 9)
+    q1 = _randn(1, 5, 2, 16)
+    rows = lambda f: (lambda b: f(b).sum(dim=(0, 1, 3)))  # (H,) per bias: a 2-row Jacobian
+    jac = torch.func.jacrev(rows(lambda b: dmattn_ops.attention(q1, k, v, None, b, backend="triton")))(bias)
+    up = [t.double() for t in (q1, k, v)]
+    jac64 = torch.func.jacrev(rows(lambda b: reference.attention(*up, None, b)))(bias.double())
+    jac_low = torch.func.jacrev(rows(lambda b: reference.attention(q1, k, v, None, b)))(bias)
+    assert_close(jac, jac64, low_precision_bound(jac64, jac_low, torch.float32), "jacrev dbias")
+
+
+@pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_double_backward_through_torch_func_raises(backend, varlen):
+    dtype = torch.float64 if backend == "auto" else torch.float32
+    q, k, v = (_randn(1, 5, 1, 4, dtype=dtype) for _ in range(3))
+    bias = _randn(1, 1, 5, 5, dtype=dtype)
+    w = torch.linspace(-1, 2, 5, dtype=dtype, device=DEVICE)
+    if varlen:
+        cu = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+        bias = bias[0, :, 0]  # (1, total_k): per key token
+        attn = lambda b: dmattn_ops.attention_varlen(
+            q[0], k[0], v[0], cu, cu, 5, 5, None, b, backend=backend
+        )
+    else:
+        attn = lambda b: dmattn_ops.attention(q, k, v, None, b, backend=backend)
+    inner = torch.func.grad(lambda b: attn(b).square().sum())
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.func.grad(lambda b: (inner(b) * w).sum())(bias)
+    # One level of grad still works, and equals the oracle's.
+    assert torch.isfinite(inner(bias)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("path", ["fused", "torch"])
+def test_topk_mask_ranks_nan_below_every_number(dtype, path):
+    if path == "fused" and (dtype == torch.float64 or not launch.triton_runs_on(_randn(1))):
+        pytest.skip("the fused kernel runs for 16/32-bit biases where Triton runs")
+    nan, lowest = math.nan, torch.finfo(dtype).min
+    for other in (lowest, -math.inf, 0.0, -1.0):
+        row = torch.tensor([nan, other], dtype=dtype, device=DEVICE).view(1, 1, 1, 2)
+        if path == "fused":
+            got = masks.topk_mask(row, 1)
+        else:
+            got = masks._torch_topk(row, None, 1)
+        assert got.flatten().tolist() == [False, True], (other, got)
+    # Numbers by value, -inf the lowest of them, then NaN, and a disallowed key never.
+    row = torch.tensor([nan, -math.inf, lowest, 9.0, 3.0], dtype=dtype, device=DEVICE)
+    allowed = torch.tensor([True, True, True, False, True], device=DEVICE).view(1, 1, 1, 5)
+    want = {1: [0, 0, 0, 0, 1], 2: [0, 0, 1, 0, 1], 3: [0, 1, 1, 0, 1], 4: [1, 1, 1, 0, 1]}
+    for k, expected in want.items():
+        if path == "fused":
+            got = masks.topk_mask(row.view(1, 1, 1, 5), k, allowed)
+        else:
+            got = masks._torch_topk(row.view(1, 1, 1, 5), allowed, k)
+        assert got.flatten().int().tolist() == expected, (k, got)
+
+
+def test_float64_row_of_lowest_biases_keeps_its_gradients():
+    """A float64 row whose every bias is finfo(float64).min: lse ~ -1.8e308 is outside float32;
+    the ops keep lse in float64 internally, so backward does not mistake the row for empty."""
+    q, k, v = (_randn(1, n, 1, 4, dtype=torch.float64, device="cpu") for n in (3, 5, 5))
+    bias = _randn(1, 1, 3, 5, dtype=torch.float64, device="cpu")
+    bias[:, :, 1, :] = torch.finfo(torch.float64).min
+    go = _randn(1, 3, 1, 4, dtype=torch.float64, device="cpu")
+    out, grads = _grads(lambda *t: dmattn_ops.attention(*t[:3], None, t[3]), (q, k, v, bias), go)
+    ref_out, ref_grads = _grads(lambda *t: reference.attention(*t[:3], None, t[3]), (q, k, v, bias), go)
+    _, ref_lse = reference.attention(q, k, v, None, bias, return_lse=True)
+    assert_close(out, ref_out, 1e-12, "out")
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
+        assert_close(g, r, float64_grad_bound(r, ref_lse.double()), name)
+    assert ref_grads[0][:, 1].abs().max() > 0.01  # the row's gradients are not trivially 0
+
+
+@pytest.mark.parametrize(
+    "backend,dtype",
+    [("auto", torch.float64), ("auto", torch.float32), pytest.param("triton", torch.float32, marks=needs_triton)],
+)
+@pytest.mark.parametrize("scale", [1e3, 1e6, 1e10, 1e12])
+def test_large_logits(backend, dtype, scale):
+    """Logits of scale * q.k: backward recomputes P from (lse, lse_rem) exactly, so it stays
+    finite, and within the error PyTorch itself makes in that precision."""
+    dev = "cpu" if backend == "auto" else DEVICE
+    q, k, v = (_randn(1, 8, 2, 8, dtype=dtype, device=dev) for _ in range(3))
+    go = _randn(1, 8, 2, 8, dtype=dtype, device=dev)
+    fn = lambda q, k, v: dmattn_ops.attention(q, k, v, scale=scale, backend=backend)
+    ref = lambda q, k, v: reference.attention(q, k, v, scale=scale)
+    out, grads = _grads(fn, (q, k, v), go)
+    ref_out, ref_grads = _grads(ref, [t.double() for t in (q, k, v)], go.double())
+    low_out, low_grads = _grads(ref, (q, k, v), go)
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert torch.isfinite(g).all(), name
+    if dtype == torch.float64:
+        _, lse = reference.attention(q, k, v, scale=scale, return_lse=True)
+        for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+            assert_close(g, r, float64_grad_bound(r, lse.double()), name)
+        return
+    assert_close(out, ref_out, low_precision_bound(ref_out, low_out, dtype), "out")
+    for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
+        assert_close(g, r, low_precision_bound(r, lo, dtype), name)
