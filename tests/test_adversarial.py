@@ -56,7 +56,9 @@ def test_non_contiguous_cu_seqlens():
     want = reference.attention_varlen(
         *(t.double() for t in (q, k, v)), cu.contiguous(), cu.contiguous(), 7, 7, is_causal=True
     )
-    low = reference.attention_varlen(q, k, v, cu.contiguous(), cu.contiguous(), 7, 7, is_causal=True)
+    low = reference.attention_varlen(
+        q, k, v, cu.contiguous(), cu.contiguous(), 7, 7, is_causal=True
+    )
     assert_close(out, want, low_precision_bound(want, low, q.dtype), "out")
 
 
@@ -74,8 +76,10 @@ def test_vmap_folds_stride_zero_operands():
 
     bias = _randn(1, 2, 5, 9)
     q1 = _randn(1, 5, 2, 16)
-    rows = lambda f: (lambda b: f(b).sum(dim=(0, 1, 3)))  # (H,) per bias: a 2-row Jacobian
-    jac = torch.func.jacrev(rows(lambda b: dmattn_ops.attention(q1, k, v, None, b, backend="triton")))(bias)
+    rows = lambda f: lambda b: f(b).sum(dim=(0, 1, 3))  # (H,) per bias: a 2-row Jacobian
+    jac = torch.func.jacrev(
+        rows(lambda b: dmattn_ops.attention(q1, k, v, None, b, backend="triton"))
+    )(bias)
     up = [t.double() for t in (q1, k, v)]
     jac64 = torch.func.jacrev(rows(lambda b: reference.attention(*up, None, b)))(bias.double())
     jac_low = torch.func.jacrev(rows(lambda b: reference.attention(q1, k, v, None, b)))(bias)
@@ -112,10 +116,7 @@ def test_topk_mask_ranks_nan_below_every_number(dtype, path):
     nan, lowest = math.nan, torch.finfo(dtype).min
     for other in (lowest, -math.inf, 0.0, -1.0):
         row = torch.tensor([nan, other], dtype=dtype, device=DEVICE).view(1, 1, 1, 2)
-        if path == "fused":
-            got = masks.topk_mask(row, 1)
-        else:
-            got = masks._torch_topk(row, None, 1)
+        got = masks.topk_mask(row, 1) if path == "fused" else masks._torch_topk(row, None, 1)
         assert got.flatten().tolist() == [False, True], (other, got)
     # Numbers by value, -inf the lowest of them, then NaN, and a disallowed key never.
     row = torch.tensor([nan, -math.inf, lowest, 9.0, 3.0], dtype=dtype, device=DEVICE)
@@ -137,7 +138,9 @@ def test_float64_row_of_lowest_biases_keeps_its_gradients():
     bias[:, :, 1, :] = torch.finfo(torch.float64).min
     go = _randn(1, 3, 1, 4, dtype=torch.float64, device="cpu")
     out, grads = _grads(lambda *t: dmattn_ops.attention(*t[:3], None, t[3]), (q, k, v, bias), go)
-    ref_out, ref_grads = _grads(lambda *t: reference.attention(*t[:3], None, t[3]), (q, k, v, bias), go)
+    ref_out, ref_grads = _grads(
+        lambda *t: reference.attention(*t[:3], None, t[3]), (q, k, v, bias), go
+    )
     _, ref_lse = reference.attention(q, k, v, None, bias, return_lse=True)
     assert_close(out, ref_out, 1e-12, "out")
     for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
@@ -147,7 +150,11 @@ def test_float64_row_of_lowest_biases_keeps_its_gradients():
 
 @pytest.mark.parametrize(
     "backend,dtype",
-    [("auto", torch.float64), ("auto", torch.float32), pytest.param("triton", torch.float32, marks=needs_triton)],
+    [
+        ("auto", torch.float64),
+        ("auto", torch.float32),
+        pytest.param("triton", torch.float32, marks=needs_triton),
+    ],
 )
 @pytest.mark.parametrize("scale", [1e3, 1e6, 1e10, 1e12])
 def test_large_logits(backend, dtype, scale):
