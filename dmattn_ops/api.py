@@ -5,19 +5,7 @@ from __future__ import annotations
 import torch
 
 from dmattn_ops import flex, launch, ops, reference
-from dmattn_ops.validate import (
-    check_backend,
-    check_cu_seqlens_values,
-    check_inputs,
-    check_seqused_k_values,
-    check_varlen_inputs,
-)
-
-
-def _tracing() -> bool:
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+from dmattn_ops.validate import check_backend, check_flags, check_inputs, check_varlen_inputs
 
 
 def _check_triton_can_run(query: torch.Tensor, fn: str = "dmattn.attention") -> None:
@@ -77,31 +65,43 @@ def attention(
         out_i   = sum_j softmax_j(s(i, .)) v_j      (0 when no key is allowed)
         lse_i   = log sum_j exp(s(i, j))            (-inf when no key is allowed)
 
-    Rows with no allowed key give zero output and zero gradients; NaN or Inf in bias or K/V at
-    positions that are not allowed never reach the result.
+    Rows with no allowed key give zero output and zero gradients. NaN or Inf in bias at
+    positions that are not allowed, and in K/V at or beyond seqused_k, never reach the result.
+    K/V at keys that only the mask excludes are loaded with their tile (a tile that holds an
+    allowed key is computed whole) and must be finite; a mask broadcast over queries on the
+    Triton path never loads them.
+
+    Under torch.autocast, query, key and value (and a bias that is not float32) are cast to
+    the autocast dtype, as for scaled_dot_product_attention; the result has that dtype.
     """
     check_backend(backend)
-    if backend in ("reference", "flex"):
-        # Both validate their own inputs; checking here too would double the seqused_k sync.
-        fn = reference.attention if backend == "reference" else flex.attention
-        return fn(
-            query, key, value, mask, bias, scale=scale, is_causal=is_causal, softcap=softcap,
-            seqused_k=seqused_k, deterministic=deterministic, return_lse=return_lse,
-        )  # fmt: skip
-    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap)
-    if not _tracing():
-        check_seqused_k_values(seqused_k, key.shape[1], "dmattn.attention")
-    if backend == "triton":
-        _check_triton_can_run(query)
-    if return_lse:
-        scale = ops.default_scale(query) if scale is None else scale
-        out, lse, _ = torch.ops.dmattn.attention_forward(
+    check_flags(
+        "dmattn.attention", is_causal=is_causal, deterministic=deterministic,
+        return_lse=return_lse,
+    )  # fmt: skip
+    query, key, value, bias = ops.autocast_inputs(query, key, value, bias)
+    with ops.autocast_off(query):
+        if backend in ("reference", "flex"):
+            fn = reference.attention if backend == "reference" else flex.attention
+            return fn(
+                query, key, value, mask, bias, scale=scale, is_causal=is_causal,
+                softcap=softcap, seqused_k=seqused_k, deterministic=deterministic,
+                return_lse=return_lse,
+            )  # fmt: skip
+        # The value checks (seqused_k's range) run inside the op, below any torch.func
+        # transform, so that direct calls of torch.ops.dmattn.* keep the same contract.
+        check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap)
+        if backend == "triton":
+            _check_triton_can_run(query)
+        if return_lse:
+            scale = ops.default_scale(query) if scale is None else scale
+            out, lse, _ = torch.ops.dmattn.attention_forward(
+                query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
+            )
+            return out, lse.float()  # float64 inputs keep a float64 lse inside the ops
+        return torch.ops.dmattn.attention(
             query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
         )
-        return out, lse.float()  # float64 inputs keep a float64 lse inside the ops
-    return torch.ops.dmattn.attention(
-        query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
-    )
 
 
 def attention_varlen(
@@ -150,23 +150,24 @@ def attention_varlen(
     """
     fn = "dmattn.attention_varlen"
     check_backend(backend)
+    check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
+    query, key, value, bias = ops.autocast_inputs(query, key, value, bias)
     args = (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias)
     options = dict(scale=scale, is_causal=is_causal, softcap=softcap, deterministic=deterministic)
-    if backend in ("reference", "flex"):
-        fn_backend = reference.attention_varlen if backend == "reference" else flex.attention_varlen
-        return fn_backend(*args, **options, return_lse=return_lse)
-    check_varlen_inputs(*args, scale, softcap, fn=fn)
-    if not _tracing():
-        check_cu_seqlens_values(
-            cu_seqlens_q, cu_seqlens_k, query.shape[0], key.shape[0], max_seqlen_q,
-            max_seqlen_k, fn,
-        )  # fmt: skip
-    if backend == "triton":
-        _check_triton_can_run(query, fn)
-    if return_lse:
-        scale = ops.default_scale(query) if scale is None else scale
-        out, lse, _ = torch.ops.dmattn.attention_varlen_forward(
-            *args, scale, is_causal, softcap, deterministic
-        )
-        return out, lse.float()
-    return torch.ops.dmattn.attention_varlen(*args, scale, is_causal, softcap, deterministic)
+    with ops.autocast_off(query):
+        if backend in ("reference", "flex"):
+            fn_backend = (
+                reference.attention_varlen if backend == "reference" else flex.attention_varlen
+            )
+            return fn_backend(*args, **options, return_lse=return_lse)
+        # The cu_seqlens value checks run inside the op (see attention).
+        check_varlen_inputs(*args, scale, softcap, fn=fn)
+        if backend == "triton":
+            _check_triton_can_run(query, fn)
+        if return_lse:
+            scale = ops.default_scale(query) if scale is None else scale
+            out, lse, _ = torch.ops.dmattn.attention_varlen_forward(
+                *args, scale, is_causal, softcap, deterministic
+            )
+            return out, lse.float()
+        return torch.ops.dmattn.attention_varlen(*args, scale, is_causal, softcap, deterministic)

@@ -34,6 +34,7 @@ import torch
 from dmattn_ops.chunked import varlen_bounds
 from dmattn_ops.validate import (
     check_cu_seqlens_values,
+    check_flags,
     check_inputs,
     check_seqused_k_values,
     check_varlen_inputs,
@@ -211,9 +212,11 @@ def attention(
     and there is no backward. See the module docstring for caching, recompiles and limits.
     """
 
+    check_flags(
+        "dmattn.flex", is_causal=is_causal, deterministic=deterministic, return_lse=return_lse
+    )
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn.flex")
-    if not torch.compiler.is_compiling():
-        check_seqused_k_values(seqused_k, key.shape[1], "dmattn.flex")
+    check_seqused_k_values(seqused_k, key.shape[1], "dmattn.flex")
     b, lq, h, d = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     needs_grad = torch.is_grad_enabled() and any(
@@ -230,13 +233,13 @@ def attention(
             "dmattn.flex: FlexAttention accumulates the bias gradient with atomics, so it "
             "cannot be deterministic; use backend='triton' for deterministic=True"
         )
-    if b * lq * h == 0 or lk == 0:
-        # Flex has nothing to launch; the registered op returns the empty result with autograd.
+    if b * lq * h == 0 or lk == 0 or d == 0:
+        # Flex has nothing to launch (or, for D = 0, cannot): the registered op computes it.
         out, lse, _ = torch.ops.dmattn.attention_forward(
-            query, key, value, mask, bias, d**-0.5 if scale is None else scale, is_causal,
-            softcap, seqused_k, deterministic,
+            query, key, value, mask, bias, (d**-0.5 if d > 0 else 1.0) if scale is None else scale,
+            is_causal, softcap, seqused_k, deterministic,
         )  # fmt: skip
-        return (out, lse) if return_lse else out
+        return (out, lse.float()) if return_lse else out
     if seqused_k is not None:
         j = torch.arange(lk, device=device)
         used = (j[None, :] < seqused_k[:, None].to(torch.int64))[:, :, None, None]
@@ -333,16 +336,16 @@ def attention_varlen(
     besides, its BlockMask is rebuilt on every call (cu_seqlens change from batch to batch) and
     covers total_q x total_k, where the Triton kernels only visit each sequence's own tiles."""
     fn = "dmattn.flex.attention_varlen"
+    check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
     check_varlen_inputs(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         mask, bias, scale, softcap, fn=fn,
     )  # fmt: skip
     total_q, h, d = query.shape
     total_k, hkv, dv = key.shape[0], key.shape[1], value.shape[2]
-    if not torch.compiler.is_compiling():
-        check_cu_seqlens_values(
-            cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, fn
-        )
+    check_cu_seqlens_values(
+        cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, fn
+    )
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, bias)
     )
@@ -357,12 +360,13 @@ def attention_varlen(
             f"{fn}: FlexAttention accumulates the bias gradient with atomics, so it cannot be "
             "deterministic; use backend='triton' for deterministic=True"
         )
-    if total_q * h == 0 or total_k == 0 or cu_seqlens_q.shape[0] < 2:
+    if total_q * h == 0 or total_k == 0 or cu_seqlens_q.shape[0] < 2 or d == 0:
         out, lse, _ = torch.ops.dmattn.attention_varlen_forward(
             query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
-            bias, d**-0.5 if scale is None else scale, is_causal, softcap, deterministic,
+            bias, (d**-0.5 if d > 0 else 1.0) if scale is None else scale, is_causal, softcap,
+            deterministic,
         )  # fmt: skip
-        return (out, lse) if return_lse else out
+        return (out, lse.float()) if return_lse else out
     from torch.nn.attention.flex_attention import create_block_mask
 
     mask_mod, key_used = make_varlen_mask_mod(

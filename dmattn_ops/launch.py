@@ -17,7 +17,7 @@ import triton
 
 from dmattn_ops import chunked
 from dmattn_ops._alloc import empty
-from dmattn_ops.chunked import varlen_bounds
+from dmattn_ops.chunked import stats_dtype, varlen_bounds
 from dmattn_ops.kernels.attention_bwd import (
     attention_bwd_dbias_kernel,
     attention_bwd_delta_kernel,
@@ -314,9 +314,10 @@ def build_key_lists(mask, seqused_k, b, lq, lk, is_causal, block_m) -> KeyLists:
 
 def _empty_forward(query, value):
     b, lq, h, _ = query.shape
+    stats = dict(dtype=stats_dtype(query.dtype), device=query.device)
     out = torch.zeros((b, lq, h, value.shape[-1]), dtype=query.dtype, device=query.device)
-    lse = torch.full((b, h, lq), float("-inf"), dtype=torch.float32, device=query.device)
-    lse_rem = torch.zeros((b, h, lq), dtype=torch.float32, device=query.device)
+    lse = torch.full((b, h, lq), float("-inf"), **stats)
+    lse_rem = torch.zeros((b, h, lq), **stats)
     return out, lse, lse_rem
 
 
@@ -330,12 +331,12 @@ def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
 def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k):
     """Returns out (B, Lq, H, Dv), lse and lse_rem, both float32 (B, H, Lq)."""
     seqused_k = _dense(seqused_k)
-    if not use_triton(query):
-        return chunked.forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
     b, lq, h, d = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     if b * lq * h == 0 or lk == 0:
         return _empty_forward(query, value)
+    if not use_triton(query):
+        return chunked.forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
     if decode_applies(lq, h, hkv, lk, mask):
         return decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
     cfg = _config(d, dv, "fwd", lq=lq, masked=mask is not None, itemsize=query.element_size())
@@ -420,14 +421,8 @@ def attention_backward(
     kernel uses atomics, so ``deterministic`` selects nothing yet."""
     del deterministic
     seqused_k, lse, lse_rem = _dense(seqused_k), _dense(lse), _dense(lse_rem)
-    if not use_triton(query):
-        return chunked.backward(
-            grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias,
-            scale, is_causal, softcap, seqused_k, compute_dbias,
-        )  # fmt: skip
     b, lq, h, d = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
-    g = h // hkv
     device = query.device
     if b * lq * h == 0 or lk == 0:
         dbias = (
@@ -436,6 +431,12 @@ def attention_backward(
             else torch.empty((0,), dtype=query.dtype, device=device)
         )
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dbias
+    if not use_triton(query):
+        return chunked.backward(
+            grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias,
+            scale, is_causal, softcap, seqused_k, compute_dbias,
+        )  # fmt: skip
+    g = h // hkv
     dbias_mode = None
     if compute_dbias:
         if bias.shape[2] == 1:

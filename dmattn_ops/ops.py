@@ -23,6 +23,7 @@ single-level function instead of being routed back through ``custom_function_cal
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -31,7 +32,12 @@ from torch._functorch.autograd_function import enable_single_level_autograd_func
 
 from dmattn_ops import launch
 from dmattn_ops.chunked import stats_dtype
-from dmattn_ops.validate import check_inputs, check_varlen_inputs
+from dmattn_ops.validate import (
+    check_cu_seqlens_values,
+    check_inputs,
+    check_seqused_k_values,
+    check_varlen_inputs,
+)
 
 ATTENTION_SCHEMA = (
     "attention(Tensor query, Tensor key, Tensor value, Tensor? mask=None, Tensor? bias=None, "
@@ -57,7 +63,44 @@ for _schema in (ATTENTION_SCHEMA, FORWARD_SCHEMA, BACKWARD_SCHEMA):
 
 
 def default_scale(query: torch.Tensor) -> float:
-    return 1.0 / math.sqrt(int(query.shape[-1]))
+    """1 / sqrt(D); with D = 0 every q . k is 0 and any scale gives the same result: 1."""
+    d = query.shape[-1]
+    return 1.0 / math.sqrt(d) if d > 0 else 1.0
+
+
+_AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def autocast_inputs(query, key, value, bias):
+    """Under torch.autocast for query's device: query, key and value in the autocast dtype,
+    and bias too unless it is float32 (a float32 bias is accepted with any query dtype), as
+    scaled_dot_product_attention's autocast rule casts its inputs. float64 is never cast.
+    Outside autocast the tensors are returned as they are."""
+    if not isinstance(query, torch.Tensor):
+        return query, key, value, bias  # the validators name what is wrong
+    device = query.device.type
+    if not (device in ("cpu", "cuda") and torch.is_autocast_enabled(device)):
+        return query, key, value, bias
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t):
+        if t is None or t.dtype not in _AUTOCAST_ELIGIBLE or t.device.type != device:
+            return t
+        return t.to(dtype)
+
+    if bias is not None and bias.dtype != torch.float32:
+        bias = cast(bias)
+    return cast(query), cast(key), cast(value), bias
+
+
+def autocast_off(query):
+    """The ops' own arithmetic never runs under autocast: its inputs were cast once. Outside
+    autocast, a no-op context."""
+    if not isinstance(query, torch.Tensor) or query.device.type not in ("cpu", "cuda"):
+        return contextlib.nullcontext()
+    if not torch.is_autocast_enabled(query.device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(query.device.type, enabled=False)
 
 
 @dataclass(frozen=True)
@@ -76,7 +119,9 @@ class Options:
 def _forward_impl(
     query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic=False
 ):
-    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn::attention")
+    fn = "dmattn::attention"
+    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn=fn)
+    check_seqused_k_values(seqused_k, key.shape[1], fn)
     return launch.attention_forward(
         query, key, value, mask, bias, scale, is_causal, softcap, seqused_k
     )
@@ -555,10 +600,11 @@ def _varlen_forward_impl(
     query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
     deterministic=False,
 ):  # fmt: skip
+    fn = "dmattn::attention_varlen"
     check_varlen_inputs(
-        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, softcap,
-        fn="dmattn::attention_varlen",
-    )  # fmt: skip
+        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, softcap, fn=fn
+    )
+    check_cu_seqlens_values(cu_q, cu_k, query.shape[0], key.shape[0], max_q, max_k, fn)
     return launch.attention_varlen_forward(
         query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap
     )
@@ -716,3 +762,38 @@ class _VarlenBackwardFunction(_BackwardFunction):
 _lib.impl("attention_varlen", _varlen_autograd, "Autograd", with_keyset=True)
 _lib.impl("attention_varlen_forward", _varlen_forward_autograd, "Autograd", with_keyset=True)
 _lib.impl("attention_varlen_backward", _varlen_backward_autograd, "Autograd", with_keyset=True)
+
+
+# Autocast: the differentiable ops cast their floating inputs once (autocast_inputs) and run
+# below autocast, as scaled_dot_product_attention does. The backward ops see tensors that are
+# already in one dtype and only leave autocast, so that the CPU path's matmuls keep float32.
+
+
+def _autocast_kernel(op, cast: bool):
+    def kernel(keyset, *args):
+        device = next(a for a in args if isinstance(a, torch.Tensor)).device.type
+        autocast_key = getattr(torch._C.DispatchKey, "Autocast" + device.upper())
+        if cast:
+            # The dispatcher drops trailing arguments left at their defaults (bias among them).
+            bias_at = 8 if "varlen" in op.name() else 4
+            bias = args[bias_at] if len(args) > bias_at else None
+            q, k, v, bias = autocast_inputs(*args[:3], bias)
+            rest = (bias, *args[bias_at + 1 :]) if len(args) > bias_at else ()
+            args = (q, k, v, *args[3:bias_at], *rest)
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(autocast_key)):
+            return op(*args)
+
+    return kernel
+
+
+for _name, _cast in (
+    ("attention", True),
+    ("attention_forward", True),
+    ("attention_backward", False),
+    ("attention_varlen", True),
+    ("attention_varlen_forward", True),
+    ("attention_varlen_backward", False),
+):
+    for _key in ("AutocastCPU", "AutocastCUDA"):
+        _op = getattr(torch.ops.dmattn, _name).default
+        _lib.impl(_name, _autocast_kernel(_op, _cast), _key, with_keyset=True)

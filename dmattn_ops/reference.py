@@ -12,6 +12,7 @@ import torch
 
 from dmattn_ops.validate import (
     check_cu_seqlens_values,
+    check_flags,
     check_inputs,
     check_seqused_k_values,
     check_varlen_inputs,
@@ -57,13 +58,14 @@ def attention(
     Keys at or beyond n are zeroed before use, so NaN in an unused KV-cache slot never reaches
     the result. ``deterministic`` and ``backend`` are accepted for signature parity and ignored.
     """
-    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="reference.attention")
-    if not torch.compiler.is_compiling():
-        check_seqused_k_values(seqused_k, key.shape[1], "reference.attention")
+    fn = "reference.attention"
+    check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
+    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn=fn)
+    check_seqused_k_values(seqused_k, key.shape[1], "reference.attention")
     b, lq, h, d = query.shape
     lk, hkv = key.shape[1], key.shape[2]
-    group = h // hkv
-    scale = d**-0.5 if scale is None else scale
+    group = h // hkv if hkv else 1
+    scale = (d**-0.5 if d > 0 else 1.0) if scale is None else scale
     device = query.device
 
     n = (
@@ -138,6 +140,7 @@ def attention_varlen(
     queries. Rows outside every sequence get out 0 and lse -inf. Differentiable by autograd.
     """
     fn = "reference.attention_varlen"
+    check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
     check_varlen_inputs(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         mask, bias, scale, softcap, fn=fn,
@@ -147,7 +150,7 @@ def attention_varlen(
     check_cu_seqlens_values(
         cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, fn
     )
-    scale = d**-0.5 if scale is None else scale
+    scale = (d**-0.5 if d > 0 else 1.0) if scale is None else scale
     out = query.new_zeros((total_q, h, value.shape[2]))
     lse = query.new_full((h, total_q), float("-inf"), dtype=torch.float32)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()

@@ -1,8 +1,8 @@
 """Input checks shared by the public functions and the registered ops.
 
 Every check here looks at shapes, dtypes and devices only, so it runs unchanged on fake tensors
-while torch.compile traces; `check_seqused_k_values` is the one check that reads data and is
-skipped while tracing.
+while torch.compile traces; `check_seqused_k_values` and `check_cu_seqlens_values` read data and
+are skipped where it cannot be read (`data_readable`).
 """
 
 from __future__ import annotations
@@ -123,9 +123,29 @@ def check_scalars(scale, softcap, fn: str) -> None:
         raise ValueError(f"{fn}: softcap must be finite and >= 0 (0 disables it); got {softcap}")
 
 
+def data_readable(t: torch.Tensor) -> bool:
+    """Whether t's values can be read on the host now: not while torch.compile traces, not
+    during CUDA graph capture, and not through a torch.func wrapper (a vmapped or grad-tracked
+    tensor has no storage of its own; the registered ops check it below the transform)."""
+    if torch.compiler.is_compiling() or isinstance(t, torch._subclasses.FakeTensor):
+        return False
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    functorch = torch._C._functorch
+    return not (functorch.is_functorch_wrapped_tensor(t) or functorch.is_batchedtensor(t))
+
+
+def check_flags(fn: str, **flags) -> None:
+    """is_causal, deterministic, return_lse: plain bools (TypeError otherwise)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{fn}: {name} must be a bool; got {type(value).__name__} {value!r}")
+
+
 def check_seqused_k_values(seqused_k: torch.Tensor | None, lk: int, fn: str) -> None:
-    """Range check of seqused_k; reads the tensor, so callers skip it while tracing."""
-    if seqused_k is None or seqused_k.numel() == 0:
+    """Range check of seqused_k (one host sync); skipped where the values cannot be read
+    (data_readable)."""
+    if seqused_k is None or seqused_k.numel() == 0 or not data_readable(seqused_k):
         return
     lo, hi = torch.stack(torch.aminmax(seqused_k)).tolist()  # one host sync
     if lo < 0 or hi > lk:
@@ -140,7 +160,7 @@ def check_backend(backend) -> None:
 
 
 def _check_heads(query, key, h, hkv, d, dv, fn: str) -> None:
-    if hkv == 0 or h % hkv != 0:
+    if (hkv == 0 and h != 0) or (hkv != 0 and h % hkv != 0):
         raise ValueError(
             f"{fn}: the number of query heads H={h} must be a multiple of the number of "
             f"key/value heads Hkv={hkv} (query {_shape(query)}, key {_shape(key)})"
@@ -242,8 +262,11 @@ def check_cu_seqlens_values(
     cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, fn: str
 ) -> None:
     """cu_seqlens start at 0, never decrease, end within the packed totals, and no sequence is
-    longer than max_seqlen. Reads the tensors (one host sync), so callers skip it while tracing."""
+    longer than max_seqlen. Reads the tensors (one host sync); skipped where their values cannot
+    be read (data_readable)."""
     if cu_seqlens_q.shape[0] < 2:
+        return
+    if not (data_readable(cu_seqlens_q) and data_readable(cu_seqlens_k)):
         return
 
     def stats(cu: torch.Tensor) -> torch.Tensor:

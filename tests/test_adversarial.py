@@ -178,3 +178,61 @@ def test_large_logits(backend, dtype, scale):
     assert_close(out, ref_out, low_precision_bound(ref_out, low_out, dtype), "out")
     for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
         assert_close(g, r, low_precision_bound(r, lo, dtype), name)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_autocast_casts_inputs_like_sdpa(backend):
+    """Under CPU autocast (bf16): q from a bf16 matmul with fp32 k/v is accepted, every input
+    is cast once, the result is bf16 and carries bf16 input rounding only."""
+    q, k, v = (_randn(1, 16, 2, 16, device="cpu") for _ in range(3))
+    w = torch.eye(16)
+    bias = _randn(1, 2, 1, 16, device="cpu")  # float32 bias: kept as it is
+    with torch.autocast("cpu", torch.bfloat16):
+        qb = q @ w  # bfloat16 under autocast
+        assert qb.dtype == torch.bfloat16
+        out = dmattn_ops.attention(qb, k, v, None, bias, backend=backend)
+        out_op = torch.ops.dmattn.attention(q, k, v, None, bias)
+    assert out.dtype == out_op.dtype == torch.bfloat16
+    up = [t.bfloat16().double() for t in (q, k, v)]
+    want = reference.attention(*up, None, bias.double())
+    low = reference.attention(*(t.bfloat16() for t in (q, k, v)), None, bias)
+    assert_close(out_op, want, low_precision_bound(want, low, torch.bfloat16), "op")
+    assert_close(out, want, low_precision_bound(want, low, torch.bfloat16), "out")
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "flex"])
+def test_degenerate_shapes_and_flags(backend):
+    k, v = _randn(1, 4, 1, 0, device="cpu"), _randn(1, 4, 1, 3, device="cpu")
+    # D = 0: every q . k is 0, a uniform average of V (the default scale cannot be 1/sqrt(0)).
+    out = dmattn_ops.attention(_randn(1, 4, 2, 0, device="cpu"), k, v, backend=backend)
+    assert_close(out, v.mean(dim=1, keepdim=True).expand(1, 4, 2, 3), 1e-6, "D=0")
+    # H = Hkv = 0: an empty result.
+    q0, k0 = _randn(1, 4, 0, 8, device="cpu"), _randn(1, 4, 0, 8, device="cpu")
+    assert dmattn_ops.attention(q0, k0, k0, backend=backend).shape == (1, 4, 0, 8)
+    q, k = _randn(1, 4, 2, 8, device="cpu"), _randn(1, 4, 1, 8, device="cpu")
+    for flag in ("is_causal", "deterministic", "return_lse"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+            dmattn_ops.attention(q, k, k, backend=backend, **{flag: "yes"})
+
+
+def test_op_checks_seqused_k_values_like_the_api():
+    q, k = _randn(1, 4, 2, 8, device="cpu"), _randn(1, 4, 1, 8, device="cpu")
+    for bad in (-5, 99):
+        seqused = torch.tensor([bad], dtype=torch.int32)
+        with pytest.raises(ValueError, match="seqused_k values must lie in"):
+            torch.ops.dmattn.attention(q, k, k, seqused_k=seqused)
+
+
+@pytest.mark.parametrize(
+    "backend", ["auto", "reference", pytest.param("triton", marks=needs_triton)]
+)
+def test_vmap_over_seqused_k_alone(backend):
+    dev = "cpu" if backend != "triton" else DEVICE
+    q, k, v = (
+        _randn(1, 6, 2, 8, device=dev),
+        _randn(1, 6, 1, 8, device=dev),
+        _randn(1, 6, 1, 8, device=dev),
+    )
+    seqused = torch.tensor([[2], [4], [6]], dtype=torch.int32, device=dev)
+    fn = lambda s: dmattn_ops.attention(q, k, v, seqused_k=s, is_causal=True, backend=backend)
+    assert_close(torch.func.vmap(fn)(seqused), torch.stack([fn(s) for s in seqused]), 0.0, "vmap")

@@ -180,7 +180,7 @@ class TestErrors(expecttest.TestCase):
         )
         self.check(
             ValueError,
-            """dmattn.attention: seqused_k values must lie in [0, Lk=7]; got values from 1 to 8""",
+            """dmattn::attention: seqused_k values must lie in [0, Lk=7]; got values from 1 to 8""",
             q,
             k,
             v,
@@ -188,7 +188,7 @@ class TestErrors(expecttest.TestCase):
         )
         self.check(
             ValueError,
-            """dmattn.attention: seqused_k values must lie in [0, Lk=7]; got values from -1 to 3""",
+            """dmattn::attention: seqused_k values must lie in [0, Lk=7]; got values from -1 to 3""",
             q,
             k,
             v,

@@ -346,22 +346,22 @@ class TestVarlenErrors(expecttest.TestCase):
         good_k = torch.tensor([0, 5, 12], dtype=torch.int32)
         self.check(
             ValueError,
-            """dmattn.attention_varlen: cu_seqlens_q must start at 0; got 1""",
+            """dmattn::attention_varlen: cu_seqlens_q must start at 0; got 1""",
             torch.tensor([1, 4, 10], dtype=torch.int32), good_k, 6, 7,
         )  # fmt: skip
         self.check(
             ValueError,
-            """dmattn.attention_varlen: cu_seqlens_k must be monotone (non-decreasing); it falls by 2 from index 1 to 2""",
+            """dmattn::attention_varlen: cu_seqlens_k must be monotone (non-decreasing); it falls by 2 from index 1 to 2""",
             good, torch.tensor([0, 7, 5], dtype=torch.int32), 6, 7,
         )  # fmt: skip
         self.check(
             ValueError,
-            """dmattn.attention_varlen: cu_seqlens_q[-1] = 11 exceeds the packed query length 10""",
+            """dmattn::attention_varlen: cu_seqlens_q[-1] = 11 exceeds the packed query length 10""",
             torch.tensor([0, 4, 11], dtype=torch.int32), good_k, 7, 7,
         )  # fmt: skip
         self.check(
             ValueError,
-            """dmattn.attention_varlen: a sequence in cu_seqlens_k has length 7, more than max_seqlen_k=6""",
+            """dmattn::attention_varlen: a sequence in cu_seqlens_k has length 7, more than max_seqlen_k=6""",
             good, good_k, 6, 6,
         )  # fmt: skip
 
