@@ -1,7 +1,7 @@
 """Tile-config sweep: ``python -m bench.tune [A,B,...] [fwd,dkdv,dq]``.
 
 For each case and kernel kind, every candidate (block_m, block_n, num_warps, num_stages) is
-forced through launch._base_config and the kernel's own device time is read from the profiler
+forced through configs.OVERRIDE and the kernel's own device time is read from the profiler
 (bench.profile), so the dk/dv and dq kernels are tuned separately (each reads tile tables on its
 own grid). The dkdv sweep also reports the dq kernel's time, which a shared mask pass affects.
 """
@@ -14,7 +14,7 @@ import torch
 
 from bench.__main__ import CASES, build, impl_ours
 from bench.profile import kernel_times
-from dmattn_ops import launch
+from dmattn_ops import configs
 
 CANDIDATES = {
     "fwd": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
@@ -45,14 +45,9 @@ def _sweep(name: str, kind: str) -> None:
         if kind != "fwd":
             torch.autograd.grad(out, inputs, grad)
 
-    orig = launch._base_config
     results = []
     for cfg in CANDIDATES[kind]:
-
-        def pick(d, dv, which, masked=False, cfg=cfg):
-            return launch.Config(*cfg) if which == kind else orig(d, dv, which, masked)
-
-        launch._base_config = pick
+        configs.OVERRIDE[kind] = configs.Config(*cfg)
         try:
             times = {kernel: ms for kernel, ms, _ in kernel_times(step)}
             parts = [times.get(kernel, 0.0) for kernel in KERNELS[kind]]
@@ -62,7 +57,7 @@ def _sweep(name: str, kind: str) -> None:
         except Exception as e:  # out of shared memory, say: a result, not a crash
             print(f"{name} {kind} {cfg} FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
         finally:
-            launch._base_config = orig
+            configs.OVERRIDE.pop(kind, None)
     if results:
         best = min(results)
         print(f"BEST {name} {kind}: {best[1]} {best[0]:.3f} ms", flush=True)

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from dmattn_ops import chunked
+from dmattn_ops import chunked, configs
 from dmattn_ops._alloc import empty
 from dmattn_ops.chunked import stats_dtype, varlen_bounds
+from dmattn_ops.configs import Config
 from dmattn_ops.kernels.attention_bwd import (
     attention_bwd_dbias_kernel,
     attention_bwd_delta_kernel,
@@ -49,14 +50,6 @@ def use_triton(query: torch.Tensor) -> bool:
 
 
 @dataclass(frozen=True)
-class Config:
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-@dataclass(frozen=True)
 class BackwardConfigs:
     """Tile configs of the dk/dv kernel (key tiles of block_n, stepping over query tiles of
     block_m) and of the dq kernel (the reverse); each reads tile tables of its own grid."""
@@ -65,34 +58,19 @@ class BackwardConfigs:
     dq: Config
 
 
-def _config(
-    d: int,
-    dv: int,
-    kind: str,
-    lq: int | None = None,
-    masked: bool = False,
-    itemsize: int = 2,
-) -> Config:
-    """kind: "fwd", "dkdv" or "dq"."""
-    cfg = _base_config(d, dv, kind, masked)
-    if itemsize > 2 and not interpreter_on():
-        # fp32 tiles take twice the shared memory: (128 x 128, 2 stages) needs 328 KB on an H100.
-        cfg = Config(cfg.block_m, min(cfg.block_n, 64), cfg.num_warps, min(cfg.num_stages, 2))
-    if lq is not None and lq < cfg.block_m:
-        # Decode-sized query tiles: a 128-row tile for Lq = 1 would be 127/128 padding.
-        block_m = max(16, triton.next_power_of_2(lq))
-        if kind == "dkdv" and not interpreter_on() and itemsize <= 2 and max(d, dv) <= 128:
-            # A dk/dv program then steps over one query tile per head: wider key tiles and
-            # 2 stages (case E: 1.70 ms against 2.25 for 64-key tiles, 3 stages; NOTES.md).
-            return Config(block_m, 128, 8, 2)
-        cfg = Config(block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
-    return cfg
+def _config(kind: str, query, value, mask, bias, lq: int | None = None) -> Config:
+    """The tile config of kernel `kind` for these operands, fitted to the device's shared memory
+    (configs.py); every config the launcher uses comes from here."""
+    d, dv = query.shape[-1], value.shape[-1]
+    ops = configs.Operands.of(query, mask, bias)
+    interpreted = interpreter_on()
+    limit = configs.shared_limit(query.device) if query.is_cuda and not interpreted else None
+    return configs.config(kind, d, dv, ops, lq=lq, limit=limit, interpreter=interpreted)
 
 
-def _backward_configs(d: int, dv: int, lq: int, itemsize: int) -> BackwardConfigs:
+def _backward_configs(query, value, mask, bias, lq: int) -> BackwardConfigs:
     return BackwardConfigs(
-        _config(d, dv, "dkdv", lq=lq, itemsize=itemsize),
-        _config(d, dv, "dq", lq=lq, itemsize=itemsize),
+        _config("dkdv", query, value, mask, bias, lq), _config("dq", query, value, mask, bias, lq)
     )
 
 
@@ -113,23 +91,6 @@ def _backward_tables(mask, seqused_k, b, lq, lk, is_causal, cfgs: BackwardConfig
     if qc == kv:
         return tables, tables
     return tables, build_tables(*args, qc.block_m, qc.block_n, mask_any=any_q)
-
-
-def _base_config(d: int, dv: int, kind: str, masked: bool = False) -> Config:
-    """Measured on an H100 with `python -m bench.tune` (bench/NOTES.md)."""
-    if interpreter_on():
-        return Config(16, 16, 1, 1)
-    width = max(d, dv)
-    if kind == "dkdv":
-        return Config(32, 64, 4, 3) if width <= 128 else Config(32, 32, 4, 1)
-    if kind == "dq":
-        return Config(64, 64, 4, 2) if width <= 128 else Config(32, 32, 4, 1)
-    if width <= 64:
-        return Config(128, 64, 4, 3)
-    if width <= 128:
-        # With a mask, wider key tiles amortise the table lookup and the mask loads.
-        return Config(128, 128, 8, 2) if masked else Config(128, 128, 8, 3)
-    return Config(64, 32, 4, 1)
 
 
 def _block(dim: int) -> int:
@@ -331,7 +292,7 @@ def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
 def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k):
     """Returns out (B, Lq, H, Dv), lse and lse_rem, both float32 (B, H, Lq)."""
     seqused_k = _dense(seqused_k)
-    b, lq, h, d = query.shape
+    b, lq, h, _ = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     if b * lq * h == 0 or lk == 0:
         return _empty_forward(query, value)
@@ -339,7 +300,7 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
         return chunked.forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
     if decode_applies(lq, h, hkv, lk, mask):
         return decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
-    cfg = _config(d, dv, "fwd", lq=lq, masked=mask is not None, itemsize=query.element_size())
+    cfg = _config("fwd", query, value, mask, bias, lq)
     nq = triton.cdiv(lq, cfg.block_m)
     tables = lists = None
     if compactable(mask, h, hkv):
@@ -447,7 +408,7 @@ def attention_backward(
             dbias_mode = "bcast"  # its kernel reads the tile tables
     tables = dq_tables = lists = None
     compact = compactable(mask, h, hkv) and dbias_mode != "bcast"
-    cfgs = _backward_configs(d, dv, lq, query.element_size())
+    cfgs = _backward_configs(query, value, mask, bias, lq)
     cfg = cfgs.dkdv
     if compact:
         lists = build_key_lists(mask, seqused_k, b, lq, lk, is_causal, cfgs.dq.block_m)
@@ -645,7 +606,7 @@ def attention_varlen_forward(
         return chunked.varlen_forward(
             query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, softcap
         )
-    total_q, h, d = query.shape
+    total_q, h, _ = query.shape
     total_k, dv = key.shape[0], value.shape[2]
     b = cu_q.shape[0] - 1
     # Written in full: rows outside every sequence are never visited by a kernel.
@@ -653,7 +614,7 @@ def attention_varlen_forward(
     if b <= 0 or total_q * h == 0 or total_k == 0 or max_q <= 0 or max_k <= 0:
         return out, lse, lse_rem
     max_q = min(max_q, total_q)
-    cfg = _config(d, dv, "fwd", lq=max_q, masked=mask is not None, itemsize=query.element_size())
+    cfg = _config("fwd", query, value, _varlen_operand(mask), _varlen_operand(bias), max_q)
     nq = triton.cdiv(max_q, cfg.block_m)
     lists = None
     if mask is not None:
@@ -689,8 +650,8 @@ def attention_varlen_backward(
             grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k,
             mask, bias, scale, is_causal, softcap, compute_dbias,
         )  # fmt: skip
-    total_q, h, d = query.shape
-    total_k, hkv, dv = key.shape[0], key.shape[1], value.shape[2]
+    total_q, h, _ = query.shape
+    total_k, hkv = key.shape[0], key.shape[1]
     b = cu_q.shape[0] - 1
     device = query.device
     dq, dk, dvv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
@@ -699,7 +660,7 @@ def attention_varlen_backward(
         dbias_cols = torch.zeros((h, total_k), dtype=torch.float32, device=device)
     if b > 0 and total_q * h > 0 and total_k > 0 and max_q > 0 and max_k > 0:
         max_q, max_k = min(max_q, total_q), min(max_k, total_k)
-        cfgs = _backward_configs(d, dv, max_q, query.element_size())
+        cfgs = _backward_configs(query, value, _varlen_operand(mask), _varlen_operand(bias), max_q)
         lists = None
         if mask is not None:
             block_m = cfgs.dq.block_m
@@ -750,7 +711,8 @@ def decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seq
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     g = h // hkv
     device = query.device
-    block_n = _decode_block_n()
+    cfg = _config("decode", query, value, mask, bias, lq)
+    block_n = cfg.block_n
     block_m = max(16, triton.next_power_of_2(g * lq))
     tiles = triton.cdiv(lk, block_n)
     splits = max(1, min(tiles, triton.cdiv(DECODE_WAVES * _sm_count(device), b * hkv)))
@@ -761,7 +723,6 @@ def decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seq
     acc = empty((splits, rows, dv), dtype=torch.float32, device=device)
     m = empty((splits, rows), dtype=torch.float32, device=device)
     l_part = empty((splits, rows), dtype=torch.float32, device=device)
-    stages = 1 if interpreter_on() else (2 if query.element_size() > 2 else 3)
     attention_decode_kernel[(splits, b * hkv)](
         query, key, value, bias, seqused_k,
         lists.keys if lists else None, lists.key_end if lists else None, acc, m, l_part,
@@ -772,7 +733,7 @@ def decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seq
         _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
         IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_N=block_n, **_head_blocks(d, dv),
         DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=1 if interpreter_on() else 4, num_stages=stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     out = empty((b, lq, h, dv), dtype=query.dtype, device=device)
     lse = empty((b, h, lq), dtype=torch.float32, device=device)

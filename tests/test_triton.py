@@ -22,7 +22,7 @@ from helpers import (
 )
 
 import dmattn_ops
-from dmattn_ops import launch, reference
+from dmattn_ops import configs, launch, reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -248,7 +248,9 @@ def test_skipped_tiles_are_never_loaded():
     # V and K hold NaN in key tiles that the mask rules out entirely; loading any of them into
     # a product would give NaN (0 * NaN), so a finite, exact result shows they were skipped.
     # Whole key tiles of every kernel: block sizes are powers of two.
-    tile = max(launch._config(16, 16, kind, masked=True).block_n for kind in ("fwd", "dkdv", "dq"))
+    q16 = torch.empty(1, 1, 1, 16, device=DEVICE)
+    mask16 = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=DEVICE)
+    tile = max(launch._config(k, q16, q16, mask16, None).block_n for k in ("fwd", "dkdv", "dq"))
     c = Case(1, 3 * tile, 6 * tile, 2, 1, 16, 16)
     mask = make_mask((1, 1, c.lq, c.lk), density=0.7, device=DEVICE)
     dead = slice(tile, 3 * tile)
@@ -281,16 +283,8 @@ def test_bf16_large_logits():
 @pytest.mark.parametrize("dq_block_m", [16, 32], ids=["same-grid", "pooled-grid"])
 def test_backward_kernels_on_their_own_tile_grids(monkeypatch, dq_block_m):
     # The dq kernel's tile tables pooled from the dk/dv kernel's finer ones (one mask pass).
-    orig = launch._base_config
-
-    def configs(d, dv, kind, masked=False):
-        if kind == "dkdv":
-            return launch.Config(16, 16, 1, 1)
-        if kind == "dq":
-            return launch.Config(dq_block_m, 16, 1, 1)
-        return orig(d, dv, kind, masked)
-
-    monkeypatch.setattr(launch, "_base_config", configs)
+    override = {"dkdv": configs.Config(16, 16, 1, 1), "dq": configs.Config(dq_block_m, 16, 1, 1)}
+    monkeypatch.setattr(configs, "OVERRIDE", override)
     c = Case(2, 70, 75, 2, 1, 16, 16)
     seqused = torch.tensor([75, 50], dtype=torch.int32)
     mask = make_mask((c.b, c.h, c.lq, c.lk), density=0.3, device=DEVICE)
@@ -537,3 +531,16 @@ def test_unequal_head_dims_16_bit(dtype, d, dv):
     """Regression: with BLOCK_D > BLOCK_DV, Triton 3.6 on an H100 produced errors ~1 here."""
     c = Case(2, 45, 50, 6, 2, d, dv)
     run_case(c, dtype, (c.b, c.hkv, 1, c.lk), (c.b, c.hkv, 1, c.lk), is_causal=True, softcap=5.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias_kind", ["none", "key", "entry"])
+@pytest.mark.parametrize("mask_kind", ["none", "key", "entry"])
+@pytest.mark.parametrize("d", [8, 40, 64, 72, 96, 128, 160, 192, 256])
+def test_head_dim_sweep_every_operand_kind(d, mask_kind, bias_kind, dtype):
+    """Every head-dim bucket with every mask and bias kind (none, per key, per entry), forward
+    and backward: the configs the launcher picks compile, fit and are exact (issue 13)."""
+    c = Case(2, 80, 96, 4, 2, d, d)
+    shapes = {"none": None, "key": (c.b, c.hkv, 1, c.lk), "entry": (c.b, c.h, c.lq, c.lk)}
+    run_case(c, dtype, shapes[mask_kind], shapes[bias_kind], is_causal=True)

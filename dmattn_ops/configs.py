@@ -1,0 +1,175 @@
+"""Tile configurations of the attention kernels, and the shared memory they need.
+
+`config` maps (kernel, head dims, mask and bias kinds, dtypes, query length, device) to a tile
+configuration whose shared memory fits the device: the table below holds what was measured
+fastest on an H100 (`python -m bench.tune`, bench/NOTES.md), and `fit` lowers the pipeline
+depth, then the key tile, until `shared_bytes` fits the device's per-block limit, read from the
+device at run time (232,448 bytes on sm_90, 166,912 on sm_80).
+
+`shared_bytes` is a model, not a measurement: every pipeline stage holds each tile the kernel
+loads per step of its loop (Triton 3.6 pipelines them all through shared memory), plus the tiles
+that stay resident for the whole loop. tests/test_hopper_fit.py compiles the kernels for sm_90
+and sm_80 with every configuration `config` can return and checks the compiled size against
+the limits, so the model cannot drift below what Triton allocates.
+
+`OVERRIDE` (kind -> Config) replaces the table for one kind; bench.tune sets it to time
+candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SM90_SHARED = 232_448  # H100 / H200: cudaDevAttrMaxSharedMemoryPerBlockOptin
+SM80_SHARED = 166_912  # A100
+KINDS = ("fwd", "dkdv", "dq", "decode")
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class Operands:
+    """What the kernel loads besides Q/K/V: mask and bias kinds ("none", "key" for one value per
+    key broadcast over queries, "entry" for a value per score) and their element sizes."""
+
+    mask: str = "none"
+    bias: str = "none"
+    itemsize: int = 2
+    bias_itemsize: int = 2
+
+    @staticmethod
+    def of(query: torch.Tensor, mask, bias) -> Operands:
+        return Operands(
+            _kind(mask),
+            _kind(bias),
+            query.element_size(),
+            bias.element_size() if bias is not None else 2,
+        )
+
+
+def _kind(t) -> str:
+    if t is None:
+        return "none"
+    return "key" if t.shape[-2] == 1 or t.stride(-2) == 0 else "entry"
+
+
+OVERRIDE: dict[str, Config] = {}
+INTERPRETER_CONFIG = Config(16, 16, 1, 1)
+
+
+def block(dim: int) -> int:
+    """Head-dim block: the next power of two, at least 16."""
+    return max(16, 1 << max(0, dim - 1).bit_length())
+
+
+def _table(kind: str, width: int, masked: bool, itemsize: int, lq: int | None) -> Config:
+    """The measured configurations (H100, bf16/fp16); fp32 tiles take twice the memory and get
+    narrower key tiles. Decode-sized query tiles shrink to the query length."""
+    if kind == "decode":
+        return Config(0, 64, 4, 2 if itemsize > 2 else 3)
+    if kind == "dkdv":
+        cfg = Config(32, 64, 4, 3) if width <= 128 else Config(32, 32, 4, 1)
+    elif kind == "dq":
+        cfg = Config(64, 64, 4, 2) if width <= 128 else Config(32, 32, 4, 1)
+    elif width <= 64:
+        cfg = Config(128, 64, 4, 3)
+    elif width <= 128:
+        # With a mask, wider key tiles amortise the table lookup and the mask loads.
+        cfg = Config(128, 128, 8, 2) if masked else Config(128, 128, 8, 3)
+    else:
+        cfg = Config(64, 32, 4, 1)
+    if itemsize > 2:
+        cfg = Config(cfg.block_m, min(cfg.block_n, 64), cfg.num_warps, min(cfg.num_stages, 2))
+    if lq is not None and lq < cfg.block_m:
+        # A 128-row tile for Lq = 1 would be 127/128 padding.
+        block_m = max(16, 1 << max(0, lq - 1).bit_length())
+        if kind == "dkdv" and itemsize <= 2 and width <= 128:
+            # A dk/dv program then steps over one query tile per head: wider key tiles and
+            # 2 stages (case E: 1.70 ms against 2.25 for 64-key tiles, 3 stages; NOTES.md).
+            return Config(block_m, 128, 8, 2)
+        cfg = Config(block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+def _operand_tile(kind: str, rows: int, cols: int, itemsize: int) -> int:
+    if kind == "none":
+        return 0
+    return (rows * cols if kind == "entry" else cols) * itemsize
+
+
+def shared_bytes(kind: str, cfg: Config, d: int, dv: int, ops: Operands) -> int:
+    """Modelled shared memory of one program: num_stages copies of the tiles loaded per loop
+    step, plus the tiles resident across the loop."""
+    bd = bdv = block(max(d, dv))  # launch._head_blocks: both take the larger size
+    bm, bn, it = cfg.block_m, cfg.block_n, ops.itemsize
+    operands = _operand_tile(ops.mask, bm, bn, 1)
+    operands += _operand_tile(ops.bias, bm, bn, ops.bias_itemsize)
+    if kind in ("fwd", "dq", "decode"):
+        # Per key tile: K, V (and mask/bias); resident: Q (dq: also dO).
+        step = bn * (bd + bdv) * it + operands
+        resident = bm * bd * it + (bm * bdv * it if kind == "dq" else 0)
+    else:
+        # dk/dv, per query tile: Q, dO, lse and delta rows (and mask/bias); resident: K, V.
+        step = bm * (bd + bdv) * it + 8 * bm + operands
+        resident = bn * (bd + bdv) * it
+    if kind in ("dkdv", "dq"):
+        resident += 2 * bm * bn * it  # P and dS staged for their second MMA
+    return cfg.num_stages * step + resident
+
+
+def fit(kind: str, cfg: Config, d: int, dv: int, ops: Operands, limit: int) -> Config:
+    """cfg with fewer pipeline stages, then narrower key tiles, until shared_bytes <= limit."""
+    while shared_bytes(kind, cfg, d, dv, ops) > limit and cfg.num_stages > 1:
+        cfg = Config(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+    while shared_bytes(kind, cfg, d, dv, ops) > limit and cfg.block_n > 16:
+        cfg = Config(cfg.block_m, cfg.block_n // 2, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+_LIMITS: dict[int, int] = {}
+
+
+def shared_limit(device: torch.device) -> int:
+    """Shared memory one block may use on device (opt-in maximum), asked of the device once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _LIMITS:
+        props = torch.cuda.get_device_properties(index)
+        _LIMITS[index] = getattr(props, "shared_memory_per_block_optin", SM80_SHARED)
+    return _LIMITS[index]
+
+
+def config(
+    kind: str,
+    d: int,
+    dv: int,
+    ops: Operands,
+    *,
+    lq: int | None = None,
+    limit: int | None = None,
+    interpreter: bool = False,
+) -> Config:
+    """The configuration of kernel `kind` ("fwd", "dkdv", "dq", "decode") for these head dims
+    and operands that fits `limit` bytes of shared memory (None: no limit). Decode's block_m is
+    0: its launcher sizes the query rows itself."""
+    if kind in OVERRIDE:
+        return OVERRIDE[kind]
+    if interpreter:
+        return INTERPRETER_CONFIG if kind != "decode" else Config(0, 16, 1, 1)
+    cfg = _table(kind, max(d, dv), ops.mask != "none", ops.itemsize, lq)
+    if limit is None:
+        return cfg
+    sized = cfg if kind != "decode" else Config(64, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    fitted = fit(kind, sized, d, dv, ops, limit)
+    return (
+        fitted
+        if kind != "decode"
+        else Config(0, fitted.block_n, fitted.num_warps, fitted.num_stages)
+    )

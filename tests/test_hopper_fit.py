@@ -1,0 +1,210 @@
+"""Every kernel configuration the launcher can pick fits the shared memory of the GPUs the README
+names: each is compiled for sm_90 (H100/H200, 232,448 bytes per block) and sm_80 (A100,
+166,912) on this machine, without a GPU, and Triton's own count of its shared memory is checked
+against the limit. The configurations come from configs.config over its whole domain (kernel,
+head-dim bucket, mask and bias kinds, dtype, decode-sized query tiles), so a new table entry
+cannot escape the test.
+
+Compiling takes seconds per kernel, so two checks share the work:
+
+* every configuration over the whole domain is checked against the limits through the model
+  configs.shared_bytes (pure arithmetic);
+* the model is checked against Triton: for each kernel, head-dim bucket and dtype, the config
+  with the heaviest operands (a per-entry mask and a float32 per-entry bias, where shared memory
+  peaks) is compiled for both targets, and Triton's count must not exceed the model's.
+
+The kernels are compiled in a subprocess without TRITON_INTERPRET (tests/conftest.py turns the
+interpreter on for this process, and interpreted kernels cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from dmattn_ops import configs
+from dmattn_ops.kernels.attention_bwd import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
+from dmattn_ops.kernels.attention_decode import attention_decode_kernel
+from dmattn_ops.kernels.attention_fwd import attention_fwd_kernel
+
+TARGETS = {"sm90": (90, configs.SM90_SHARED), "sm80": (80, configs.SM80_SHARED)}
+KERNELS = {
+    "fwd": attention_fwd_kernel,
+    "dkdv": attention_bwd_dkdv_kernel,
+    "dq": attention_bwd_dq_kernel,
+    "decode": attention_decode_kernel,
+}
+WIDTHS = (64, 128, 256)  # head-dim buckets of the table (72..128 share 128's block)
+OPERANDS = [
+    configs.Operands(mask, bias, itemsize, bias_itemsize)
+    for mask, bias in (("none", "none"), ("none", "key"), ("none", "entry"), ("key", "key"),
+                       ("entry", "entry"), ("key", "entry"))
+    for itemsize, bias_itemsize in ((2, 2), (2, 4), (4, 4))
+]  # fmt: skip
+QUERY_LENGTHS = (None, 1, 16)  # full tiles and decode-sized ones
+_DTYPES = {2: "fp16", 4: "fp32"}
+
+
+def _jit(kernel):
+    heuristics = []
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        heuristics.append(kernel.values)
+        kernel = kernel.fn
+    return kernel, heuristics
+
+
+def _arguments(kind, jit, cfg, width, ops):
+    """Launch arguments of one kernel as the launcher passes them, for one config."""
+    block = configs.block(width)
+    pointer = f"*{_DTYPES[ops.itemsize]}"
+    compact = ops.mask == "key" and kind != "decode"
+    tables = ops.mask == "entry"
+    args, sig = {}, {}
+    for name in jit.arg_names:
+        if name in ("Q", "K", "V", "DO", "OUT", "DQ", "DK", "DV", "DBIAS"):
+            sig[name] = pointer
+        elif name == "BIAS":
+            sig[name] = None if ops.bias == "none" else f"*{_DTYPES[ops.bias_itemsize]}"
+        elif name == "MASK":
+            sig[name] = "*u8" if tables else None
+        elif name in ("LSE", "LSE_REM", "DELTA", "ACC", "M", "L", "DBIAS_COL"):
+            sig[name] = "*fp32"
+        elif name in ("KV_NUM", "KV_IDX", "KV_INT", "Q_NUM", "Q_IDX", "Q_LO", "Q_HI"):
+            sig[name] = "*i32" if tables else None
+        elif name in ("KEYS", "KEY_END", "KEY_COUNT"):
+            sig[name] = "*i32" if (compact or (kind == "decode" and ops.mask != "none")) else None
+        elif name in ("SEQUSED", "CU_Q", "CU_K"):
+            sig[name] = "*i32"
+        elif name in ("scale", "softcap"):
+            sig[name] = "fp32"
+        elif jit.params[jit.arg_names.index(name)].is_constexpr:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = "i32"
+    for name, ty in sig.items():
+        if ty is None:
+            args[name] = None
+        elif ty.startswith("*"):
+            args[name] = torch.empty(1)  # only its presence matters to the heuristics
+        else:
+            args[name] = 1
+    # Operand strides: per-entry operands have a query stride, per-key ones 0.
+    for prefix, kind_ in (("stride_m", ops.mask), ("stride_b", ops.bias)):
+        for name in (prefix + "m",):
+            if name in args:
+                args[name] = 7 if kind_ == "entry" else 0
+    args.update(softcap=1.0, scale=0.1)
+    meta = dict(
+        IS_CAUSAL=True, BLOCK_M=cfg.block_m or 64, BLOCK_N=cfg.block_n, BLOCK_D=block,
+        BLOCK_DV=block, DOT_PRECISION="ieee" if ops.itemsize == 4 else "tf32",
+    )  # fmt: skip
+    args.update({k: v for k, v in meta.items() if k in jit.arg_names})
+    return args, sig
+
+
+def shared_memory(kind, cfg, width, ops, cc) -> int:
+    jit, heuristics = _jit(KERNELS[kind])
+    args, sig = _arguments(kind, jit, cfg, width, ops)
+    for values in reversed(heuristics):
+        for name, fn in values.items():
+            args[name] = fn(args)
+    signature, constexprs = {}, {}
+    for i, name in enumerate(jit.arg_names):
+        if jit.params[i].is_constexpr or args[name] is None:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = args[name]
+        else:
+            signature[name] = sig[name]
+    src = ASTSource(fn=jit, signature=signature, constexprs=constexprs)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options).metadata.shared
+
+
+def _domain():
+    """(kind, width, operands, lq) over the whole domain of configs.config."""
+    for kind, width, ops, lq in itertools.product(KERNELS, WIDTHS, OPERANDS, QUERY_LENGTHS):
+        if kind == "decode" and (ops.mask == "entry" or lq is None):
+            continue  # decode runs only for a few queries and one key list per KV group
+        yield kind, width, ops, lq
+
+
+def _modelled(kind, cfg, width, ops) -> int:
+    if kind == "decode":  # decode tiles hold up to 64 query rows (launch.DECODE_MAX_ROWS)
+        cfg = configs.Config(64, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    return configs.shared_bytes(kind, cfg, width, width, ops)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_config_fits_by_the_model(target):
+    _, limit = TARGETS[target]
+    for kind, width, ops, lq in _domain():
+        cfg = configs.config(kind, width, width, ops, lq=lq, limit=limit)
+        used = _modelled(kind, cfg, width, ops)
+        assert used <= limit, f"{kind} D{width} {ops} lq={lq}: {cfg} models {used} > {limit}"
+
+
+HEAVIEST = [configs.Operands("entry", "entry", 2, 4), configs.Operands("entry", "entry", 4, 4)]
+
+
+def _compiled_cases(target):
+    _, limit = TARGETS[target]
+    seen = set()
+    for kind, width, ops, lq in _domain():
+        if ops not in HEAVIEST and not (
+            kind == "decode" and ops == configs.Operands("key", "entry", 2, 4)
+        ):
+            continue
+        cfg = configs.config(kind, width, width, ops, lq=lq, limit=limit)
+        if (kind, cfg, width, ops) not in seen:
+            seen.add((kind, cfg, width, ops))
+            yield kind, cfg, width, ops
+
+
+def _compile_all(target) -> list:
+    cc, _ = TARGETS[target]
+    return [
+        (kind, vars(cfg), width, vars(ops), shared_memory(kind, cfg, width, ops, cc))
+        for kind, cfg, width, ops in _compiled_cases(target)
+    ]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_compiled_shared_memory_within_model_and_limit(target):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, __file__, target], capture_output=True, text=True, env=env,
+        cwd=os.path.dirname(__file__), timeout=1200,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(results) == len(list(_compiled_cases(target)))
+    _, limit = TARGETS[target]
+    for kind, cfg, width, ops, used in results:
+        cfg, ops = configs.Config(**cfg), configs.Operands(**ops)
+        what = f"{target} {kind} {cfg} D{width} {ops}"
+        assert used <= limit, f"{what}: {used} bytes of shared memory > {limit}"
+        modelled = _modelled(kind, cfg, width, ops)
+        assert used <= modelled, f"{what}: the model ({modelled}) is below Triton's count ({used})"
+
+
+def test_the_issue_13_crash_configs_fit():
+    """B2 L513 H8 Hkv1 D96 with a (2, 1, 513, 513) bias and B1 L1024 H4 D128 with a 4-D bias:
+    262,144 and 294,912 bytes with the old 128x128, 3-stage forward on an H100."""
+    for width in (96, 128):
+        ops = configs.Operands("none", "entry", 2, 2)
+        cfg = configs.config("fwd", width, width, ops, limit=configs.SM90_SHARED)
+        assert configs.shared_bytes("fwd", cfg, width, width, ops) <= configs.SM90_SHARED
+        assert cfg.num_stages < 3
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all(sys.argv[1])))
