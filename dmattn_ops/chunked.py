@@ -313,3 +313,95 @@ def varlen_backward(
     if dbias is None:
         dbias = torch.empty((0,), dtype=query.dtype, device=query.device)
     return dq, dk, dv, dbias
+
+
+# Forward-mode derivative (jvp). Written without in-place writes, so that vmap (jacfwd) and an
+# enclosing grad or jvp transform (reverse-over-forward, forward-over-forward) see plain torch
+# ops they differentiate and batch themselves.
+
+
+def jvp(
+    query, key, value, mask, bias, tangents, lse, lse_rem, scale, is_causal, softcap, seqused_k,
+    *, block_q=None, block_k=None,
+):  # fmt: skip
+    """Tangents (out', lse') of (out, lse) for tangents (q', k', v', bias') of the inputs, any
+    of which may be None. With P the attention weights and S' = d(scores), in exact arithmetic
+
+        lse' = rowsum(P * S'),  out' = P V' + (P * S') V - lse' * out,
+
+    S' = scale * (q' k^T + q k'^T) [* (1 - tanh^2) under softcap] + bias', only at allowed
+    entries. P is recomputed from lse and lse_rem as in backward; out from the same P. Tiles of
+    (B, H, block_q, block_k) as in forward; K/V tangents past seqused_k are never read."""
+    tq, tk, tv, tbias = tangents
+    pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
+    b, lq, h, lk, hkv, g, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.ct
+    tq5 = None if tq is None else tq.permute(0, 2, 1, 3).unflatten(1, (hkv, g))
+    tk5 = None if tk is None else tk.permute(0, 2, 1, 3).unsqueeze(2)
+    tv5 = None if tv is None else tv.permute(0, 2, 1, 3).unsqueeze(2)
+    tbias5 = heads_5d(tbias, h, hkv)
+    lse5 = lse.unflatten(1, (hkv, g)).to(ct)
+    lse5 = torch.where(lse5 == float("-inf"), 0, lse5)
+    lse_rem5 = lse_rem.unflatten(1, (hkv, g)).to(ct)
+    block_q, block_k = _blocks(b, h, lq, lk, block_q, block_k)
+    out_t, lse_t = [], []
+    for q0 in range(0, lq, block_q):
+        q1 = min(q0 + block_q, lq)
+        o = ot = r = 0
+        for k0 in range(0, lk, block_k):
+            k1 = min(k0 + block_k, lk)
+            s, allowed, t, q, k, v = pb.tile(q0, q1, k0, k1)
+            key_ok = (torch.arange(k0, k1, device=pb.device)[None, :] < pb.n[:, None])[
+                :, None, None, :, None
+            ]
+            x = (s - lse5[:, :, :, q0:q1, None]) - lse_rem5[:, :, :, q0:q1, None]
+            p = torch.exp(x.clamp(max=0))
+            ds = torch.zeros_like(s)
+            if tq5 is not None:
+                ds = ds + tq5[:, :, :, q0:q1].to(ct) @ k.transpose(-1, -2)
+            if tk5 is not None:
+                tk_tile = torch.where(key_ok, tk5[:, :, :, k0:k1], 0).to(ct)
+                ds = ds + q @ tk_tile.transpose(-1, -2)
+            ds = scale * ds
+            if t is not None:
+                ds = ds * (1 - t * t)
+            if tbias5 is not None:
+                ds = ds + _rows(tbias5, q0, q1)[..., k0:k1].to(ct)
+            pds = torch.where(allowed, p * ds, 0)
+            r = r + pds.sum(dim=-1)
+            o = o + p @ v
+            ot = ot + pds @ v
+            if tv5 is not None:
+                ot = ot + p @ torch.where(key_ok, tv5[:, :, :, k0:k1], 0).to(ct)
+        out_t.append(ot - r[..., None] * o)
+        lse_t.append(r)
+    out_t = torch.cat(out_t, dim=3).flatten(1, 2).transpose(1, 2).to(query.dtype)
+    lse_t = torch.cat(lse_t, dim=3).flatten(1, 2).to(lse.dtype)
+    return out_t, lse_t
+
+
+def varlen_jvp(
+    query, key, value, cu_q, cu_k, mask, bias, tangents, lse, lse_rem, scale, is_causal, softcap
+):
+    """attention_varlen's (out', lse'), one sequence at a time; 0 on rows outside every
+    sequence."""
+    tq, tk, tv, tbias = tangents
+    total_q, h, _ = query.shape
+    out_t = query.new_zeros((total_q, h, value.shape[-1]))
+    lse_t = lse.new_zeros(lse.shape)
+    parts_o, parts_l, covered = [], [], 0
+    for q0, q1, k0, k1 in varlen_spans(cu_q, cu_k, total_q, key.shape[0]):
+        if q1 == q0:
+            continue
+        o, ls = jvp(
+            query[None, q0:q1], key[None, k0:k1], value[None, k0:k1],
+            _seq_operand(mask, k0, k1), _seq_operand(bias, k0, k1),
+            tuple(None if t is None else t[None, lo:hi] for t, lo, hi in (
+                (tq, q0, q1), (tk, k0, k1), (tv, k0, k1))) + (_seq_operand(tbias, k0, k1),),
+            lse[None, :, q0:q1], lse_rem[None, :, q0:q1], scale, is_causal, softcap, None,
+        )  # fmt: skip
+        parts_o += [out_t[covered:q0], o[0]]
+        parts_l += [lse_t[:, covered:q0], ls[0]]
+        covered = q1
+    parts_o.append(out_t[covered:])
+    parts_l.append(lse_t[:, covered:])
+    return torch.cat(parts_o, dim=0), torch.cat(parts_l, dim=1)

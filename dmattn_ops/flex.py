@@ -110,14 +110,18 @@ def block_mask_for(mask, seqused_k, is_causal, b, h, hkv, lq, lk, device):
 
     if mask is None and seqused_k is None and not (is_causal and lq > 0):
         return None
+    batch = b if (seqused_k is not None or (mask is not None and mask.shape[0] > 1)) else 1
+    heads = h if (mask is not None and mask.shape[1] > 1) else 1
+    mask_mod = make_mask_mod(mask, seqused_k, is_causal, h, hkv, lq, lk)
+    if torch.compiler.is_compiling():
+        # Inside a compiled model: traced inline, no cache (tensor identities and versions are
+        # not traceable) and no nested compiled callable.
+        return create_block_mask(mask_mod, batch, heads, lq, lk, device=device)
     key = (b, h, hkv, lq, lk, bool(is_causal), str(device))
     tensors = (mask, seqused_k)
     for k, entry in _block_masks:
         if k == key and entry.valid_for(tensors):
             return entry.block_mask
-    batch = b if (seqused_k is not None or (mask is not None and mask.shape[0] > 1)) else 1
-    heads = h if (mask is not None and mask.shape[1] > 1) else 1
-    mask_mod = make_mask_mod(mask, seqused_k, is_causal, h, hkv, lq, lk)
     build = create_block_mask
     if device.type == "cuda":
         build = _compiled_create_block_mask()
@@ -175,6 +179,27 @@ def run_compiled(q, k, v, options, kwargs):
         stacklevel=3,
     )
     return _eager_flex(q, k, v, kwargs)
+
+
+def _flex(q, k, v, options, kwargs):
+    """flex_attention as each context needs it: traced inline inside torch.compile (a compiled
+    callable cannot be called there), compiled on CUDA, compiled on CPU (eager when lse is
+    asked for: compiled CPU flex cannot return it)."""
+    device = q.device
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # On CPU, Inductor's flex template rejects q/k/v that are views of a 2-D buffer (a
+        # projection's output): "not enough values to unpack (expected 4, got 2)" from
+        # cpp_flex_attention_template.py choose_flex_template, and mask/bias tensors computed
+        # inside the graph (NoValidChoicesError; cf. pytorch#175545). Both fail loudly at
+        # compile time; README "Flex backend" says what compiles on CPU.
+        return flex_attention(q, k, v, kernel_options=options, **kwargs)
+    if device.type == "cuda":
+        return run_compiled(q, k, v, options, kwargs)
+    if kwargs["return_lse"]:
+        return _eager_flex(q, k, v, kwargs)
+    return _compiled_flex()(q, k, v, **kwargs)
 
 
 def kernel_options(bias, d: int, device) -> dict | None:
@@ -256,12 +281,7 @@ def attention(
         enable_gqa=h != hkv,
         return_lse=return_lse,
     )
-    if device.type == "cuda":
-        result = run_compiled(q, k, v, kernel_options(bias, max(d, dv), device), kwargs)
-    elif return_lse:
-        result = _eager_flex(q, k, v, kwargs)  # compiled CPU flex cannot return lse
-    else:
-        result = _compiled_flex()(q, k, v, **kwargs)
+    result = _flex(q, k, v, kernel_options(bias, max(d, dv), device), kwargs)
     if return_lse:
         out, lse = result
         return out.transpose(1, 2), lse.float()
@@ -375,7 +395,9 @@ def attention_varlen(
     # Rows past the last sequence may hold NaN: flex would multiply them by 0.
     key = torch.where(key_used[:, None, None], key, 0)
     value = torch.where(key_used[:, None, None], value, 0)
-    build = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
+    build = create_block_mask
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        build = _compiled_create_block_mask()
     block_mask = build(mask_mod, 1, 1, total_q, total_k, device=device)
     q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
     kwargs = dict(
@@ -385,12 +407,7 @@ def attention_varlen(
         enable_gqa=h != hkv,
         return_lse=return_lse,
     )
-    if device.type == "cuda":
-        result = run_compiled(q, k, v, kernel_options(None, max(d, dv), device), kwargs)
-    elif return_lse:
-        result = _eager_flex(q, k, v, kwargs)
-    else:
-        result = _compiled_flex()(q, k, v, **kwargs)
+    result = _flex(q, k, v, kernel_options(None, max(d, dv), device), kwargs)
     if return_lse:
         out, lse = result
         return out[0].transpose(0, 1), lse[0].float()

@@ -28,9 +28,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.autograd.forward_ad as fwad
 from torch._functorch.autograd_function import enable_single_level_autograd_function
 
-from dmattn_ops import launch
+from dmattn_ops import chunked, launch
 from dmattn_ops.chunked import stats_dtype
 from dmattn_ops.validate import (
     check_cu_seqlens_values,
@@ -241,13 +242,34 @@ def _backward_fake(
 
 def _apply(function: type[torch.autograd.Function], *args):
     if torch._C._are_functorch_transforms_active():
+        # The Function records for this level only: its forward runs with grad and forward
+        # grad off, which hides the call from an enclosing grad or jvp level that would
+        # differentiate it once more (a silent zero there), so that is refused.
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if _outer_grad_levels(tensors) or (_has_tangent(tensors) and _base_requires_grad(tensors)):
+            raise NotImplementedError(DOUBLE_BACKWARD_ERROR)
         with enable_single_level_autograd_function():
             return super(torch.autograd.Function, function).apply(*args)
     return function.apply(*args)
 
 
+def _has_tangent(tensors) -> bool:
+    """Whether forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad) carries a
+    tangent on any of these tensors at the current level."""
+    level = fwad._current_level
+    if level < 0:
+        return False
+    return any(
+        t is not None and fwad.unpack_dual(t, level=level).tangent is not None for t in tensors
+    )
+
+
 def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    """Whether the Function must be applied: reverse mode records it, forward mode needs its
+    jvp."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return True
+    return _has_tangent(tensors)
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -273,9 +295,20 @@ class AttentionFunction(torch.autograd.Function):
         query, key, value, mask, bias, seqused_k, options = inputs
         out, lse, lse_rem = output
         ctx.save_for_backward(query, key, value, mask, bias, seqused_k, out, lse, lse_rem)
+        ctx.save_for_forward(query, key, value, mask, bias, seqused_k, out, lse, lse_rem)
         ctx.mark_non_differentiable(lse_rem)
         ctx.options = options
         ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def jvp(ctx, t_query, t_key, t_value, _t_mask, t_bias, _t_seqused_k, _t_options):
+        query, key, value, mask, bias, seqused_k, _, lse, lse_rem = ctx.saved_tensors
+        o = ctx.options
+        out_t, lse_t = chunked.jvp(
+            query, key, value, mask, bias, (t_query, t_key, t_value, t_bias), lse, lse_rem,
+            o.scale, o.is_causal, o.softcap, seqused_k,
+        )  # fmt: skip
+        return out_t, lse_t, None
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, _grad_lse_rem):
@@ -308,10 +341,11 @@ class AttentionFunction(torch.autograd.Function):
 
 
 DOUBLE_BACKWARD_ERROR = (
-    "dmattn: double backward (a derivative of a gradient of attention: autograd.grad with "
-    "create_graph, torch.func.grad of grad, hessian, jacfwd of jacrev) is not supported; "
-    "differentiate the attention output once, or use dmattn_ops.reference.attention, which "
-    "autograd and torch.func differentiate to any order"
+    "dmattn: a derivative of a derivative of attention (double backward: autograd.grad with "
+    "create_graph, torch.func.grad of grad, hessian, jacfwd of jacrev, jacrev of jacfwd, jvp of "
+    "jvp, jacfwd of jacfwd) is not supported; the first derivative is exact in either mode "
+    "(grad, vjp, jacrev, jvp, jacfwd). Differentiate the attention output once, or use "
+    "dmattn_ops.reference.attention, which autograd and torch.func differentiate to any order"
 )
 
 
@@ -328,7 +362,11 @@ class _BackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+        raise NotImplementedError(DOUBLE_BACKWARD_ERROR)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(DOUBLE_BACKWARD_ERROR)
 
 
 def _attention_autograd(
@@ -409,9 +447,23 @@ def _outer_grad_levels(tensors) -> bool:
     return False
 
 
+def _base_requires_grad(tensors) -> bool:
+    """Whether plain autograd, outside every torch.func transform, records any of these
+    tensors: a jvp transform inside it computes tangents it would differentiate wrongly."""
+    if not torch.is_grad_enabled():
+        return False
+    F = torch._C._functorch
+    for t in tensors:
+        while F.is_functorch_wrapped_tensor(t) or F.is_batchedtensor(t):
+            t = F.get_unwrapped(t)
+        if t.requires_grad:
+            return True
+    return False
+
+
 def _backward_autograd(keyset, *args):
     if _outer_grad_levels(a for a in args if isinstance(a, torch.Tensor)):
-        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+        raise NotImplementedError(DOUBLE_BACKWARD_ERROR)
     if _needs_grad(*(a for a in args if isinstance(a, torch.Tensor))):
         return _apply(_BackwardFunction, *args)
     with torch._C._AutoDispatchBelowAutograd():
@@ -690,9 +742,20 @@ class VarlenAttentionFunction(torch.autograd.Function):
         query, key, value, cu_q, cu_k, mask, bias, options = inputs
         out, lse, lse_rem = output
         ctx.save_for_backward(query, key, value, cu_q, cu_k, mask, bias, out, lse, lse_rem)
+        ctx.save_for_forward(query, key, value, cu_q, cu_k, mask, bias, out, lse, lse_rem)
         ctx.mark_non_differentiable(lse_rem)
         ctx.options = options
         ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def jvp(ctx, t_query, t_key, t_value, _t_cu_q, _t_cu_k, _t_mask, t_bias, _t_options):
+        query, key, value, cu_q, cu_k, mask, bias, _, lse, lse_rem = ctx.saved_tensors
+        o = ctx.options
+        out_t, lse_t = chunked.varlen_jvp(
+            query, key, value, cu_q, cu_k, mask, bias, (t_query, t_key, t_value, t_bias), lse,
+            lse_rem, o.scale, o.is_causal, o.softcap,
+        )  # fmt: skip
+        return out_t, lse_t, None
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, _grad_lse_rem):
@@ -744,7 +807,7 @@ def _varlen_forward_autograd(
 
 def _varlen_backward_autograd(keyset, *args):
     if _outer_grad_levels(a for a in args if isinstance(a, torch.Tensor)):
-        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+        raise NotImplementedError(DOUBLE_BACKWARD_ERROR)
     if _needs_grad(*(a for a in args if isinstance(a, torch.Tensor))):
         return _apply(_VarlenBackwardFunction, *args)
     with torch._C._AutoDispatchBelowAutograd():

@@ -40,6 +40,7 @@ def attention(
     deterministic: bool = False,
     return_lse: bool = False,
     backend: str = "auto",
+    _keep_lse_dtype: bool = False,
 ):
     r"""Dynamic Mask Attention, computed naively (the test oracle).
 
@@ -110,8 +111,15 @@ def attention(
 
     out = out.transpose(1, 2).to(query.dtype)
     if return_lse:
-        return out, lse.float()
+        return out, lse if _keep_lse_dtype else lse.float()
     return out
+
+
+def attention_forward(query, key, value, mask=None, bias=None, **kwargs):
+    """(out, lse) as `attention` with return_lse, lse kept in the dtype it was computed in
+    (float64 for float64 inputs), as the op dmattn::attention_forward returns it: the oracle
+    of that op and of its derivatives."""
+    return attention(query, key, value, mask, bias, return_lse=True, _keep_lse_dtype=True, **kwargs)
 
 
 def attention_varlen(
@@ -131,6 +139,7 @@ def attention_varlen(
     deterministic: bool = False,
     return_lse: bool = False,
     backend: str = "auto",
+    _keep_lse_dtype: bool = False,
 ):
     r"""Varlen oracle: `attention` on each sequence of the packed batch on its own.
 
@@ -152,7 +161,8 @@ def attention_varlen(
     )
     scale = (d**-0.5 if d > 0 else 1.0) if scale is None else scale
     out = query.new_zeros((total_q, h, value.shape[2]))
-    lse = query.new_full((h, total_q), float("-inf"), dtype=torch.float32)
+    lse_dtype = torch.float64 if _keep_lse_dtype and query.dtype == torch.float64 else torch.float32
+    lse = query.new_full((h, total_q), float("-inf"), dtype=lse_dtype)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
@@ -161,7 +171,18 @@ def attention_varlen(
             None if mask is None else mask[None, :, None, k0:k1],
             None if bias is None else bias[None, :, None, k0:k1],
             scale=scale, is_causal=is_causal, softcap=softcap, return_lse=True,
+            _keep_lse_dtype=_keep_lse_dtype,
         )  # fmt: skip
         out[q0:q1] = o[0]
         lse[:, q0:q1] = s_lse[0]
     return (out, lse) if return_lse else out
+
+
+def attention_varlen_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, mask=None, bias=None, **kwargs):  # fmt: skip
+    """(out, lse) of `attention_varlen`, lse in float64 for float64 inputs: the oracle of the
+    op dmattn::attention_varlen_forward."""
+    return attention_varlen(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias,
+        return_lse=True, _keep_lse_dtype=True, **kwargs,
+    )  # fmt: skip

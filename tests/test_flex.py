@@ -187,3 +187,54 @@ def test_compile_failures_fall_back_to_defaults_then_eager(monkeypatch):
     assert calls == [{"num_stages": 1}, None]
     ref = reference.attention(*(t.transpose(1, 2) for t in (q, k, v)))
     assert_close(out.transpose(1, 2), ref, 1e-5, "eager fallback")
+
+
+# Inside the user's torch.compile(fullgraph=True): BlockMask built in the traced graph, no
+# nested compiled callables, no caches (issue 13).
+
+
+@pytest.mark.parametrize("pattern", ["BGq", "bhQ", "BHQ", "bGQ"])
+def test_flex_inside_a_compiled_function(pattern):
+    torch._dynamo.reset()
+    c = Case(2, 33, 40, 4, 2, 16, 16)
+    q, k, v = inputs(c)
+    mask = make_mask(operand_shape(pattern, c), device=DEVICE)
+    bias = make_bias(operand_shape(pattern, c), dtype=torch.float32, device=DEVICE)
+    seq = torch.tensor([40, 31], dtype=torch.int32, device=DEVICE)
+    kw = dict(is_causal=True, softcap=5.0, seqused_k=seq)
+
+    def fn(q, k, v, mask, bias):
+        return dmattn_ops.attention(q, k, v, mask, bias, backend="flex", **kw)
+
+    with torch.no_grad():
+        out = torch.compile(fn, fullgraph=True)(q, k, v, mask, bias)
+    up = [t.double() for t in (q, k, v, bias)]
+    ref = reference.attention(*up[:3], mask, up[3], **kw)
+    bound = low_precision_bound(ref, reference.attention(q, k, v, mask, bias, **kw), q.dtype)
+    assert_close(out, ref, bound, f"compiled flex {pattern}")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="flex has no CPU backward; see README")
+def test_dma_layer_with_flex_compiles_fullgraph_forward_and_backward():
+    from dmattn_ops.nn import DynamicMaskAttention
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = DynamicMaskAttention(128, 4, 2, window=24, backend="flex").to(DEVICE)
+    x = torch.randn(2, 80, 128, device=DEVICE, requires_grad=True)
+    out = torch.compile(layer, fullgraph=True)(x)
+    (out * torch.cos(out)).sum().backward()
+    got = [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+    def run_reference(dtype):
+        layer.zero_grad()
+        layer.backend = "reference"
+        xr = x.detach().to(dtype).requires_grad_()
+        r = layer.to(dtype)(xr)
+        (r * torch.cos(r)).sum().backward()
+        return [r.detach(), xr.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    want32 = run_reference(torch.float32)
+    want = run_reference(torch.float64)
+    for i, (a, w, w32) in enumerate(zip(got, want, want32)):
+        assert_close(a.double(), w, low_precision_bound(w, w32, torch.float32), f"layer[{i}]")

@@ -1,0 +1,237 @@
+"""Whole-model and host-time benchmarks: ``python -m bench.model [model|host] [options]``.
+
+``model``: one training step (forward + backward of a scalar loss) of a stack of attention
+blocks under ``torch.compile(fullgraph=True)``: hidden 2048, H16, Hkv4, D128, bf16, pre-norm
+and a residual per block, median ms per step. Variants differ only in the attention:
+
+* ``sdpa``: ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``;
+* ``ours-dense``: ``dmattn_ops.attention`` without mask or bias, causal;
+* ``dma-w4`` / ``dma-w8``: ``DynamicMaskAttention`` with window L/4 or L/8 (bias per key and
+  KV head, top-window mask), causal, Triton;
+* ``dma-flex``: the same layer with ``backend="flex"``, window L/4.
+
+``host``: the host time to issue one call (20 calls without synchronising, wall time / 20)
+beside its GPU time (do_bench), for dense, bias-only, mask-only and DMA operands, forward and
+forward+backward. When host time exceeds GPU time the GPU idles, and a compiled model in the
+default mode (no CUDA graphs) pays it on every call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+import dmattn_ops
+from dmattn_ops.masks import topk_mask
+from dmattn_ops.nn import DynamicMaskAttention
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 2048, 16, 4, 128, 4
+SHAPES = {"B4-L2048": (4, 2048), "B16-L512": (16, 512), "B1-L8192": (1, 8192),
+          "B1-L32768": (1, 32768)}  # fmt: skip
+VARIANTS = ("sdpa", "ours-dense", "dma-w4", "dma-w8", "dma-flex")
+
+
+class Block(torch.nn.Module):
+    """x + attention(norm(x)); the attention is DynamicMaskAttention's projections with the
+    variant's attention call in the middle."""
+
+    def __init__(self, variant: str, length: int):
+        super().__init__()
+        window = length // (8 if variant == "dma-w8" else 4)
+        backend = "flex" if variant == "dma-flex" else "triton"
+        self.variant = variant
+        self.norm = torch.nn.RMSNorm(HIDDEN)
+        self.attn = DynamicMaskAttention(
+            HIDDEN, HEADS, KV_HEADS, window=window, backend=backend, is_causal=True
+        )
+
+    def dense(self, x):
+        a = self.attn
+        b, n, _ = x.shape
+        q = a.q_proj(x).view(b, n, HEADS, HEAD_DIM)
+        k = a.k_proj(x).view(b, n, KV_HEADS, HEAD_DIM)
+        v = a.v_proj(x).view(b, n, KV_HEADS, HEAD_DIM)
+        if self.variant == "sdpa":
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                enable_gqa=True,
+            ).transpose(1, 2)  # fmt: skip
+        else:
+            out = dmattn_ops.attention(q, k, v, is_causal=True, backend="triton")
+        return a.o_proj(out.flatten(2))
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + (self.dense(h) if self.variant in ("sdpa", "ours-dense") else self.attn(h))
+
+
+def make_model(variant: str, length: int, device, dtype) -> torch.nn.Module:
+    blocks = [Block(variant, length) for _ in range(LAYERS)]
+    return torch.nn.Sequential(*blocks).to(device=device, dtype=dtype)
+
+
+def bench_ms(fn, warmup=5, reps=20) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def time_step(variant: str, shape: str, mode: str) -> tuple[float, float]:
+    """(median ms per training step, seconds of the first, compiling, step)."""
+    b, n = SHAPES[shape]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = make_model(variant, n, "cuda", torch.bfloat16)
+    compiled = torch.compile(model, fullgraph=True, mode=None if mode == "default" else mode)
+    x = torch.randn(b, n, HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        compiled(x).float().square().mean().backward()
+
+    t0 = time.time()
+    step()
+    torch.cuda.synchronize()
+    return bench_ms(step), time.time() - t0
+
+
+def run_model(shapes, variants, modes, log) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        for mode in modes:
+            for variant in variants:
+                row = dict(shape=shape, mode=mode, variant=variant, ms=None, status="ok")
+                try:
+                    row["ms"], row["compile_s"] = time_step(variant, shape, mode)
+                except Exception as e:  # a variant failing is a result
+                    row["status"] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                rows.append(row)
+                log(f"  model {shape} {mode} {variant}: {row['ms']} ms {row['status']}")
+                torch.cuda.empty_cache()
+    return rows
+
+
+def model_table(rows) -> str:
+    lines = ["| shape | mode | variant | ms / step | x SDPA dense | status |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    ref = {(r["shape"], r["mode"]): r["ms"] for r in rows if r["variant"] == "sdpa"}
+    for r in rows:
+        base = ref.get((r["shape"], r["mode"]))
+        ratio = f"{r['ms'] / base:.2f}" if r["ms"] and base else "-"
+        ms = f"{r['ms']:.2f}" if r["ms"] else "-"
+        lines.append(f"| {r['shape']} | {r['mode']} | {r['variant']} | {ms} | {ratio} | "
+                     f"{r['status']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+# Host time of one call.
+
+HOST_KINDS = ("dense", "bias", "mask", "dma")
+
+
+def host_inputs(kind: str, b=4, n=2048, device="cuda", dtype=torch.bfloat16):
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(b, n, HEADS, HEAD_DIM, device=device, dtype=dtype, generator=g)
+    k = torch.randn(b, n, KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=g)
+    v = torch.randn(b, n, KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=g)
+    bias = torch.randn(b, KV_HEADS, 1, n, device=device, dtype=dtype, generator=g)
+    mask = topk_mask(bias, n // 4)
+    return (
+        q,
+        k,
+        v,
+        (mask if kind in ("mask", "dma") else None),
+        (bias if kind in ("bias", "dma") else None),
+    )
+
+
+def host_calls(kind: str):
+    """(forward, forward+backward) callables of one attention call with these operands."""
+    q, k, v, mask, bias = host_inputs(kind)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    lb = bias.detach().requires_grad_() if bias is not None else None
+    grad = torch.randn_like(q)
+
+    def fwd():
+        with torch.no_grad():
+            dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, backend="triton")
+
+    def fwdbwd():
+        out = dmattn_ops.attention(*leaves, mask, lb, is_causal=True, backend="triton")
+        out.backward(grad)
+
+    return fwd, fwdbwd
+
+
+def run_host(kinds, log, calls=20) -> list[dict]:
+    rows = []
+    for kind in kinds:
+        for name, fn in zip(("fwd", "fwd+bwd"), host_calls(kind)):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host_ms = (time.perf_counter() - t0) * 1e3 / calls
+            torch.cuda.synchronize()
+            gpu_ms = bench_ms(fn)
+            rows.append(dict(kind=kind, pass_=name, host_ms=host_ms, gpu_ms=gpu_ms))
+            log(f"  host {kind} {name}: host {host_ms:.3f} ms, gpu {gpu_ms:.3f} ms")
+    return rows
+
+
+def host_table(rows) -> str:
+    lines = ["| operands | pass | host ms / call | GPU ms / call |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['kind']} | {r['pass_']} | {r['host_ms']:.3f} | {r['gpu_ms']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from bench.__main__ import header
+
+    p = argparse.ArgumentParser(prog="python -m bench.model", description=__doc__.splitlines()[0])
+    p.add_argument("what", nargs="?", default="model,host", help="model, host or both")
+    p.add_argument("--shapes", default="B4-L2048,B16-L512,B1-L8192,B1-L32768")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--modes", default="default,reduce-overhead")
+    p.add_argument("--kinds", default=",".join(HOST_KINDS))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.model needs a CUDA GPU")
+        return 0
+
+    def log(s):
+        print(s, flush=True)
+
+    print(header(), flush=True)
+    tables = []
+    if "host" in args.what:
+        tables.append(host_table(run_host(args.kinds.split(","), log)))
+    if "model" in args.what:
+        rows = run_model(
+            args.shapes.split(","), args.variants.split(","), args.modes.split(","), log
+        )
+        tables.append(model_table(rows))
+    print()
+    print(header())
+    for t in tables:
+        print(t)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
