@@ -414,7 +414,8 @@ def header() -> str:
         ).stdout.strip()
     except OSError:
         commit = ""
-    commit = commit or os.environ.get("DMATTN_COMMIT", "")
+    # A copy of the tree (a GPU run) may carry stale git metadata: DMATTN_COMMIT wins.
+    commit = os.environ.get("DMATTN_COMMIT", "") or commit
     import triton
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -53,8 +53,11 @@ class Problem:
             mask = torch.rand(1, hkv, 1, 6, generator=g) < 0.6
             mask[..., 0] = True
             self.extra = (mask, torch.tensor([5], dtype=torch.int32))
-        self.inputs64 = inputs
-        self.inputs = tuple(t.to(dtype) for t in inputs)
+        if op.startswith("attention_varlen"):
+            self.cu_q, self.cu_k = self.cu_q.to(DEVICE), self.cu_k.to(DEVICE)
+        self.extra = tuple(t.to(DEVICE) for t in self.extra)
+        self.inputs64 = tuple(t.to(DEVICE) for t in inputs)
+        self.inputs = tuple(t.to(dtype) for t in self.inputs64)
 
     def ours(self, q, k, v, bias, *extra):
         extra = extra or self.extra
@@ -117,7 +120,7 @@ def _run_cell(p: Problem, transform) -> None:
 
 def _weights(x):
     """Distinct weights, exact in every dtype (so bf16 and float64 losses weigh alike)."""
-    return ((torch.arange(x.numel()) % 7 - 3) / 4).to(x.dtype).view(x.shape)
+    return ((torch.arange(x.numel(), device=x.device) % 7 - 3) / 4).to(x.dtype).view(x.shape)
 
 
 def _scalar(f):
@@ -140,7 +143,7 @@ def vjp(f, x):
 
 
 def jvp(f, x):
-    tangents = tuple(torch.cos(torch.arange(t.numel(), dtype=t.dtype)).view(t.shape) for t in x)
+    tangents = tuple(torch.cos(torch.arange(t.numel()).to(t)).view(t.shape) for t in x)
     return torch.func.jvp(f, x, tangents)
 
 
@@ -189,7 +192,7 @@ def test_transform(op, transform, path):
 def _batched(t: torch.Tensor, n: int, seed: int) -> torch.Tensor:
     if t.dtype == torch.bool:
         out = torch.rand(n, *t.shape, generator=torch.Generator().manual_seed(seed)) < 0.6
-        return out | t  # keep the keys that keep every causal row non-empty
+        return out.to(t.device) | t  # keep the keys that keep every causal row non-empty
     if t.dtype == torch.int32:
         return torch.stack([t, t - 1 - seed % 2]).clamp(min=1)[:n]
     return torch.stack([t, torch.sin(t * (seed + 1))])[:n]
@@ -287,10 +290,7 @@ def test_second_order_is_refused(op, transform, path):
 def test_autocast(op):
     p = Problem(op, torch.float32)
     device_type = "cuda" if DEVICE == "cuda" else "cpu"
-    inputs = [t.to(DEVICE) for t in p.inputs]
-    p.extra = tuple(t.to(DEVICE) for t in p.extra)
-    if "varlen" in op:
-        p.cu_q, p.cu_k = p.cu_q.to(DEVICE), p.cu_k.to(DEVICE)
+    inputs = list(p.inputs)
     with torch.autocast(device_type, torch.bfloat16):
         got = grad(p.ours, inputs), p.ours(*inputs)
     low = [t.to(torch.bfloat16) if i < 3 else t for i, t in enumerate(inputs)]
