@@ -226,15 +226,19 @@ def test_dma_layer_with_flex_compiles_fullgraph_forward_and_backward():
     (out * torch.cos(out)).sum().backward()
     got = [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
 
-    def run_reference(dtype):
+    def run_eager(dtype, backend):
         layer.zero_grad()
-        layer.backend = "reference"
+        layer.backend = backend
         xr = x.detach().to(dtype).requires_grad_()
         r = layer.to(dtype)(xr)
         (r * torch.cos(r)).sum().backward()
         return [r.detach(), xr.grad] + [p.grad.clone() for p in layer.parameters()]
 
-    want32 = run_reference(torch.float32)
-    want = run_reference(torch.float64)
-    for i, (a, w, w32) in enumerate(zip(got, want, want32)):
-        assert_close(a.double(), w, low_precision_bound(w, w32, torch.float32), f"layer[{i}]")
+    # Compiling the model must not add error to flex's own: the bound is twice the error of the
+    # uncompiled flex layer (fp32) against the float64 oracle, plus rounding. (Flex's own
+    # accuracy is checked against the oracle's fp32 error elsewhere; its bias gradient is
+    # accumulated with atomics, which the A and dt_proj gradients sum over.)
+    eager = run_eager(torch.float32, "flex")
+    want = run_eager(torch.float64, "reference")
+    for i, (a, w, e) in enumerate(zip(got, want, eager)):
+        assert_close(a.double(), w, low_precision_bound(w, e, torch.float32), f"layer[{i}]")
