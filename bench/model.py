@@ -98,6 +98,7 @@ def time_step(variant: str, shape: str, mode: str) -> tuple[float, float]:
     x = torch.randn(b, n, HIDDEN, device="cuda", dtype=torch.bfloat16)
 
     def step():
+        model.zero_grad(set_to_none=True)  # a training step: fresh gradients, as after a step
         if mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # each step reuses the graph's outputs
         compiled(x).float().square().mean().backward()
