@@ -28,6 +28,7 @@ from dmattn_ops.kernels.attention_bwd import (
 from dmattn_ops.kernels.attention_decode import attention_decode_kernel, decode_combine_kernel
 from dmattn_ops.kernels.attention_fwd import attention_fwd_kernel
 from dmattn_ops.kernels.block_mask import (
+    key_lists_kernel,
     mask_block_any_kernel,
     tile_cols_kernel,
     tile_rows_kernel,
@@ -242,35 +243,29 @@ def compactable(mask: torch.Tensor | None, h: int, hkv: int) -> bool:
 
 
 def build_key_lists(mask, seqused_k, b, lq, lk, is_causal, block_m) -> KeyLists:
+    """KeyLists of a compactable mask: one kernel launch (kernels/block_mask.py
+    key_lists_kernel), one pass over the mask, no host sync."""
     bm, hm = mask.shape[0], mask.shape[1]
     device = mask.device
-    allowed = mask[:, :, 0, :]  # [Bm, Hm, Lk]
-    order = torch.argsort((~allowed).to(torch.uint8), dim=-1, stable=True)  # allowed first
-    count = allowed.sum(dim=-1, keepdim=True)  # [Bm, Hm, 1]
-    pos = torch.arange(lk, device=device)
-    keys = torch.where(pos < count, order, lk)  # [Bm, Hm, Lk], ascending, Lk-padded
-    if seqused_k is not None:
-        n = seqused_k.to(torch.int64).clamp(0, lk)  # [B]
-    else:
-        n = torch.full((1,), lk, dtype=torch.int64, device=device)
+    bt = b if seqused_k is not None else bm
     nq = triton.cdiv(lq, block_m)
-    m_end = torch.clamp((torch.arange(nq, device=device) + 1) * block_m, max=lq)  # [NQ]
-    key_end = n[:, None].expand(-1, nq)
-    if is_causal:
-        key_end = torch.minimum(key_end, m_end[None, :] + n[:, None] - lq).clamp(min=0)
-    bt = max(bm, n.shape[0])
-    sorted_keys = keys.expand(bt, hm, lk).contiguous()
-    ends = torch.searchsorted(sorted_keys, key_end[:, None, :].expand(bt, hm, nq).contiguous())
-    counts = torch.searchsorted(sorted_keys, n[:, None, None].expand(bt, hm, 1).contiguous())
+    keys = empty((bm, hm, lk), dtype=torch.int32, device=device)
+    key_end = empty((bt, hm, nq), dtype=torch.int32, device=device)
+    key_count = empty((bt, hm), dtype=torch.int32, device=device)
+    prefix = empty((bt * hm, lk), dtype=torch.int32, device=device)
+    sb, sh, _, sn = operand_strides(mask)
+    keys_stride_b = hm * lk if bm > 1 else 0
+    end_stride_b, count_stride_b = (hm * nq, hm) if bt > 1 else (0, 0)
+    key_lists_kernel[(bt * hm,)](
+        _mask_bytes(mask), seqused_k, prefix, keys, key_end, key_count, sb, sh, sn,
+        keys_stride_b, end_stride_b, count_stride_b, hm, lq, lk, nq,
+        HAS_SEQUSED=seqused_k is not None, IS_CAUSAL=bool(is_causal), BLOCK_M=block_m,
+        CHUNK=1024, num_warps=1 if interpreter_on() else 4,
+    )  # fmt: skip
     return KeyLists(
-        keys=keys.to(torch.int32).contiguous(),
-        key_end=ends.to(torch.int32).contiguous(),
-        key_count=counts.to(torch.int32).contiguous(),
-        keys_stride_b=hm * lk if bm > 1 else 0,
-        keys_stride_h=lk,
-        end_stride_b=hm * nq if bt > 1 else 0,
-        count_stride_b=hm if bt > 1 else 0,
-    )
+        keys=keys, key_end=key_end, key_count=key_count, keys_stride_b=keys_stride_b,
+        keys_stride_h=lk, end_stride_b=end_stride_b, count_stride_b=count_stride_b,
+    )  # fmt: skip
 
 
 def _empty_forward(query, value):

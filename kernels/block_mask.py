@@ -150,3 +150,69 @@ def tile_cols_kernel(
     q_lo = tl.sum((active & (qb < first_int)).to(tl.int32), 0)
     tl.store(Q_LO + col, q_lo)
     tl.store(Q_HI + col, q_lo + tl.sum((active & interior).to(tl.int32), 0))
+
+
+@triton.jit
+def key_lists_kernel(
+    MASK,
+    SEQUSED,
+    PREFIX,
+    KEYS,
+    KEY_END,
+    KEY_COUNT,
+    stride_mb,
+    stride_mh,
+    stride_mn,
+    stride_kb,
+    stride_eb,
+    stride_cb,
+    Hm,
+    Lq,
+    Lk,
+    NQ,
+    HAS_SEQUSED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Key lists of a mask shared by all queries (launch.py KeyLists), one program per
+    (table batch bt, mask head h), in one pass over the mask row:
+
+    KEYS[b, h, :] the allowed keys in ascending order, padded with Lk (written by the programs
+    of bt = 0 when the mask broadcasts over the batch, stride_kb = 0); KEY_COUNT[bt, h] how many
+    lie below n = seqused_k[bt] (or Lk); KEY_END[bt, h, t] how many query tile t may see: those
+    below min(n, end of the tile + n - Lq) under causality, else below n. PREFIX (Bt * Hm, Lk)
+    is scratch for the running counts, read back by the same program after a barrier."""
+    pid = tl.program_id(0)
+    i_bt = pid // Hm
+    i_h = pid % Hm
+    n = Lk
+    if HAS_SEQUSED:
+        n = tl.minimum(tl.maximum(tl.load(SEQUSED + i_bt), 0), Lk)
+    writes = ((i_bt == 0) | (i_bt * stride_kb != 0)).to(tl.int32)  # 0 or 1
+    row = MASK + i_bt.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh
+    keys = KEYS + i_bt.to(tl.int64) * stride_kb + i_h.to(tl.int64) * Lk
+    prefix = PREFIX + pid.to(tl.int64) * Lk
+    total = 0
+    below_n = 0
+    for start in range(0, Lk, CHUNK):
+        j = start + tl.arange(0, CHUNK)
+        a = (tl.load(row + j.to(tl.int64) * stride_mn, mask=j < Lk, other=0) != 0).to(tl.int32)
+        inclusive = total + tl.cumsum(a, 0)
+        tl.store(prefix + j, inclusive, mask=j < Lk)
+        tl.store(keys + inclusive - 1, j, mask=(a * writes) != 0)
+        below_n += tl.sum(tl.where(j < n, a, 0), 0)
+        total += tl.sum(a, 0)
+    for start in range(0, Lk, CHUNK):
+        j = start + tl.arange(0, CHUNK)
+        tl.store(keys + j, Lk, mask=(j >= total) & (j < Lk * writes))
+    tl.store(KEY_COUNT + i_bt * stride_cb + i_h, below_n)
+    tl.debug_barrier()  # the PREFIX stores above are read back by other threads of the program
+    for t0 in range(0, NQ, CHUNK):
+        t = t0 + tl.arange(0, CHUNK)
+        end = tl.zeros([CHUNK], dtype=tl.int32) + n
+        if IS_CAUSAL:
+            m_end = tl.minimum((t + 1) * BLOCK_M, Lq)
+            end = tl.maximum(tl.minimum(end, m_end + n - Lq), 0)
+        seen = tl.load(prefix + end - 1, mask=(t < NQ) & (end > 0), other=0)
+        tl.store(KEY_END + i_bt * stride_eb + i_h * NQ + t, seen, mask=t < NQ)

@@ -544,3 +544,54 @@ def test_head_dim_sweep_every_operand_kind(d, mask_kind, bias_kind, dtype):
     c = Case(2, 80, 96, 4, 2, d, d)
     shapes = {"none": None, "key": (c.b, c.hkv, 1, c.lk), "entry": (c.b, c.h, c.lq, c.lk)}
     run_case(c, dtype, shapes[mask_kind], shapes[bias_kind], is_causal=True)
+
+
+def _key_lists_by_counting(mask, seqused_k, b, lq, lk, is_causal, block_m):
+    """KeyLists' contents written out directly: sorted allowed keys, and counts below each
+    query tile's causal end and below seqused_k."""
+    bm, hm = mask.shape[:2]
+    bt = b if seqused_k is not None else bm
+    nq = -(-lq // block_m)
+    keys = torch.full((bm, hm, lk), lk, dtype=torch.int32)
+    key_end = torch.zeros((bt, hm, nq), dtype=torch.int32)
+    key_count = torch.zeros((bt, hm), dtype=torch.int32)
+    for i in range(bt):
+        n = lk if seqused_k is None else min(max(int(seqused_k[i]), 0), lk)
+        for h in range(hm):
+            allowed = torch.nonzero(mask[i if bm > 1 else 0, h, 0].cpu()).flatten()
+            keys[i if bm > 1 else 0, h, : allowed.numel()] = allowed.to(torch.int32)
+            key_count[i, h] = int((allowed < n).sum())
+            for t in range(nq):
+                end = n
+                if is_causal:
+                    end = max(min(n, min((t + 1) * block_m, lq) + n - lq), 0)
+                key_end[i, h, t] = int((allowed < end).sum())
+    return keys, key_end, key_count
+
+
+@pytest.mark.parametrize(
+    "bm, seq, is_causal, lq, lk, block_m",
+    [
+        (1, None, True, 64, 64, 16),
+        (3, None, False, 40, 1500, 16),  # two chunks of keys
+        (1, [1500, 0, 700], True, 1100, 1500, 1),  # more query tiles than a chunk
+        (3, [5, 1499, 2000], True, 33, 1499, 32),  # seqused_k past Lk is clamped
+    ],
+)
+def test_key_lists_kernel_matches_direct_counting(bm, seq, is_causal, lq, lk, block_m):
+    if DEVICE == "cpu" and not launch.interpreter_on():
+        pytest.skip("needs CUDA or the interpreter")
+    b, hm = 3, 2
+    g = torch.Generator().manual_seed(lk + lq)
+    mask = torch.rand(bm, hm, 1, lk, generator=g) < 0.3
+    mask[0, 0, 0] = False
+    mask[-1, -1, 0] = True
+    seqused_k = None if seq is None else torch.tensor(seq, dtype=torch.int32)
+    want = _key_lists_by_counting(mask, seqused_k, b, lq, lk, is_causal, block_m)
+    got = launch.build_key_lists(
+        mask.to(DEVICE), None if seqused_k is None else seqused_k.to(DEVICE), b, lq, lk,
+        is_causal, block_m,
+    )  # fmt: skip
+    for name, g_, w in zip(("keys", "key_end", "key_count"), (got.keys, got.key_end,
+                                                             got.key_count), want):  # fmt: skip
+        assert torch.equal(g_.cpu().reshape(w.shape), w), name
