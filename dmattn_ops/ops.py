@@ -860,3 +860,112 @@ for _name, _cast in (
     for _key in ("AutocastCPU", "AutocastCUDA"):
         _op = getattr(torch.ops.dmattn, _name).default
         _lib.impl(_name, _autocast_kernel(_op, _cast), _key, with_keyset=True)
+
+
+# vmap of the varlen ops: the N vmapped samples become one packed batch of N * B sequences.
+# Sample n occupies packed rows [n * T, (n + 1) * T) and its cu_seqlens shift by n * T. cu starts
+# at 0, so the flattened (N, B + 1) offsets list every sequence plus, between samples, the rows
+# past a sample's last sequence as a sequence of their own: its keys are masked out, so those
+# rows get out 0 and lse -inf and their keys no gradient, exactly as rows outside every sequence.
+
+
+class _VarlenFold:
+    """The folded operands of one vmapped varlen call."""
+
+    def __init__(self, n: int, query, key, cu_q, cu_k, max_q, max_k, dims):
+        """dims: the vmapped dims of query, key, cu_q and cu_k."""
+        self.n = n
+        self.tq, self.tk = _per_sample_rows(query, dims[0]), _per_sample_rows(key, dims[1])
+        self.cu_q = self._offsets(cu_q, dims[2], self.tq)
+        self.cu_k = self._offsets(cu_k, dims[3], self.tk)
+        ends_k = self.cu_k.view(n, -1)[:, -1] - torch.arange(n, device=key.device) * self.tk
+        key_pos = torch.arange(self.tk, device=key.device)
+        self.in_sequence = (key_pos[None, :] < ends_k[:, None]).reshape(1, n * self.tk)
+        # The sequences between samples are at most T long.
+        self.max_q, self.max_k = max(max_q, self.tq), max(max_k, self.tk)
+
+    def _offsets(self, cu, dim, total):
+        cu = cu.expand(self.n, *cu.shape) if dim is None else cu.movedim(dim, 0)
+        shift = torch.arange(self.n, device=cu.device, dtype=cu.dtype)[:, None] * total
+        return (cu + shift).reshape(-1)
+
+    def rows(self, t, dim):
+        """(N, total, ...) or unbatched (total, ...) packed rows -> (N * total, ...)."""
+        if t is None:
+            return None
+        t = t.expand(self.n, *t.shape) if dim is None else t.movedim(dim, 0)
+        return t.reshape(-1, *t.shape[2:])
+
+    def columns(self, t, dim):
+        """(N, Hx, total) or unbatched (Hx, total) -> (Hx, N * total): per-token operands, lse."""
+        if t is None:
+            return None
+        t = t.expand(self.n, *t.shape) if dim is None else t.movedim(dim, 0)
+        return t.transpose(0, 1).reshape(t.shape[1], -1)
+
+    def mask(self, mask, dim):
+        folded = self.columns(mask, dim)
+        return self.in_sequence if folded is None else folded & self.in_sequence
+
+    def unrows(self, t):
+        return t.unflatten(0, (self.n, -1))
+
+    def uncolumns(self, t):
+        return t.unflatten(1, (self.n, -1)).transpose(0, 1)
+
+
+def _per_sample_rows(t, dim) -> int:
+    return t.shape[0] if dim is None else t.movedim(dim, 0).shape[1]
+
+
+@torch.library.register_vmap("dmattn::attention_varlen_forward")
+def _varlen_forward_vmap(
+    info, in_dims, query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
+    softcap, deterministic=False,
+):  # fmt: skip
+    in_dims = _pad_dims(in_dims, 13)
+    dims = (in_dims[0], in_dims[1], in_dims[3], in_dims[4])
+    f = _VarlenFold(info.batch_size, query, key, cu_q, cu_k, max_q, max_k, dims)
+    out, lse, lse_rem = torch.ops.dmattn.attention_varlen_forward(
+        f.rows(query, in_dims[0]), f.rows(key, in_dims[1]), f.rows(value, in_dims[2]),
+        f.cu_q, f.cu_k, f.max_q, f.max_k, f.mask(mask, in_dims[7]),
+        f.columns(bias, in_dims[8]), scale, is_causal, softcap, deterministic,
+    )  # fmt: skip
+    return (f.unrows(out), f.uncolumns(lse), f.uncolumns(lse_rem)), (0, 0, 0)
+
+
+@torch.library.register_vmap("dmattn::attention_varlen")
+def _varlen_vmap(
+    info, in_dims, query, key, value, cu_q, cu_k, max_q, max_k, mask=None, bias=None,
+    scale=None, is_causal=False, softcap=0.0, deterministic=False,
+):  # fmt: skip
+    in_dims = _pad_dims(in_dims, 13)
+    dims = (in_dims[0], in_dims[1], in_dims[3], in_dims[4])
+    f = _VarlenFold(info.batch_size, query, key, cu_q, cu_k, max_q, max_k, dims)
+    out = torch.ops.dmattn.attention_varlen(
+        f.rows(query, in_dims[0]), f.rows(key, in_dims[1]), f.rows(value, in_dims[2]),
+        f.cu_q, f.cu_k, f.max_q, f.max_k, f.mask(mask, in_dims[7]),
+        f.columns(bias, in_dims[8]), scale, is_causal, softcap, deterministic,
+    )  # fmt: skip
+    return f.unrows(out), 0
+
+
+@torch.library.register_vmap("dmattn::attention_varlen_backward")
+def _varlen_backward_vmap(
+    info, in_dims, grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q,
+    max_k, mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
+):  # fmt: skip
+    dims = (in_dims[2], in_dims[3], in_dims[8], in_dims[9])
+    f = _VarlenFold(info.batch_size, query, key, cu_q, cu_k, max_q, max_k, dims)
+    compute_dbias = compute_dbias and bias is not None
+    dq, dk, dv, dbias = torch.ops.dmattn.attention_varlen_backward(
+        f.rows(grad_out, in_dims[0]), f.columns(grad_lse, in_dims[1]),
+        f.rows(query, in_dims[2]), f.rows(key, in_dims[3]), f.rows(value, in_dims[4]),
+        f.rows(out, in_dims[5]), f.columns(lse, in_dims[6]), f.columns(lse_rem, in_dims[7]),
+        f.cu_q, f.cu_k, f.max_q, f.max_k, f.mask(mask, in_dims[12]),
+        f.columns(bias, in_dims[13]), scale, is_causal, softcap, deterministic, compute_dbias,
+    )  # fmt: skip
+    grads = (f.unrows(dq), f.unrows(dk), f.unrows(dv))
+    if not compute_dbias:
+        return (*grads, dbias), (0, 0, 0, None)
+    return (*grads, f.uncolumns(dbias)), (0, 0, 0, 0)  # each sample its own dbias

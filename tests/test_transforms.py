@@ -10,6 +10,7 @@ README "torch.func transforms" lists the same matrix.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -42,11 +43,12 @@ class Problem:
         self.op, self.dtype = op, dtype
         h, hkv, d = 2, 1, 4
         if op.startswith("attention_varlen"):
-            self.cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
-            self.cu_k = torch.tensor([0, 4, 10], dtype=torch.int32)
+            # The last query row and key row lie outside every sequence.
+            self.cu_q = torch.tensor([0, 2, 4], dtype=torch.int32)
+            self.cu_k = torch.tensor([0, 4, 9], dtype=torch.int32)
             inputs = (rand(5, h, d), rand(10, hkv, d), rand(10, hkv, d), rand(h, 10))
             mask = torch.rand(hkv, 10, generator=g) < 0.6
-            mask[:, [3, 9]] = True  # every row of both causal sequences keeps a key
+            mask[:, [3, 4]] = True  # every row of both causal sequences keeps a key
             self.extra = (mask,)
         else:
             inputs = (rand(1, 3, h, d), rand(1, 6, hkv, d), rand(1, 6, hkv, d), rand(1, h, 3, 6))
@@ -218,7 +220,13 @@ def test_vmap(op, batched, path):
     b_args = [_batched(a, n, i) if on else a for i, (a, on) in enumerate(zip(args, pick))]
     b_args64 = [_batched(a, n, i) if on else a for i, (a, on) in enumerate(zip(args64, pick))]
     in_dims = tuple(0 if on else None for on in pick)
-    got = torch.vmap(p.ours, in_dims=in_dims)(*b_args)
+    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a batching rule, not the per-sample fallback
+            got = torch.vmap(p.ours, in_dims=in_dims)(*b_args)
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
 
     def per_sample(fn, a):
         rows = [fn(*(t[i] if on else t for t, on in zip(a, pick))) for i in range(n)]
@@ -298,3 +306,43 @@ def test_autocast(op):
     want_lowp = grad(p.oracle, low), p.oracle(*low)
     p.dtype = torch.bfloat16
     _compare(p, got, want64, want_lowp, "autocast")
+
+
+@pytest.mark.parametrize("path", list(PATHS.values()), ids=list(PATHS))
+def test_vmap_over_cu_seqlens(path):
+    """Per-sample cu_seqlens (batched with the packed rows), with rows past each sample's last
+    sequence: the folded batch must not let them see each other."""
+    p = Problem("attention_varlen", path)
+    cu_q = torch.tensor([[0, 2, 4], [0, 3, 3]], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([[0, 4, 9], [0, 6, 8]], dtype=torch.int32, device=DEVICE)
+    q, k, v, bias = p.inputs
+    qs, vs = torch.stack([q, q.flip(0)]), torch.stack([v, -v])
+    mask = None  # only the fold's own masking keeps the samples' leftover rows apart
+
+    def ours(q, v, cq, ck):
+        return torch.ops.dmattn.attention_varlen(q, k, v, cq, ck, 3, 6, mask, bias, None, True)
+
+    def grads(f, q, v, cq, ck):
+        return torch.func.grad(lambda q, v: (f(q, v, cq, ck) * _weights(q)).sum(), (0, 1))(q, v)
+
+    def oracle(q, v, cq, ck):
+        kb = (k, bias) if q.dtype == k.dtype else (k.double(), bias.double())
+        return reference.attention_varlen(q, kb[0], v, cq, ck, 3, 6, mask, kb[1], is_causal=True)
+
+    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = (
+                torch.vmap(ours)(qs, vs, cu_q, cu_k),
+                torch.vmap(functools.partial(grads, ours))(qs, vs, cu_q, cu_k),
+            )
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    for i in range(2):
+        args = (qs[i], vs[i], cu_q[i], cu_k[i])
+        up = [a.double() if a.is_floating_point() else a for a in args]
+        want64 = oracle(*up), grads(oracle, *up)
+        want_lowp = oracle(*args), grads(oracle, *args)
+        sample = (got[0][i], (got[1][0][i], got[1][1][i]))
+        _compare(p, sample, want64, want_lowp, f"vmap cu_seqlens [{i}]")
