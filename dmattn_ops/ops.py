@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.autograd.forward_ad as fwad
 from torch._functorch.autograd_function import enable_single_level_autograd_function
+from torch._functorch.utils import unwrap_dead_wrappers
 
 from dmattn_ops import chunked, launch
 from dmattn_ops.chunked import stats_dtype
@@ -250,7 +251,10 @@ def _apply(function: type[torch.autograd.Function], *args):
             raise NotImplementedError(DOUBLE_BACKWARD_ERROR)
         with enable_single_level_autograd_function():
             return super(torch.autograd.Function, function).apply(*args)
-    return function.apply(*args)
+    # Function.apply would first bind every call's arguments to forward's signature
+    # (inspect.signature, tens of microseconds of host time per call); ours are all positional
+    # with no defaults, so the C++ apply takes them as they are.
+    return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))
 
 
 def _has_tangent(tensors) -> bool:
