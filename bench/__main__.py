@@ -341,8 +341,6 @@ def run_case(c: Case, impls, device, dtype, log) -> list[dict]:
     x = build(c, device, dtype)
     entries = allowed_entries(x)
     flops_fwd = 4 * entries * c.d
-    if c.kind == "varlen":
-        flops_fwd = 4 * entries * c.d
     rows = torch.tensor([0, 1, c.lq // 3, c.lq // 2, c.lq - 1], device=device)
     rows = torch.unique(rows.clamp(max=c.lq - 1))
     results = []

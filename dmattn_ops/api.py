@@ -14,6 +14,11 @@ def _check_triton_can_run(query: torch.Tensor, fn: str = "dmattn.attention") -> 
             f"{fn}: backend='triton' supports float16, bfloat16 and float32; "
             f"got {query.dtype} (backend='auto' runs float64 in PyTorch)"
         )
+    if not launch.available():
+        raise RuntimeError(
+            f"{fn}: backend='triton' needs the triton package, which is not installed here "
+            "(it installs on Linux); backend='auto' runs the PyTorch implementation"
+        )
     if not launch.triton_runs_on(query):
         raise ValueError(
             f"{fn}: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 "
@@ -149,7 +154,7 @@ def attention_varlen(
     while tracing and during CUDA graph capture.
     """
     fn = "dmattn.attention_varlen"
-    check_backend(backend)
+    check_backend(backend, fn)
     check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
     query, key, value, bias = ops.autocast_inputs(query, key, value, bias)
     args = (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias)

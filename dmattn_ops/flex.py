@@ -71,7 +71,7 @@ def _head_index(hi, t: torch.Tensor, h: int, hkv: int):
 
 
 def make_mask_mod(mask, seqused_k, is_causal: bool, h: int, hkv: int, lq: int, lk: int):
-    """mask_mod for flex: True where the key is allowed (SPEC.md "The function")."""
+    """mask_mod for flex: True where the key is allowed (README "Semantics")."""
 
     def mask_mod(b, hi, qi, kj):
         n = seqused_k[b] if seqused_k is not None else lk

@@ -18,6 +18,21 @@ They are the same for every layer; a model with per-layer dynamic masks computes
 attention module instead (see `dmattn_ops.nn.DynamicMaskAttention`). Attention dropout is not
 supported (DMA has none): a model in training mode with attention_dropout > 0 raises.
 
+Keyword arguments transformers hands to the attention function are either used, ignored as
+bookkeeping, or refused; nothing that changes the attention's math is dropped silently:
+
+* used: ``dma_mask``, ``dma_bias``, ``softcap`` (Gemma 2 logit soft-capping), ``sliding_window``
+  (transformers' mask builder has already applied the window to ``attention_mask``);
+* ignored (bookkeeping): ``IGNORED`` below (positions, cache and output flags);
+* refused with a ValueError naming it: attention sinks (GPT-OSS ``s_aux``), packed-sequence
+  arguments (``cu_seq_lens_q`` and friends: use ``dmattn_ops.attention_varlen``), ``head_mask``,
+  and any other keyword whose value is not None.
+
+Generation: ``model.generate`` does not forward unknown model kwargs such as ``dma_mask`` to the
+model (transformers rejects them). Generate with a model whose attention computes its own dynamic
+mask (as `dmattn_ops.nn.DynamicMaskAttention` does, from its keys), or call the model's forward
+step by step with ``dma_mask``/``dma_bias`` sized for the cache.
+
 Needs the optional extra: ``pip install "dmattn-ops[hf]"``.
 """
 
@@ -26,6 +41,32 @@ from __future__ import annotations
 import torch
 
 NAME = "dmattn"
+USED = frozenset({"dma_mask", "dma_bias", "softcap", "sliding_window"})
+IGNORED = frozenset({
+    "position_ids", "use_cache", "cache_position", "past_key_value", "past_key_values",
+    "output_attentions", "output_hidden_states", "return_dict", "position_embeddings",
+    "token_type_ids", "labels", "logits_to_keep", "num_items_in_batch", "layer_idx",
+})  # fmt: skip
+REFUSED = {
+    "s_aux": "attention sinks (GPT-OSS) are not supported yet",
+    "cu_seq_lens_q": "packed sequences: call dmattn_ops.attention_varlen",
+    "cu_seq_lens_k": "packed sequences: call dmattn_ops.attention_varlen",
+    "max_length_q": "packed sequences: call dmattn_ops.attention_varlen",
+    "max_length_k": "packed sequences: call dmattn_ops.attention_varlen",
+    "head_mask": "head masks are not supported",
+}
+
+
+def _check_kwargs(kwargs: dict) -> None:
+    for name, value in kwargs.items():
+        if name in USED or name in IGNORED or value is None:
+            continue
+        reason = REFUSED.get(name, "an argument this integration does not handle")
+        raise ValueError(
+            f"dmattn (transformers integration): keyword argument {name!r} would change the "
+            f"attention's result and is not applied ({reason}); it is refused rather than "
+            "silently dropped"
+        )
 
 
 def dmattn_attention_forward(
@@ -41,6 +82,7 @@ def dmattn_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query (B, H, Lq, D), key/value (B, Hkv, Lk, D) ->
     ((B, Lq, H, Dv), None), as the SDPA one returns."""
+    _check_kwargs(kwargs)
     if dropout > 0:
         raise ValueError(
             "dmattn: attention dropout is not supported; set the config's attention_dropout "

@@ -13,26 +13,24 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from dmattn_ops import chunked, configs
 from dmattn_ops._alloc import empty
+from dmattn_ops._triton import LazyKernel, available, cdiv, next_power_of_2
 from dmattn_ops.chunked import stats_dtype, varlen_bounds
 from dmattn_ops.configs import Config
-from dmattn_ops.kernels.attention_bwd import (
-    attention_bwd_dbias_kernel,
-    attention_bwd_delta_kernel,
-    attention_bwd_dkdv_kernel,
-    attention_bwd_dq_kernel,
-)
-from dmattn_ops.kernels.attention_decode import attention_decode_kernel, decode_combine_kernel
-from dmattn_ops.kernels.attention_fwd import attention_fwd_kernel
-from dmattn_ops.kernels.block_mask import (
-    key_lists_kernel,
-    mask_block_any_kernel,
-    tile_cols_kernel,
-    tile_rows_kernel,
-)
+
+attention_fwd_kernel = LazyKernel("attention_fwd", "attention_fwd_kernel")
+attention_bwd_dbias_kernel = LazyKernel("attention_bwd", "attention_bwd_dbias_kernel")
+attention_bwd_delta_kernel = LazyKernel("attention_bwd", "attention_bwd_delta_kernel")
+attention_bwd_dkdv_kernel = LazyKernel("attention_bwd", "attention_bwd_dkdv_kernel")
+attention_bwd_dq_kernel = LazyKernel("attention_bwd", "attention_bwd_dq_kernel")
+attention_decode_kernel = LazyKernel("attention_decode", "attention_decode_kernel")
+decode_combine_kernel = LazyKernel("attention_decode", "decode_combine_kernel")
+key_lists_kernel = LazyKernel("block_mask", "key_lists_kernel")
+mask_block_any_kernel = LazyKernel("block_mask", "mask_block_any_kernel")
+tile_cols_kernel = LazyKernel("block_mask", "tile_cols_kernel")
+tile_rows_kernel = LazyKernel("block_mask", "tile_rows_kernel")
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -42,8 +40,9 @@ def interpreter_on() -> bool:
 
 
 def triton_runs_on(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels can run on t's device (CUDA, or CPU through the interpreter)."""
-    return t.is_cuda or (t.device.type == "cpu" and interpreter_on())
+    """Whether the Triton kernels can run on t's device (CUDA, or CPU through the interpreter)
+    and Triton is installed."""
+    return (t.is_cuda or (t.device.type == "cpu" and interpreter_on())) and available()
 
 
 def use_triton(query: torch.Tensor) -> bool:
@@ -95,7 +94,7 @@ def _backward_tables(mask, seqused_k, b, lq, lk, is_causal, cfgs: BackwardConfig
 
 
 def _block(dim: int) -> int:
-    return max(16, triton.next_power_of_2(dim))
+    return max(16, next_power_of_2(dim))
 
 
 def _head_blocks(d: int, dv: int) -> dict:
@@ -164,7 +163,7 @@ def block_any(mask, lq, lk, block_m, block_n) -> torch.Tensor:
     """(Bm, Hm, NQ | 1, NK) int8: whether each (query tile, key tile) of the mask allows any
     entry. One pass over the mask."""
     bm, hm, lqm, _ = mask.shape
-    nq, nk = triton.cdiv(lq, block_m), triton.cdiv(lk, block_n)
+    nq, nk = cdiv(lq, block_m), cdiv(lk, block_n)
     nqm = nq if lqm > 1 else 1
     mask_any = torch.empty((bm, hm, nqm, nk), dtype=torch.int8, device=mask.device)
     sb, sh, sm, sn = operand_strides(mask)
@@ -191,7 +190,7 @@ def build_tables(mask, seqused_k, b, lq, lk, is_causal, block_m, block_n, mask_a
     if mask_any is None:
         mask_any = block_any(mask, lq, lk, block_m, block_n)
     bm, hm, _, nk = mask_any.shape
-    nq = triton.cdiv(lq, block_m)
+    nq = cdiv(lq, block_m)
     bt = b if seqused_k is not None else bm
     device = mask.device
     shape = (bt, hm, nq)
@@ -248,7 +247,7 @@ def build_key_lists(mask, seqused_k, b, lq, lk, is_causal, block_m) -> KeyLists:
     bm, hm = mask.shape[0], mask.shape[1]
     device = mask.device
     bt = b if seqused_k is not None else bm
-    nq = triton.cdiv(lq, block_m)
+    nq = cdiv(lq, block_m)
     keys = empty((bm, hm, lk), dtype=torch.int32, device=device)
     key_end = empty((bt, hm, nq), dtype=torch.int32, device=device)
     key_count = empty((bt, hm), dtype=torch.int32, device=device)
@@ -296,7 +295,7 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
     if decode_applies(lq, h, hkv, lk, mask):
         return decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
     cfg = _config("fwd", query, value, mask, bias, lq)
-    nq = triton.cdiv(lq, cfg.block_m)
+    nq = cdiv(lq, cfg.block_m)
     tables = lists = None
     if compactable(mask, h, hkv):
         lists = build_key_lists(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m)
@@ -335,7 +334,7 @@ def _launch_forward(
         *operand_strides(mask), *operand_strides(bias), *_strides(out),
         tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
-        h, h // hkv, lq, lk, d, dv, triton.cdiv(lk, cfg.block_n),
+        h, h // hkv, lq, lk, d, dv, cdiv(lk, cfg.block_n),
         _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
         IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(query.dtype),
@@ -431,7 +430,7 @@ def attention_backward(
         tables, dq_tables, lists, lists, cfgs, scale, is_causal, softcap,
     )  # fmt: skip
     if dbias_bcast is not None:
-        nq, nk = triton.cdiv(lq, cfg.block_m), triton.cdiv(lk, cfg.block_n)
+        nq, nk = cdiv(lq, cfg.block_m), cdiv(lk, cfg.block_n)
         common = _meta(cfg, d, dv, is_causal, query.dtype)
         strides = (
             *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
@@ -473,7 +472,7 @@ def _delta(out, grad_out, grad_lse) -> torch.Tensor:
     b, lq, h, dv = out.shape
     delta = torch.empty((b, h, lq), dtype=torch.float32, device=out.device)
     block_m = 16 if interpreter_on() else 64
-    attention_bwd_delta_kernel[(triton.cdiv(lq, block_m), b * h)](
+    attention_bwd_delta_kernel[(cdiv(lq, block_m), b * h)](
         out, grad_out, grad_lse, delta, *_strides(out), *_strides(grad_out),
         *operand_strides(grad_lse)[:3] if grad_lse is not None else (0, 0, 0),
         h, lq, dv, BLOCK_M=block_m, BLOCK_DV=_block(dv), HAS_GRAD_LSE=grad_lse is not None,
@@ -507,7 +506,7 @@ def _launch_backward(
         *operand_strides(mask), *operand_strides(bias),
     )  # fmt: skip
     mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
-    nk = triton.cdiv(span_k, kv.block_n)
+    nk = cdiv(span_k, kv.block_n)
     attention_bwd_dkdv_kernel[(nk, b * hkv)](
         query, key, value, grad_out, None if dkdv_lists else _mask_bytes(mask), bias,
         seqused_k, cu_q, cu_k, lse, lse_rem, delta,
@@ -519,10 +518,10 @@ def _launch_backward(
         dkdv_lists.keys_stride_b if dkdv_lists else 0,
         dkdv_lists.keys_stride_h if dkdv_lists else 0,
         dkdv_lists.count_stride_b if dkdv_lists else 0, *lse_strides, *col_strides,
-        h, hkv, h // hkv, lq, lk, d, d_v, triton.cdiv(span_q, kv.block_m), mask_div, bias_div,
+        h, hkv, h // hkv, lq, lk, d, d_v, cdiv(span_q, kv.block_m), mask_div, bias_div,
         float(scale), float(softcap), **_meta(kv, d, d_v, is_causal, query.dtype),
     )  # fmt: skip
-    nq = triton.cdiv(span_q, qc.block_m)
+    nq = cdiv(span_q, qc.block_m)
     attention_bwd_dq_kernel[(nq, b * h)](
         query, key, value, grad_out, None if lists else _mask_bytes(mask), bias,
         seqused_k, cu_q, cu_k, lse, lse_rem, delta,
@@ -532,7 +531,7 @@ def _launch_backward(
         dq, dbias_direct, *strides,
         dq_tables.stride_b if dq_tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
-        h, h // hkv, lq, lk, d, d_v, triton.cdiv(span_k, qc.block_n), mask_div, bias_div,
+        h, h // hkv, lq, lk, d, d_v, cdiv(span_k, qc.block_n), mask_div, bias_div,
         float(scale), float(softcap), **_meta(qc, d, d_v, is_causal, query.dtype),
     )  # fmt: skip
 
@@ -610,7 +609,7 @@ def attention_varlen_forward(
         return out, lse, lse_rem
     max_q = min(max_q, total_q)
     cfg = _config("fwd", query, value, _varlen_operand(mask), _varlen_operand(bias), max_q)
-    nq = triton.cdiv(max_q, cfg.block_m)
+    nq = cdiv(max_q, cfg.block_m)
     lists = None
     if mask is not None:
         lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, cfg.block_m)
@@ -659,7 +658,7 @@ def attention_varlen_backward(
         lists = None
         if mask is not None:
             block_m = cfgs.dq.block_m
-            nq = triton.cdiv(max_q, block_m)
+            nq = cdiv(max_q, block_m)
             lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, block_m)
         dkdv_lists = lists if compactable(_varlen_operand(mask), h, hkv) else None
         delta = _delta(out[None], grad_out[None], None if grad_lse is None else grad_lse[None])
@@ -708,11 +707,11 @@ def decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seq
     device = query.device
     cfg = _config("decode", query, value, mask, bias, lq)
     block_n = cfg.block_n
-    block_m = max(16, triton.next_power_of_2(g * lq))
-    tiles = triton.cdiv(lk, block_n)
-    splits = max(1, min(tiles, triton.cdiv(DECODE_WAVES * _sm_count(device), b * hkv)))
-    tiles_per_split = triton.cdiv(tiles, splits)
-    splits = triton.cdiv(tiles, tiles_per_split)
+    block_m = max(16, next_power_of_2(g * lq))
+    tiles = cdiv(lk, block_n)
+    splits = max(1, min(tiles, cdiv(DECODE_WAVES * _sm_count(device), b * hkv)))
+    tiles_per_split = cdiv(tiles, splits)
+    splits = cdiv(tiles, tiles_per_split)
     lists = build_key_lists(mask, seqused_k, b, lq, lk, is_causal, lq) if mask is not None else None
     rows = b * h * lq
     acc = empty((splits, rows, dv), dtype=torch.float32, device=device)
@@ -735,7 +734,7 @@ def decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seq
     lse_rem = empty((b, h, lq), dtype=torch.float32, device=device)
     decode_combine_kernel[(rows,)](
         acc, m, l_part, out, lse, lse_rem, rows, splits, h, lq, dv, *out.stride(),
-        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DV=_block(dv),
+        BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_DV=_block(dv),
         num_warps=1 if interpreter_on() else 4,
     )  # fmt: skip
     return out, lse, lse_rem

@@ -23,10 +23,11 @@ Rules shared by both:
 from __future__ import annotations
 
 import torch
-import triton
 
 from dmattn_ops import launch
-from dmattn_ops.kernels.topk_mask import topk_mask_kernel
+from dmattn_ops._triton import LazyKernel, next_power_of_2
+
+topk_mask_kernel = LazyKernel("topk_mask", "topk_mask_kernel")
 
 
 def _allowed(bias: torch.Tensor, mask: torch.Tensor | None, fn: str) -> torch.Tensor | None:
@@ -192,7 +193,7 @@ def _fused_topk(
         return out
     bias_e = bias.expand(shape)
     mask_e = allowed.expand(shape).view(torch.uint8) if allowed is not None else None
-    block = max(triton.next_power_of_2(lk), smooth)
+    block = max(next_power_of_2(lk), smooth)
     warps = 1 if launch.interpreter_on() else min(16, max(4, block // 512))
     topk_mask_kernel[(b * h * lq,)](
         bias_e, mask_e, out.view(torch.int8), *launch.operand_strides(bias_e),

@@ -3,7 +3,8 @@ autograd and vmap rules.
 
 Three ops:
 
-* ``dmattn::attention`` -- the public op of SPEC.md, differentiable in query, key, value, bias.
+* ``dmattn::attention`` -- the public op (README "API" and "Semantics"), differentiable in
+  query, key, value, bias.
 * ``dmattn::attention_forward`` -> (out, lse, lse_rem) -- carries the forward kernel;
   differentiable in query, key, value and bias through out and lse (a gradient of lse folds into
   delta). lse and lse_rem are float32 (float64 for float64 inputs); lse_rem = (max_j s_ij +

@@ -1,6 +1,6 @@
 """Plain PyTorch oracle for Dynamic Mask Attention.
 
-It materialises the full (B, H, Lq, Lk) score matrix and computes every line of SPEC.md
+It materialises the full (B, H, Lq, Lk) score matrix and computes every line of README "Semantics"
 "The function" in the dtype of its inputs, so `attention(*(t.double() for t in inputs))` is the
 float64 oracle of the tests, and the same call on half-precision inputs measures PyTorch's own
 error in that precision. Autograd differentiates it; it shares no code with the kernels.

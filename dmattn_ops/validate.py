@@ -57,7 +57,7 @@ def check_inputs(
     softcap=0.0,
     fn: str = "dmattn.attention",
 ) -> None:
-    """Raise TypeError/ValueError for any call that breaks the contract in SPEC.md "Bad input"."""
+    """Raise TypeError/ValueError for any call that breaks the contract (README "Semantics")."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, t, fn)
     if query.dim() != 4:
@@ -154,9 +154,9 @@ def check_seqused_k_values(seqused_k: torch.Tensor | None, lk: int, fn: str) -> 
         )
 
 
-def check_backend(backend) -> None:
+def check_backend(backend, fn: str = "dmattn.attention") -> None:
     if backend not in BACKENDS:
-        raise ValueError(f"dmattn.attention: backend must be one of {BACKENDS}; got {backend!r}")
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}; got {backend!r}")
 
 
 def _check_heads(query, key, h, hkv, d, dv, fn: str) -> None:
@@ -202,7 +202,7 @@ def check_varlen_inputs(
     softcap=0.0,
     fn: str = "dmattn.attention_varlen",
 ) -> None:
-    """The shape/dtype/device checks of a varlen call (SPEC.md "Shapes", varlen line)."""
+    """The shape/dtype/device checks of a varlen call (README "Variable-length batches")."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, t, fn)
     if query.dim() != 3:

@@ -263,7 +263,7 @@ def attention_bwd_dkdv_kernel(
         p_k + o_n[:, None] * stride_kn + i_d[None, :] * stride_kd,
         mask=m_n[:, None] & (i_d[None, :] < D),
         other=0.0,
-    )  # [BN, BD]  fmt: skip
+    )  # [BN, BD]
     b_v = tl.load(
         V
         + i_b * stride_vb
@@ -272,7 +272,7 @@ def attention_bwd_dkdv_kernel(
         + i_dv[None, :] * stride_vd,
         mask=m_n[:, None] & (i_dv[None, :] < Dv),
         other=0.0,
-    )  # [BN, BDV]  fmt: skip
+    )  # [BN, BDV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
@@ -599,7 +599,7 @@ def attention_bwd_dq_kernel(
         + i_dv[None, :] * stride_dod,
         mask=m_m[:, None] & (i_dv[None, :] < Dv),
         other=0.0,
-    )  # [BM, BDV]  fmt: skip
+    )  # [BM, BDV]
     o_row = i_b * lse_stride_b + i_h * lse_stride_h + o_m
     lse_row, lse_rem, delta = _row_stats(LSE, LSE_REM, DELTA, o_row, m_m)
     p_k = K + i_b * stride_kb + k_row0 * stride_kn + i_g * stride_kh
@@ -803,7 +803,7 @@ def attention_bwd_dbias_kernel(
                         + i_d[None, :] * stride_qd,
                         mask=m_m[:, None] & (i_d[None, :] < D),
                         other=0.0,
-                    )  # [BM, BD]  fmt: skip
+                    )  # [BM, BD]
                     b_do = tl.load(
                         DO
                         + i_b * stride_dob
@@ -812,7 +812,7 @@ def attention_bwd_dbias_kernel(
                         + i_dv[None, :] * stride_dod,
                         mask=m_m[:, None] & (i_dv[None, :] < Dv),
                         other=0.0,
-                    )  # [BM, BDV]  fmt: skip
+                    )  # [BM, BDV]
                     b_kt = tl.load(
                         K
                         + i_b * stride_kb
@@ -821,7 +821,7 @@ def attention_bwd_dbias_kernel(
                         + i_d[:, None] * stride_kd,
                         mask=m_n[None, :] & (i_d[:, None] < D),
                         other=0.0,
-                    )  # [BD, BN]  fmt: skip
+                    )  # [BD, BN]
                     b_vt = tl.load(
                         V
                         + i_b * stride_vb
@@ -830,7 +830,7 @@ def attention_bwd_dbias_kernel(
                         + i_dv[:, None] * stride_vd,
                         mask=m_n[None, :] & (i_dv[:, None] < Dv),
                         other=0.0,
-                    )  # [BDV, BN]  fmt: skip
+                    )  # [BDV, BN]
                     p_mask = MASK
                     if HAS_MASK:
                         p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh

@@ -109,7 +109,7 @@ def attention_decode_kernel(
         + i_d[None, :] * stride_qd,
         mask=valid[:, None] & (i_d[None, :] < D),
         other=0.0,
-    )  # [BM, BD]  fmt: skip
+    )  # [BM, BD]
     p_k = K + i_b * stride_kb + i_g * stride_kh
     p_v = V + i_b * stride_vb + i_g * stride_vh
     p_bias = BIAS

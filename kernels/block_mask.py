@@ -36,7 +36,7 @@ def mask_block_any_kernel(
         + i_n.to(tl.int64)[None, :] * stride_n,
         mask=(i_m[:, None] < Lqm) & (i_n[None, :] < Lk),
         other=0,
-    )  # [BM, BN]  fmt: skip
+    )  # [BM, BN]
     b_any = tl.max(tl.max((b_mask != 0).to(tl.int32), 1), 0)
     tl.store(OUT + (i_bh.to(tl.int64) * NQm + i_qb) * NK + i_kb, b_any.to(tl.int8))
 

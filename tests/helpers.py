@@ -1,6 +1,6 @@
 """Input builders and error bounds shared by the tests.
 
-Bounds follow STYLE.md: a low-precision result passes when its error against the float64 oracle
+Bounds (the project's testing standard): a low-precision result passes when its error against the float64 oracle
 is at most twice the error of the same computation done by PyTorch in that precision
 (`reference.attention` on the low-precision inputs), plus a rounding term of the output dtype.
 NaN never passes: every comparison first checks that the pattern of non-finite values matches.

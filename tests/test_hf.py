@@ -75,3 +75,25 @@ def test_trains_a_few_steps(models):
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     model.eval()
+
+
+def _call(**kwargs):
+    q = torch.randn(1, 2, 5, 8)
+    k = v = torch.randn(1, 1, 5, 8)
+    return dmattn_ops.hf.dmattn_attention_forward(torch.nn.Module(), q, k, v, None, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("s_aux", torch.zeros(2)), ("cu_seq_lens_q", torch.tensor([0, 5])),
+     ("head_mask", torch.ones(2)), ("made_up_argument", 3)],
+)  # fmt: skip
+def test_kwargs_that_change_the_math_are_refused(name, value):
+    with pytest.raises(ValueError, match=f"keyword argument '{name}'"):
+        _call(**{name: value})
+
+
+def test_bookkeeping_and_none_kwargs_are_accepted():
+    out, _ = _call(position_ids=torch.arange(5)[None], use_cache=False, sliding_window=4096,
+                   s_aux=None, head_mask=None, cache_position=torch.arange(5))  # fmt: skip
+    assert out.shape == (1, 5, 2, 8) and torch.isfinite(out).all()

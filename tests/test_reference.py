@@ -1,4 +1,4 @@
-"""The oracle itself, checked against a per-element loop written straight from SPEC.md."""
+"""The oracle itself, checked against a per-element loop written straight from README "Semantics"."""
 
 import math
 

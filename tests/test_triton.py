@@ -178,7 +178,7 @@ def test_causal_alignment_and_seqused(lq, lk, with_mask):
     run_case(c, torch.float32, mask_shape, (1, 1, c.lq, c.lk), is_causal=True, seqused=seqused)
 
 
-# NaN torture: one test per guarantee of SPEC.md.
+# NaN torture: one test per guarantee of README "Semantics".
 
 
 def test_fully_masked_rows_tiles_heads_batches():

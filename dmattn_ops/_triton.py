@@ -1,0 +1,54 @@
+"""Triton, imported on first use.
+
+`import dmattn_ops` does not import Triton: where it does not install (macOS, Windows) the
+PyTorch paths (the chunked implementation, "flex", "reference") work without it. The kernels
+of dmattn_ops.kernels are reached through LazyKernel, which imports them (and Triton) at their
+first launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton can be imported here."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+class LazyKernel:
+    """A kernel of dmattn_ops.kernels, imported at its first use: `kernel[grid](...)` and
+    attribute access behave as on the @triton.jit function itself."""
+
+    def __init__(self, module: str, name: str):
+        self._module, self._name = module, name
+
+    @functools.cached_property
+    def fn(self):
+        module = importlib.import_module(f"dmattn_ops.kernels.{self._module}")
+        return getattr(module, self._name)
+
+    def __getitem__(self, grid):
+        return self.fn[grid]
+
+    def __getattr__(self, attr):
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        return getattr(self.fn, attr)
+
+    def __repr__(self) -> str:
+        return f"LazyKernel(dmattn_ops.kernels.{self._module}.{self._name})"
