@@ -176,3 +176,88 @@ def attention_varlen(
             )
             return out, lse.float()
         return torch.ops.dmattn.attention_varlen(*args, scale, is_causal, softcap, deterministic)
+
+
+# flash-attn-style entry points, for code written against flash_attn.flash_attn_func.
+
+
+def _flash_unsupported(fn, dropout_p, window_size, alibi_slopes, return_attn_probs) -> None:
+    if dropout_p != 0.0:
+        raise ValueError(f"{fn}: dropout_p must be 0.0 (Dynamic Mask Attention has no dropout)")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError(
+            f"{fn}: window_size={tuple(window_size)} is not supported yet; pass (-1, -1), or "
+            "express the window as a mask"
+        )
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            f"{fn}: alibi_slopes is not supported; express ALiBi as a bias (it is one)"
+        )
+    if return_attn_probs:
+        raise NotImplementedError(
+            f"{fn}: return_attn_probs is not supported; dmattn_ops.attention(..., "
+            "return_lse=True) returns the log-sum-exp"
+        )
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`flash_attn.flash_attn_func`'s names, order and conventions over `attention`.
+
+    q (B, Lq, H, D), k/v (B, Lk, Hkv, D|Dv) as in flash-attn; causal is bottom-right aligned
+    as in flash-attn >= 2.1. Returns out (B, Lq, H, Dv). The DMA operands come as keywords:
+    ``mask`` and ``bias`` with the shapes of `attention`. dropout_p > 0, a window other than
+    (-1, -1), alibi_slopes and return_attn_probs raise (DMA has no dropout; windows and ALiBi
+    are a mask and a bias).
+    """
+    fn = "dmattn.flash_attn_func"
+    _flash_unsupported(fn, dropout_p, window_size, alibi_slopes, return_attn_probs)
+    return attention(
+        q, k, v, mask, bias, scale=softmax_scale, is_causal=causal, softcap=softcap,
+        deterministic=deterministic,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`flash_attn.flash_attn_varlen_func`'s names, order and conventions over
+    `attention_varlen`: packed q (total_q, H, D), k/v (total_k, Hkv, D|Dv), int32 cu_seqlens;
+    ``mask``/``bias`` per key token, (H|Hkv|1, total_k). Limits as `flash_attn_func`."""
+    fn = "dmattn.flash_attn_varlen_func"
+    _flash_unsupported(fn, dropout_p, window_size, alibi_slopes, return_attn_probs)
+    return attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias,
+        scale=softmax_scale, is_causal=causal, softcap=softcap, deterministic=deterministic,
+    )  # fmt: skip
