@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import platform
 import subprocess
@@ -429,8 +430,8 @@ def table(results: list[dict]) -> str:
     for r in results:
         by_case.setdefault(r["case"], {})[r["impl"]] = r
     lines = ["| case | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | peak GiB "
-             "| fwd x ours | fwd+bwd x ours | status |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| fwd x ours | fwd+bwd x ours | max err | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
@@ -447,7 +448,7 @@ def table(results: list[dict]) -> str:
                 f"| {case} | {name} | {fmt(r['fwd_ms'], '.3f')} | {fmt(r['fwdbwd_ms'], '.3f')} | "
                 f"{fmt(r['fwd_tflops'], '.0f')} | {fmt(r['fwdbwd_tflops'], '.0f')} | "
                 f"{fmt(r['peak_gib'], '.2f')} | {fmt(ratio_f, '.2f')} | {fmt(ratio_b, '.2f')} | "
-                f"{r['status']} |"
+                f"{fmt(r['max_err'], '.1e')} | {r['status']} |"
             )
     return "\n".join(lines)
 
@@ -482,12 +483,20 @@ def plot(results: list[dict], path: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=None, help="comma-separated case names (default all)")
-    parser.add_argument("--impls", default="ours,sdpa,flex")
+    parser.add_argument(
+        "--impls", default="ours,sdpa,flex", help=f"comma-separated, of {', '.join(IMPLS)}"
+    )
     parser.add_argument("--quick", action="store_true", help="skip the length sweep")
     parser.add_argument("--out", default="bench/out", help="folder for results.csv and the plot")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = args.cases.split(",") if args.cases else list(CASES)
+    for name in names:
+        if name not in CASES:
+            parser.error(f"unknown case {name!r}; the cases are {', '.join(CASES)}")
+    for name in args.impls.split(","):
+        if name not in IMPLS:
+            parser.error(f"unknown implementation {name!r}; they are {', '.join(IMPLS)}")
     if args.quick:
         names = [n for n in names if "sweep" not in CASES[n].tags]
     impls = args.impls.split(",")
@@ -502,14 +511,20 @@ def main(argv=None) -> int:
     start = time.time()
     for idx, name in enumerate(names):
         c = CASES[name] if device == "cuda" else CASES[name].shrink()
-        print(
-            f"[{idx + 1}/{len(names)}] {name}: {c.title} ({time.time() - start:.0f}s)", flush=True
+        title = (
+            c.title
+            if device == "cuda"
+            else (f"CPU smoke of '{c.title}' at B{c.b} H{c.h} Hkv{c.hkv} Lq{c.lq} Lk{c.lk} D{c.d}")
         )
+        print(f"[{idx + 1}/{len(names)}] {name}: {title} ({time.time() - start:.0f}s)", flush=True)
         results += run_case(c, impls, device, dtype, lambda s: print(s, flush=True))
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(results[0]))
         writer.writeheader()
         writer.writerows(results)
+    with open(os.path.join(args.out, "results.json"), "w") as fh:
+        json.dump({"header": header(), "command": " ".join(sys.argv), "results": results}, fh,
+                  indent=1)  # fmt: skip
     print(plot(results, os.path.join(args.out, "tflops_vs_length.png")))
     print()
     print(header())

@@ -8,6 +8,7 @@ own grid). The dkdv sweep also reports the dq kernel's time, which a shared mask
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -70,11 +71,23 @@ def main(cases: list[str], kinds: list[str]) -> int:
     return 0
 
 
+def parse(argv=None) -> tuple[list[str], list[str]]:
+    p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__.splitlines()[0])
+    p.add_argument("cases", nargs="?", default="A,B", help=f"comma-separated, of {list(CASES)}")
+    p.add_argument("kinds", nargs="?", default="fwd,dkdv,dq", help="of fwd, dkdv, dq")
+    args = p.parse_args(argv)
+    cases, kinds = args.cases.split(","), args.kinds.split(",")
+    for c in cases:
+        if c not in CASES:
+            p.error(f"unknown case {c!r}; the cases are {', '.join(CASES)}")
+    for k in kinds:
+        if k not in CANDIDATES:
+            p.error(f"unknown kernel kind {k!r}; the kinds are {', '.join(CANDIDATES)}")
+    return cases, kinds
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    sys.exit(
-        main(
-            args[0].split(",") if args else ["A", "B"],
-            args[1].split(",") if len(args) > 1 else ["fwd", "dkdv", "dq"],
-        )
-    )
+    if not torch.cuda.is_available():
+        parse()
+        sys.exit("bench.tune needs a CUDA GPU")
+    sys.exit(main(*parse()))

@@ -22,3 +22,17 @@ def test_bench_smoke(tmp_path):
     rows = [line for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) > 10 and all(line.rstrip().endswith("| ok |") for line in rows[1:]), res.stdout
     assert (tmp_path / "results.csv").exists()
+    assert (tmp_path / "results.json").exists()
+
+
+def test_argument_errors_are_clear():
+    for args, wanted in (
+        (["bench", "--cases", "Z"], "unknown case 'Z'"),
+        (["bench", "--impls", "cudnn"], "unknown implementation 'cudnn'"),
+        (["bench.tune", "Z"], "unknown case 'Z'"),
+        (["bench.tune", "A", "fwdd"], "unknown kernel kind 'fwdd'"),
+    ):
+        res = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        assert res.returncode == 2 and wanted in res.stderr, (args, res.stderr[-2000:])
+        assert "Traceback" not in res.stderr
