@@ -283,9 +283,21 @@ def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
+def collapse_broadcast(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A (B, H, Lq, Lk) operand whose batch, head or query dim is an expanded view (stride 0,
+    as `mask.expand(B, H, Lq, Lk)` gives) as the same view with that dim of size 1: the data
+    is the same, and a mask shared by all queries then takes the key-list path instead of tile
+    tables. Only for operands that get no gradient (a gradient must keep the caller's shape)."""
+    if t is None or all(t.stride(i) != 0 or t.shape[i] == 1 for i in range(3)):
+        return t
+    index = tuple(slice(0, 1) if t.stride(i) == 0 else slice(None) for i in range(3))
+    return t[index]
+
+
 def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k):
     """Returns out (B, Lq, H, Dv), lse and lse_rem, both float32 (B, H, Lq)."""
     seqused_k = _dense(seqused_k)
+    mask, bias = collapse_broadcast(mask), collapse_broadcast(bias)
     b, lq, h, _ = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     if b * lq * h == 0 or lk == 0:
@@ -376,6 +388,9 @@ def attention_backward(
     kernel uses atomics, so ``deterministic`` selects nothing yet."""
     del deterministic
     seqused_k, lse, lse_rem = _dense(seqused_k), _dense(lse), _dense(lse_rem)
+    mask = collapse_broadcast(mask)
+    if not compute_dbias:
+        bias = collapse_broadcast(bias)
     b, lq, h, d = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     device = query.device

@@ -153,6 +153,22 @@ def test_per_key_operands_given_as_expanded_views():
     assert grads[3].shape == full
 
 
+def test_mask_shared_by_all_queries_given_expanded_takes_the_key_lists(monkeypatch):
+    """mask.expand(B, H, Lq, Lk) of a (B, 1, 1, Lk) mask, as model code often passes it, is a
+    mask shared by all queries: it runs on key lists (no tile tables), with the same result."""
+    c = Case(2, 37, 45, 4, 2, 32, 32)
+    full = (c.b, c.h, c.lq, c.lk)
+    mask = make_mask((c.b, 1, 1, c.lk), density=0.5, device=DEVICE).expand(full)
+    bias = make_bias((c.b, c.hkv, 1, c.lk), dtype=torch.float32, device=DEVICE)
+
+    def no_tables(*args, **kwargs):
+        raise AssertionError("tile tables were built for a mask shared by all queries")
+
+    monkeypatch.setattr(launch, "build_tables", no_tables)
+    _, _, grads = run_case(c, torch.float32, mask=mask, bias=bias, is_causal=True)
+    assert grads[3].shape == bias.shape
+
+
 @pytest.mark.parametrize(
     "mask_pattern,bias_pattern",
     [("bhq", "BHQ"), ("BGQ", "bhq"), ("bHq", "BGq"), ("Bhq", "bGQ"), ("BHQ", "bhQ")],
