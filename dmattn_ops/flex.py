@@ -87,8 +87,10 @@ def make_mask_mod(mask, seqused_k, is_causal: bool, h: int, hkv: int, lq: int, l
     return mask_mod
 
 
-def make_score_mod(bias, softcap: float, h: int, hkv: int):
-    """score_mod for flex: cap(score) + bias, or None when there is nothing to add."""
+def make_score_mod(bias, softcap: float, h: int, hkv: int, shift=None):
+    """score_mod for flex: cap(score) + bias [- shift[b, h, q]], or None when there is nothing
+    to add. shift (B|1, H, Lq) moves a row whose allowed biases all lie near finfo.min back
+    into range (see row_shift)."""
     if bias is None and softcap <= 0:
         return None
 
@@ -99,9 +101,49 @@ def make_score_mod(bias, softcap: float, h: int, hkv: int):
             bb = b if bias.shape[0] > 1 else 0
             qb = qi if bias.shape[2] > 1 else 0
             score = score + bias[bb, _head_index(hi, bias, h, hkv), qb, kj]
+        if shift is not None:
+            score = score - shift[b if shift.shape[0] > 1 else 0, hi, qi]
         return score
 
     return score_mod
+
+
+# FlexAttention keeps its running max and lse in log2 units: a logit below about -2.4e38
+# (finfo(float32).min * log2(e) overflows) becomes -inf there, and a row whose allowed logits all
+# lie that low gets lse -inf (its output stays right). Such logits come from biases near
+# finfo.min; shifting each such row by its largest allowed bias (softmax is shift-invariant)
+# brings it back into range, and the shift is added back to lse.
+_SHIFT_BELOW = -1e37
+
+
+def row_shift(mask, bias, seqused_k, is_causal, b, h, hkv, lq, lk):
+    """(B|1, H, Lq) float32: the largest bias each row may see where it lies below -1e37, else
+    0 (rows untouched), computed on the bias's own broadcast shape."""
+    dev = bias.device
+    n = seqused_k.long() if seqused_k is not None else torch.full((1,), lk, device=dev)
+    j = torch.arange(lk, device=dev)
+    allowed = (j[None, :] < n[:, None])[:, None, None, :]  # [B|1, 1, 1, Lk]
+    if mask is not None:
+        allowed = allowed & _per_head(mask, h, hkv)
+    x = torch.where(allowed, _per_head(bias, h, hkv).float(), float("-inf"))
+    if is_causal:
+        i = torch.arange(lq, device=dev)
+        last = (i[None, :] + (n - lq)[:, None]).clamp(-1, lk - 1)  # [B|1, Lq]: last key seen
+        running = x.cummax(dim=-1).values  # max over keys 0..j
+        running = running.expand(*running.shape[:2], lq, lk)
+        idx = last.clamp(min=0)[:, None, :, None].expand(running.shape[0], h, lq, 1)
+        best = running.expand(idx.shape[0], h, lq, lk).gather(-1, idx).squeeze(-1)
+        best = torch.where(last[:, None, :] >= 0, best, float("-inf"))
+    else:
+        best = x.amax(dim=-1).expand(-1, h, lq)
+    return torch.where((best < _SHIFT_BELOW) & best.isfinite(), best, 0.0).contiguous()
+
+
+def _per_head(t, h: int, hkv: int):
+    """(B|1, H|Hkv|1, Lq|1, Lk) -> (B|1, H, Lq|1, Lk), a view where it can be."""
+    if t.shape[1] == hkv and hkv != h:
+        return t.repeat_interleave(h // hkv, dim=1)
+    return t.expand(t.shape[0], h, *t.shape[2:])
 
 
 def block_mask_for(mask, seqused_k, is_causal, b, h, hkv, lq, lk, device):
@@ -272,7 +314,10 @@ def attention(
         value = torch.where(used, value, 0)
 
     block_mask = block_mask_for(mask, seqused_k, is_causal, b, h, hkv, lq, lk, device)
-    score_mod = make_score_mod(bias, softcap, h, hkv)
+    shift = None
+    if return_lse and bias is not None:
+        shift = row_shift(mask, bias, seqused_k, is_causal, b, h, hkv, lq, lk)
+    score_mod = make_score_mod(bias, softcap, h, hkv, shift)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     kwargs = dict(
         score_mod=score_mod,
@@ -284,7 +329,8 @@ def attention(
     result = _flex(q, k, v, kernel_options(bias, max(d, dv), device), kwargs)
     if return_lse:
         out, lse = result
-        return out.transpose(1, 2), lse.float()
+        lse = lse.float() if shift is None else lse.float() + shift.expand(b, h, lq)
+        return out.transpose(1, 2), lse
     return result.transpose(1, 2)
 
 

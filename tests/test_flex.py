@@ -242,3 +242,26 @@ def test_dma_layer_with_flex_compiles_fullgraph_forward_and_backward():
     want = run_eager(torch.float64, "reference")
     for i, (a, w, e) in enumerate(zip(got, want, eager)):
         assert_close(a.double(), w, low_precision_bound(w, e, torch.float32), f"layer[{i}]")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("bias_pattern", ["bGq", "bHQ", "bhq"])
+def test_lse_of_rows_whose_logits_all_lie_near_finfo_min(is_causal, bias_pattern):
+    """Flex keeps lse in log2 units, where finfo(float32).min * log2(e) overflows; rows whose
+    allowed biases all lie near finfo.min are shifted into range and the shift added back
+    (issue 19, item 8). Rows with no key at all (Lq > Lk, causal) stay empty: out 0, lse -inf."""
+    c = Case(1, 11, 9, 4, 2, 16, 16)
+    q, k, v = inputs(c)
+    bias = torch.full(operand_shape(bias_pattern, c), torch.finfo(torch.float32).min,
+                      device=DEVICE)  # fmt: skip
+    bias[..., 3] = -3.0e38
+    bias[..., 5] = 2.0  # seen by some rows only, under causality
+    mask = make_mask((1, c.hkv, 1, c.lk), device=DEVICE)
+    mask[..., 0] = True
+    out, lse = flex.attention(q, k, v, mask, bias, is_causal=is_causal, return_lse=True)
+    up = [t.double() for t in (q, k, v, bias)]
+    ref, ref_lse = reference.attention(*up[:3], mask, up[3], is_causal=is_causal, return_lse=True)
+    assert_close(out, ref, 1e-5, "out")
+    # lse of about -3.4e38 in float32: a relative bound of a few float32 ulps.
+    fin = ref_lse[ref_lse.isfinite()]
+    assert_close(lse, ref_lse, 4 * torch.finfo(torch.float32).eps * fin.abs().max().item(), "lse")
