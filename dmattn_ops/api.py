@@ -5,7 +5,27 @@ from __future__ import annotations
 import torch
 
 from dmattn_ops import flex, launch, ops, reference
-from dmattn_ops.validate import check_backend, check_flags, check_inputs, check_varlen_inputs
+from dmattn_ops.validate import (
+    check_backend,
+    check_flags,
+    check_inputs,
+    check_sinks,
+    check_varlen_inputs,
+)
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """(out, lse) of attention without sinks -> with them: lse' = logaddexp(lse, sinks[h]),
+    out' = out * exp(lse - lse'), exactly the softmax with the sink in its denominator.
+    Differentiable in out, lse (so in every input) and sinks; finite everywhere: a sink of -inf
+    is no sink, and a row with no key and a sink of -inf keeps lse -inf."""
+    s = sinks.to(lse.dtype)[None, :, None]  # [1, H, 1]
+    s_finite = s.clamp(min=torch.finfo(lse.dtype).min)
+    lse_new = torch.logaddexp(lse, s_finite)
+    weight = torch.exp(lse - lse_new)  # in [0, 1]; 0 for a row with no key
+    out_new = (out.to(weight.dtype) * weight.transpose(1, 2)[..., None]).to(out.dtype)
+    lse_new = torch.where((lse == float("-inf")) & (s == float("-inf")), float("-inf"), lse_new)
+    return out_new, lse_new
 
 
 def _check_triton_can_run(query: torch.Tensor, fn: str = "dmattn.attention") -> None:
@@ -40,6 +60,8 @@ def attention(
     deterministic: bool = False,
     return_lse: bool = False,
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
+    _internal_lse: bool = False,
 ):
     r"""Dynamic Mask Attention.
 
@@ -59,6 +81,9 @@ def attention(
         deterministic: bitwise reproducible backward.
         return_lse: also return lse, float32 (B, H, Lq), natural log.
         backend: "auto", "triton", "flex" or "reference".
+        sinks: float (H,) (query's dtype or float32), or None: a learned logit per query head
+            that joins each row's softmax denominator only (attention sinks, as GPT-OSS);
+            differentiable. A row with no allowed key then has out 0 and lse sinks[h].
 
     Returns:
         out (B, Lq, H, Dv) in query's dtype, or (out, lse) when ``return_lse``.
@@ -85,6 +110,21 @@ def attention(
         return_lse=return_lse,
     )  # fmt: skip
     query, key, value, bias = ops.autocast_inputs(query, key, value, bias)
+    if sinks is not None:
+        if isinstance(query, torch.Tensor) and query.dim() == 4:
+            check_sinks(sinks, query, "dmattn.attention")
+        if backend == "reference":
+            return reference.attention(
+                query, key, value, mask, bias, scale=scale, is_causal=is_causal,
+                softcap=softcap, seqused_k=seqused_k, return_lse=return_lse, sinks=sinks,
+            )  # fmt: skip
+        out, lse = attention(
+            query, key, value, mask, bias, scale=scale, is_causal=is_causal, softcap=softcap,
+            seqused_k=seqused_k, deterministic=deterministic, backend=backend,
+            return_lse=True, _internal_lse=True,
+        )  # fmt: skip
+        out, lse = add_sinks(out, lse, sinks)
+        return (out, lse.float()) if return_lse else out
     with ops.autocast_off(query):
         if backend in ("reference", "flex"):
             fn = reference.attention if backend == "reference" else flex.attention
@@ -103,7 +143,8 @@ def attention(
             out, lse, _ = torch.ops.dmattn.attention_forward(
                 query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
             )
-            return out, lse.float()  # float64 inputs keep a float64 lse inside the ops
+            # float64 inputs keep a float64 lse inside the ops
+            return out, (lse if _internal_lse else lse.float())
         return torch.ops.dmattn.attention(
             query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
         )

@@ -22,10 +22,11 @@ Keyword arguments transformers hands to the attention function are either used, 
 bookkeeping, or refused; nothing that changes the attention's math is dropped silently:
 
 * used: ``dma_mask``, ``dma_bias``, ``softcap`` (Gemma 2 logit soft-capping), ``sliding_window``
-  (transformers' mask builder has already applied the window to ``attention_mask``);
+  (transformers' mask builder has already applied the window to ``attention_mask``), ``s_aux``
+  (GPT-OSS attention sinks, passed as ``sinks``);
 * ignored (bookkeeping): ``IGNORED`` below (positions, cache and output flags);
-* refused with a ValueError naming it: attention sinks (GPT-OSS ``s_aux``), packed-sequence
-  arguments (``cu_seq_lens_q`` and friends: use ``dmattn_ops.attention_varlen``), ``head_mask``,
+* refused with a ValueError naming it: packed-sequence arguments (``cu_seq_lens_q`` and
+  friends: use ``dmattn_ops.attention_varlen``), ``head_mask``,
   and any other keyword whose value is not None.
 
 Generation: ``model.generate`` does not forward unknown model kwargs such as ``dma_mask`` to the
@@ -41,14 +42,13 @@ from __future__ import annotations
 import torch
 
 NAME = "dmattn"
-USED = frozenset({"dma_mask", "dma_bias", "softcap", "sliding_window"})
+USED = frozenset({"dma_mask", "dma_bias", "softcap", "sliding_window", "s_aux"})
 IGNORED = frozenset({
     "position_ids", "use_cache", "cache_position", "past_key_value", "past_key_values",
     "output_attentions", "output_hidden_states", "return_dict", "position_embeddings",
     "token_type_ids", "labels", "logits_to_keep", "num_items_in_batch", "layer_idx",
 })  # fmt: skip
 REFUSED = {
-    "s_aux": "attention sinks (GPT-OSS) are not supported yet",
     "cu_seq_lens_q": "packed sequences: call dmattn_ops.attention_varlen",
     "cu_seq_lens_k": "packed sequences: call dmattn_ops.attention_varlen",
     "max_length_q": "packed sequences: call dmattn_ops.attention_varlen",
@@ -104,6 +104,9 @@ def dmattn_attention_forward(
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         causal = bool(causal) and query.shape[2] > 1
     softcap = kwargs.get("softcap") or 0.0
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        sinks = sinks.to(torch.float32 if sinks.dtype != query.dtype else sinks.dtype)
     from dmattn_ops import attention
 
     out = attention(
@@ -115,6 +118,7 @@ def dmattn_attention_forward(
         scale=scaling,
         is_causal=causal,
         softcap=float(softcap),
+        sinks=sinks,
     )
     return out, None
 

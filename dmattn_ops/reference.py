@@ -8,6 +8,8 @@ error in that precision. Autograd differentiates it; it shares no code with the 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dmattn_ops.validate import (
@@ -40,6 +42,7 @@ def attention(
     deterministic: bool = False,
     return_lse: bool = False,
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
     _keep_lse_dtype: bool = False,
 ):
     r"""Dynamic Mask Attention, computed naively (the test oracle).
@@ -55,6 +58,10 @@ def attention(
         cap(x)  = softcap * tanh(x / softcap) if softcap > 0 else x
         out_i   = sum_j softmax_j(s(i, .)) v_j      (0 when no key is allowed)
         lse_i   = log sum_j exp(s(i, j))            (-inf when no key is allowed)
+
+    With ``sinks`` (H,), a learned logit per query head joins each row's softmax denominator
+    only: lse_i = log(exp(sinks[h]) + sum_j exp(s(i, j))), out_i = sum_j exp(s(i, j) - lse_i) v_j
+    (a row with no allowed key: out 0, lse sinks[h]).
 
     Keys at or beyond n are zeroed before use, so NaN in an unused KV-cache slot never reaches
     the result. ``deterministic`` and ``backend`` are accepted for signature parity and ignored.
@@ -99,10 +106,16 @@ def attention(
         x = x + _per_query_head(bias, h, hkv).to(x.dtype)
     s = torch.where(allowed, x, float("-inf"))
 
-    m = s.amax(dim=-1, keepdim=True).detach() if lk > 0 else s.new_zeros(b, h, lq, 1)
+    m = s.amax(dim=-1, keepdim=True).detach() if lk > 0 else s.new_full((b, h, lq, 1), -math.inf)
+    sink = None
+    if sinks is not None:
+        sink = sinks.to(x.dtype)[None, :, None, None]  # [1, H, 1, 1]
+        m = torch.maximum(m, sink.detach())
     m = torch.where(m == float("-inf"), 0, m)
     p = torch.exp(s - m)
     denom = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - m)  # the sink joins the denominator only
     nonempty = denom > 0
     out = (p @ v) / torch.where(nonempty, denom, 1)
     lse = torch.where(

@@ -294,3 +294,20 @@ def check_cu_seqlens_values(
             raise ValueError(
                 f"{fn}: a sequence in {name} has length {step_max}, more than {mname}={max_len}"
             )
+
+
+def check_sinks(sinks, query: torch.Tensor, fn: str) -> None:
+    """sinks: None or a float tensor (H,) in query's dtype or float32, on query's device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"{fn}: sinks must be a tensor (H,) or None; got {type(sinks).__name__}")
+    h = query.shape[2]
+    if tuple(sinks.shape) != (h,):
+        raise ValueError(f"{fn}: sinks must have shape (H,) = ({h},); got {tuple(sinks.shape)}")
+    if sinks.dtype not in (query.dtype, torch.float32):
+        raise TypeError(
+            f"{fn}: sinks dtype must be query's ({query.dtype}) or torch.float32; got {sinks.dtype}"
+        )
+    if sinks.device != query.device:
+        raise ValueError(f"{fn}: sinks is on {sinks.device}, query on {query.device}")

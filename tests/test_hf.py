@@ -85,7 +85,7 @@ def _call(**kwargs):
 
 @pytest.mark.parametrize(
     "name, value",
-    [("s_aux", torch.zeros(2)), ("cu_seq_lens_q", torch.tensor([0, 5])),
+    [("cu_seq_lens_q", torch.tensor([0, 5])),
      ("head_mask", torch.ones(2)), ("made_up_argument", 3)],
 )  # fmt: skip
 def test_kwargs_that_change_the_math_are_refused(name, value):
@@ -97,3 +97,17 @@ def test_bookkeeping_and_none_kwargs_are_accepted():
     out, _ = _call(position_ids=torch.arange(5)[None], use_cache=False, sliding_window=4096,
                    s_aux=None, head_mask=None, cache_position=torch.arange(5))  # fmt: skip
     assert out.shape == (1, 5, 2, 8) and torch.isfinite(out).all()
+
+
+def test_gpt_oss_sinks_are_applied():
+    q = torch.randn(1, 2, 5, 8)
+    k = v = torch.randn(1, 1, 5, 8)
+    s_aux = torch.tensor([0.3, -0.7])
+    out, _ = dmattn_ops.hf.dmattn_attention_forward(
+        torch.nn.Module(), q, k, v, None, scaling=0.5, is_causal=True, s_aux=s_aux
+    )
+    want = dmattn_ops.reference.attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.5, is_causal=True,
+        sinks=s_aux,
+    )  # fmt: skip
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)

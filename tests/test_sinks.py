@@ -1,0 +1,105 @@
+"""Attention sinks (issue 16, the sinks half): a learned logit per query head in each row's
+softmax denominator, against the float64 oracle and an independent formulation."""
+
+import pytest
+import torch
+from helpers import assert_close, float64_grad_bound, low_precision_bound
+
+import dmattn_ops
+from dmattn_ops import launch, reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = DEVICE == "cuda" or launch.interpreter_on()
+
+
+def _inputs(dtype, b=2, lq=7, lk=9, h=4, hkv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, lq, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, lk, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, lk, hkv, d, generator=g, dtype=torch.float64)
+    bias = torch.randn(b, hkv, 1, lk, generator=g, dtype=torch.float64)
+    mask = torch.rand(b, hkv, 1, lk, generator=g) < 0.5
+    mask[0, 0] = False  # the query heads of this KV group see no key at all
+    sinks = torch.tensor([0.5, -1.0, float("-inf"), 3.0], dtype=torch.float64)
+    sinks = sinks.to(DEVICE, torch.float64 if dtype == torch.float64 else torch.float32)
+    return [t.to(DEVICE, dtype) for t in (q, k, v, bias)] + [mask.to(DEVICE), sinks]
+
+
+def test_oracle_equals_a_sink_key_with_zero_value():
+    """The sink as one more key, first in line, whose logit is sinks[h] and whose value is 0."""
+    q, k, v, bias, mask, sinks = _inputs(torch.float64)
+    sinks = sinks.clone()
+    sinks[2] = -2.0  # a plain key cannot carry -inf and stay visible
+    b, lq, h, _ = q.shape
+    lk = k.shape[1]
+    hkv = k.shape[2]
+    k1 = torch.cat([torch.zeros_like(k[:, :1]), k], dim=1)
+    v1 = torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
+    bias_h = bias.repeat_interleave(h // hkv, dim=1).expand(b, h, lq, lk)
+    bias1 = torch.cat([sinks[None, :, None, None].expand(b, h, lq, 1), bias_h], dim=-1)
+    mask_h = mask.repeat_interleave(h // hkv, dim=1).expand(b, h, lq, lk)
+    mask1 = torch.cat([torch.ones(b, h, lq, 1, dtype=torch.bool, device=DEVICE), mask_h], dim=-1)
+    want, want_lse = reference.attention(q, k1, v1, mask1, bias1, is_causal=True, return_lse=True)
+    got, lse = reference.attention(q, k, v, mask, bias, is_causal=True, sinks=sinks,
+                                   return_lse=True)  # fmt: skip
+    assert_close(got, want, 1e-12, "out")
+    assert_close(lse, want_lse, 1e-6, "lse")  # the public lse is float32
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_forward_and_gradients_against_the_oracle(backend, dtype):
+    if backend == "triton" and (dtype == torch.float64 or not TRITON):
+        pytest.skip("the Triton kernels take fp16/bf16/fp32, on CUDA or the interpreter")
+    inputs = _inputs(dtype)
+    mask = inputs[4]
+    leaves = [t.clone().requires_grad_() for i, t in enumerate(inputs) if i != 4]
+
+    def run(fn, tensors, **kw):
+        q, k, v, bias, sinks = tensors
+        out, lse = fn(q, k, v, mask, bias, is_causal=True, softcap=4.0, sinks=sinks,
+                      return_lse=True, **kw)  # fmt: skip
+        loss = (out.double() * torch.cos(out.double())).sum() + (
+            lse.double().where(lse.isfinite(), 0) * 0.3
+        ).sum()
+        grads = torch.autograd.grad(loss, tensors)
+        return out, lse, grads
+
+    out, lse, grads = run(dmattn_ops.attention, leaves, backend=backend)
+    up = [t.detach().double().requires_grad_() for t in leaves]
+    ref, ref_lse, ref_grads = run(reference.attention, up)
+    low = [t.detach().clone().requires_grad_() for t in leaves]
+    ref_lp, _, ref_lp_grads = run(reference.attention, low)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    names = ("dq", "dk", "dv", "dbias", "dsinks")
+    if dtype == torch.float64:
+        assert_close(out, ref, 1e-12, "out")
+        for name, g, w in zip(names, grads, ref_grads):
+            assert_close(g, w, max(1e-12, float64_grad_bound(w, ref_lse)), name)
+    else:
+        assert_close(out, ref, low_precision_bound(ref, ref_lp, dtype), "out")
+        for name, g, w, wl in zip(names, grads, ref_grads, ref_lp_grads):
+            assert_close(g, w, low_precision_bound(w, wl, dtype), name)
+    assert_close(lse, ref_lse, 1e-5 * max(1.0, ref_lse[ref_lse.isfinite()].abs().max().item()),
+                 "lse")  # fmt: skip
+    # Rows of the KV group that sees no key: out 0, lse = sinks[h] (-inf for a -inf sink).
+    assert (out[0, :, :2] == 0).all()
+    sinks = inputs[5]
+    assert_close(lse[0, :2], sinks[:2, None].float().expand(2, lse.shape[2]), 0.0, "lse = sink")
+
+
+def test_sinks_of_finfo_min_and_minus_inf_are_no_sink():
+    q, k, v, bias, mask, _ = _inputs(torch.float32)
+    plain = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True)
+    for value in (torch.finfo(torch.float32).min, float("-inf")):
+        sinks = torch.full((4,), value, device=DEVICE)
+        out = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, sinks=sinks)
+        assert torch.equal(out, plain)
+
+
+def test_invalid_sinks_raise():
+    q, k, v, bias, mask, _ = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="sinks must have shape"):
+        dmattn_ops.attention(q, k, v, sinks=torch.zeros(3, device=DEVICE))
+    with pytest.raises(TypeError, match="sinks dtype"):
+        dmattn_ops.attention(q, k, v, sinks=torch.zeros(4, dtype=torch.float16, device=DEVICE))
