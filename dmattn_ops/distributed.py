@@ -1,0 +1,259 @@
+"""Context parallelism: Dynamic Mask Attention over a sequence sharded across ranks.
+
+Each of R ranks holds L/R rows of the sequence (queries, keys, values, and the per-key mask and
+bias columns of its keys). `ring_attention` computes exactly `dmattn_ops.attention` over the
+whole sequence, returning this rank's output rows: K, V and their mask/bias columns travel around
+the ring of ranks with torch.distributed point-to-point ops (the next block's transfer overlaps
+the current block's compute), each step calls the forward op on one (query chunk, key chunk)
+pair and the partial outputs merge by their log-sum-exp. The backward runs the ring again with
+the global output and lse: dQ stays local, dK/dV/dbias accumulate while travelling with their
+K/V and reach their owner after the last hop. No rank ever holds a full-sequence tensor.
+
+Layouts: "zigzag" cuts the sequence into 2R chunks and gives rank r chunks r and 2R-1-r, which
+balances causal work (every rank has an early and a late chunk); "contiguous" gives rank r chunk
+r. `shard` and `unshard` convert between whole tensors and this rank's part.
+
+Backends: NCCL on GPUs, gloo on CPU (any torch.distributed backend with point-to-point ops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dmattn_ops.ops import default_scale
+from dmattn_ops.validate import check_flags, check_inputs
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def _world(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _chunk_ids(layout: str, rank: int, world: int) -> tuple[int, ...]:
+    """Global chunk indices held by a rank, in the order they sit in its local rows."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"dmattn.distributed: layout must be one of {LAYOUTS}; got {layout!r}")
+    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def shard(x: torch.Tensor, dim: int, group=None, *, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's part of x along dim (a copy); x.shape[dim] must divide into 2R chunks
+    ("zigzag") or R chunks ("contiguous")."""
+    world, rank = _world(group)
+    ids = _chunk_ids(layout, rank, world)
+    n_chunks = 2 * world if layout == "zigzag" else world
+    if x.shape[dim] % n_chunks:
+        raise ValueError(
+            f"dmattn.distributed.shard: the sharded dim has {x.shape[dim]} entries, which do not "
+            f"divide into {n_chunks} chunks ({layout} layout over {world} ranks)"
+        )
+    chunks = x.chunk(n_chunks, dim=dim)
+    return torch.cat([chunks[i] for i in ids], dim=dim)
+
+
+def unshard(x_local: torch.Tensor, dim: int, group=None, *, layout: str = "zigzag"):
+    """The whole tensor from every rank's part (all-gather), on every rank; the inverse of
+    `shard`. Not differentiable."""
+    world, _ = _world(group)
+    parts = [torch.empty_like(x_local) for _ in range(world)]
+    dist.all_gather(parts, x_local.contiguous(), group=group)
+    n_chunks = 2 * world if layout == "zigzag" else world
+    chunks = [None] * n_chunks
+    for rank, part in enumerate(parts):
+        ids = _chunk_ids(layout, rank, world)
+        for cid, piece in zip(ids, part.chunk(len(ids), dim=dim)):
+            chunks[cid] = piece
+    return torch.cat(chunks, dim=dim)
+
+
+@dataclass(frozen=True)
+class _Ring:
+    group: object
+    world: int
+    rank: int
+    layout: str
+    scale: float
+    is_causal: bool
+    softcap: float
+    deterministic: bool
+
+    def ids(self, rank: int) -> tuple[int, ...]:
+        return _chunk_ids(self.layout, rank, self.world)
+
+    def pairs(self, src: int, rows: int):
+        """(query slice, key slice, causal) of each visible (local query chunk, key chunk of
+        rank src) pair; chunks have rows // len(ids) rows."""
+        q_ids, k_ids = self.ids(self.rank), self.ids(src)
+        cq, ck = rows // len(q_ids), rows // len(k_ids)
+        for qi, a in enumerate(q_ids):
+            for ki, c in enumerate(k_ids):
+                if self.is_causal and c > a:
+                    continue  # every key of chunk c lies after every query of chunk a
+                diagonal = self.is_causal and c == a
+                yield slice(qi * cq, (qi + 1) * cq), slice(ki * ck, (ki + 1) * ck), diagonal
+
+    def exchange(self, tensors):
+        """Send these tensors to the next rank and receive the previous rank's (same shapes):
+        started now, finished by calling the returned function."""
+        peers = ((self.rank + 1) % self.world, (self.rank - 1) % self.world)
+        # Bool masks travel as bytes (not every backend sends bool).
+        outgoing = [t.contiguous().view(torch.uint8) if t.dtype == torch.bool else t.contiguous()
+                    for t in tensors]  # fmt: skip
+        incoming = [torch.empty_like(t) for t in outgoing]
+        ops = []
+        for t, buf in zip(outgoing, incoming):
+            ops.append(dist.P2POp(dist.isend, t, self._global(peers[0]), self.group))
+            ops.append(dist.P2POp(dist.irecv, buf, self._global(peers[1]), self.group))
+        requests = dist.batch_isend_irecv(ops)
+
+        def finish():
+            for request in requests:
+                request.wait()
+            return [buf.view(torch.bool) if t.dtype == torch.bool else buf
+                    for t, buf in zip(tensors, incoming)]  # fmt: skip
+
+        return finish
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+
+def _cols(t, s: slice):
+    return None if t is None else t[..., s]
+
+
+def _merge(out, lse, o, lse_o):
+    """Merge a partial (o, lse_o) into the running (out, lse), both fp32 (float64 for
+    float64), by their log-sum-exp; rows that have seen no key stay (0, -inf)."""
+    new = torch.logaddexp(lse, lse_o)
+    seen = new > float("-inf")
+    w_old = torch.where(seen, torch.exp(lse - new), 0.0).transpose(1, 2)[..., None]
+    w_new = torch.where(seen, torch.exp(lse_o - new), 0.0).transpose(1, 2)[..., None]
+    return out * w_old + o.to(out.dtype) * w_new, new
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, mask, bias, ring: _Ring):
+        rows = query.shape[1]
+        stats = torch.float64 if query.dtype == torch.float64 else torch.float32
+        b, _, h, _ = query.shape
+        out = torch.zeros((*query.shape[:3], value.shape[-1]), dtype=stats, device=query.device)
+        lse = torch.full((b, h, rows), float("-inf"), dtype=stats, device=query.device)
+        travelling = [t for t in (key, value, mask, bias) if t is not None]
+        for step in range(ring.world):
+            src = (ring.rank - step) % ring.world
+            finish = ring.exchange(travelling) if step < ring.world - 1 else None
+            k, v, m, bb = _unpack(travelling, mask is not None, bias is not None)
+            for qs, ks, diagonal in ring.pairs(src, rows):
+                o, l_o, _ = torch.ops.dmattn.attention_forward(
+                    query[:, qs], k[:, ks], v[:, ks], _cols(m, ks), _cols(bb, ks), ring.scale,
+                    diagonal, ring.softcap, None, ring.deterministic,
+                )  # fmt: skip
+                out[:, qs], lse[:, :, qs] = _merge(out[:, qs], lse[:, :, qs], o, l_o)
+            if finish is not None:
+                travelling = finish()
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, key, value, mask, bias, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, mask, bias, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        rows = query.shape[1]
+        need_dbias = bias is not None and ctx.needs_input_grad[4]
+        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+        dq = torch.zeros(query.shape, dtype=acc, device=query.device)
+        dk = torch.zeros(key.shape, dtype=acc, device=key.device)
+        dv = torch.zeros(value.shape, dtype=acc, device=value.device)
+        db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_dbias else None
+        lse_rem = torch.zeros_like(lse)  # the merged lse carries no remainder
+        grad_out = grad_out.contiguous()
+        kv = [t for t in (key, value, mask, bias) if t is not None]
+        for step in range(ring.world):
+            src = (ring.rank - step) % ring.world
+            finish = ring.exchange(kv) if step < ring.world - 1 else None
+            k, v, m, bb = _unpack(kv, mask is not None, bias is not None)
+            for qs, ks, diagonal in ring.pairs(src, rows):
+                g = torch.ops.dmattn.attention_backward(
+                    grad_out[:, qs], None, query[:, qs], k[:, ks], v[:, ks], out[:, qs],
+                    lse[:, :, qs], lse_rem[:, :, qs], _cols(m, ks), _cols(bb, ks), ring.scale,
+                    diagonal, ring.softcap, None, ring.deterministic, need_dbias,
+                )  # fmt: skip
+                dq[:, qs] += g[0]
+                dk[:, ks] += g[1]
+                dv[:, ks] += g[2]
+                if need_dbias:
+                    db[..., ks] += g[3]
+            # The accumulators travel with the keys they belong to; after the last step they
+            # sit one rank before their owner, and one more hop brings them home.
+            if ring.world > 1:
+                grads = [dk, dv] + ([db] if need_dbias else [])
+                dk, dv, *rest = ring.exchange(grads)()
+                db = rest[0] if need_dbias else None
+            if finish is not None:
+                kv = finish()
+        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None,
+                db.to(bias.dtype) if need_dbias else None, None)  # fmt: skip
+
+
+def _unpack(tensors, has_mask: bool, has_bias: bool):
+    k, v, *rest = tensors
+    m = rest.pop(0) if has_mask else None
+    bb = rest.pop(0) if has_bias else None
+    return k, v, m, bb
+
+
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    group=None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    layout: str = "zigzag",
+) -> torch.Tensor:
+    """`dmattn_ops.attention` over a sequence sharded across the ranks of `group`; returns this
+    rank's output rows (B, L/R, H, Dv).
+
+    query (B, L/R, H, D), key/value (B, L/R, Hkv, D|Dv): this rank's rows (`shard` with the same
+    layout), every rank the same length. mask and bias: per key, shared by all queries,
+    (B|1, H|Hkv|1, 1, L/R), sharded along their last dim like the keys. Causal masking is on
+    global positions (query and key sequences of the same length). Differentiable in query,
+    key, value and bias; bias's gradient comes back for this rank's columns.
+    """
+    fn = "dmattn.distributed.ring_attention"
+    check_flags(fn, is_causal=is_causal, deterministic=deterministic)
+    check_inputs(query, key, value, mask, bias, None, scale, softcap, fn=fn)
+    for name, t in (("mask", mask), ("bias", bias)):
+        if t is not None and t.shape[2] != 1:
+            raise ValueError(
+                f"{fn}: {name} must be per key, (B|1, H|Hkv|1, 1, L/R), shared by all queries "
+                f"(the DMA pattern); got {tuple(t.shape)}: masks or biases that vary per query "
+                "are not supported across ranks"
+            )
+    if query.shape[1] != key.shape[1]:
+        raise ValueError(
+            f"{fn}: each rank holds the same rows of queries and keys; got {query.shape[1]} "
+            f"query rows and {key.shape[1]} key rows"
+        )
+    world, rank = _world(group)
+    n_local_chunks = len(_chunk_ids(layout, rank, world))
+    if query.shape[1] % n_local_chunks:
+        raise ValueError(f"{fn}: the {layout} layout needs an even number of rows per rank")
+    ring = _Ring(
+        group, world, rank, layout, default_scale(query) if scale is None else float(scale),
+        is_causal, float(softcap), deterministic,
+    )  # fmt: skip
+    return _RingAttention.apply(query, key, value, mask, bias, ring)

@@ -1,0 +1,109 @@
+"""Context parallelism on CPU (gloo): ring_attention over 2 and 3 processes equals
+dmattn_ops.attention on the whole sequence, outputs and every gradient (issue 17)."""
+
+import os
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CONFIGS = [
+    # (layout, is_causal, with_operands, h, hkv, softcap)
+    ("zigzag", True, True, 4, 2, 0.0),
+    ("zigzag", False, True, 4, 4, 3.0),
+    ("contiguous", True, True, 4, 1, 0.0),
+    ("contiguous", False, False, 2, 2, 0.0),
+    ("zigzag", True, False, 4, 2, 5.0),
+]
+
+
+def _worker(rank: int, world: int, rendezvous: str, failures) -> None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    from helpers import assert_close, float64_grad_bound
+
+    import dmattn_ops
+    from dmattn_ops import distributed as cp
+    from dmattn_ops import reference
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        for layout, is_causal, with_operands, h, hkv, softcap in CONFIGS:
+            g = torch.Generator().manual_seed(7)  # the same whole tensors on every rank
+            b, length, d = 2, 4 * world * 3, 8
+            q = torch.randn(b, length, h, d, generator=g, dtype=torch.float64)
+            k = torch.randn(b, length, hkv, d, generator=g, dtype=torch.float64)
+            v = torch.randn(b, length, hkv, d, generator=g, dtype=torch.float64)
+            bias = mask = None
+            if with_operands:
+                bias = torch.randn(b, hkv, 1, length, generator=g, dtype=torch.float64)
+                mask = torch.rand(b, 1, 1, length, generator=g) < 0.6
+                mask[..., 0] = True
+            w = torch.randn(b, length, h, d, generator=g, dtype=torch.float64)
+            kw = dict(is_causal=is_causal, softcap=softcap)
+
+            whole = [t.clone().requires_grad_() for t in (q, k, v)]
+            whole_bias = bias.clone().requires_grad_() if bias is not None else None
+            want = dmattn_ops.attention(*whole, mask, whole_bias, **kw)
+            (want * w).sum().backward()
+            _, lse = reference.attention(q, k, v, mask, bias, return_lse=True, **kw)
+
+            def part(t, dim=1, layout=layout):
+                return cp.shard(t, dim, layout=layout) if t is not None else None
+
+            local = [part(t).requires_grad_() for t in (q, k, v)]
+            local_bias = part(bias, 3).requires_grad_() if bias is not None else None
+            out = cp.ring_attention(*local, part(mask, 3), local_bias, layout=layout, **kw)
+            (out * part(w)).sum().backward()
+            what = f"{layout} causal={is_causal} operands={with_operands} H{h} Hkv{hkv}"
+            got = [cp.unshard(out.detach(), 1, layout=layout)]
+            got += [cp.unshard(t.grad, 1, layout=layout) for t in local]
+            wanted = [want.detach()] + [t.grad for t in whole]
+            if bias is not None:
+                got.append(cp.unshard(local_bias.grad, 3, layout=layout))
+                wanted.append(whole_bias.grad)
+            for name, a, e in zip(("out", "dq", "dk", "dv", "dbias"), got, wanted):
+                assert_close(a, e, max(1e-12, float64_grad_bound(e, lse)), f"{what} {name}")
+    except Exception:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_attention_equals_attention_on_the_whole_sequence(world, tmp_path):
+    ctx = mp.get_context("spawn")
+    failures = ctx.SimpleQueue()
+    env = {"TRITON_INTERPRET": os.environ.pop("TRITON_INTERPRET", None)}
+    try:
+        mp.start_processes(_worker, args=(world, str(tmp_path / "rdv"), failures),
+                           nprocs=world, start_method="spawn")  # fmt: skip
+    except mp.ProcessRaisedException:
+        messages = []
+        while not failures.empty():
+            messages.append(failures.get())
+        pytest.fail("\n".join(messages) or "a rank failed")
+    finally:
+        if env["TRITON_INTERPRET"] is not None:
+            os.environ["TRITON_INTERPRET"] = env["TRITON_INTERPRET"]
+
+
+def test_shard_and_unshard_refuse_lengths_that_do_not_divide(tmp_path):
+    from dmattn_ops import distributed as cp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        x = torch.arange(10.0).view(1, 10)
+        assert torch.equal(cp.unshard(cp.shard(x, 1), 1), x)
+        with pytest.raises(ValueError, match="do not divide into 2 chunks"):
+            cp.shard(torch.zeros(1, 5), 1)
+        with pytest.raises(ValueError, match="must be per key"):
+            q = torch.zeros(1, 4, 2, 8)
+            cp.ring_attention(q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+    finally:
+        dist.destroy_process_group()
