@@ -167,6 +167,8 @@ def attention_varlen(
     deterministic: bool = False,
     return_lse: bool = False,
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
+    _internal_lse: bool = False,
 ):
     r"""Dynamic Mask Attention over a packed batch of variable-length sequences.
 
@@ -184,6 +186,8 @@ def attention_varlen(
         scale, is_causal, softcap, deterministic, backend: as in `attention`; causal is
             bottom-right aligned within each sequence.
         return_lse: also return lse, float32 (H, total_q).
+        sinks: float (H,) or None: attention sinks, as in `attention`; rows outside every
+            sequence keep out 0 and lse -inf.
 
     Returns:
         out (total_q, H, Dv), or (out, lse). Rows outside every sequence get out 0, lse -inf
@@ -200,6 +204,19 @@ def attention_varlen(
     query, key, value, bias = ops.autocast_inputs(query, key, value, bias)
     args = (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias)
     options = dict(scale=scale, is_causal=is_causal, softcap=softcap, deterministic=deterministic)
+    if sinks is not None:
+        if isinstance(query, torch.Tensor) and query.dim() == 3:
+            check_sinks(sinks, query[None], fn)
+        if backend == "reference":
+            return reference.attention_varlen(*args, **options, return_lse=return_lse,
+                                              sinks=sinks)  # fmt: skip
+        out, lse = attention_varlen(*args, **options, backend=backend, return_lse=True,
+                                    _internal_lse=True)  # fmt: skip
+        # (total, H, Dv) and (H, total) as one batch of (1, total, H, Dv) and (1, H, total).
+        out_s, lse_s = add_sinks(out[None], lse[None], sinks)
+        inside = torch.arange(lse.shape[1], device=lse.device) < cu_seqlens_q[-1]
+        out, lse = out_s[0], torch.where(inside, lse_s[0], lse)
+        return (out, lse.float()) if return_lse else out
     with ops.autocast_off(query):
         if backend in ("reference", "flex"):
             fn_backend = (
@@ -215,7 +232,7 @@ def attention_varlen(
             out, lse, _ = torch.ops.dmattn.attention_varlen_forward(
                 *args, scale, is_causal, softcap, deterministic
             )
-            return out, lse.float()
+            return out, (lse if _internal_lse else lse.float())
         return torch.ops.dmattn.attention_varlen(*args, scale, is_causal, softcap, deterministic)
 
 

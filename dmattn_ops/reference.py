@@ -152,6 +152,7 @@ def attention_varlen(
     deterministic: bool = False,
     return_lse: bool = False,
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
     _keep_lse_dtype: bool = False,
 ):
     r"""Varlen oracle: `attention` on each sequence of the packed batch on its own.
@@ -159,7 +160,8 @@ def attention_varlen(
     query (total_q, H, D), key/value (total_k, Hkv, D|Dv), cu_seqlens_* int32 (B + 1,); mask and
     bias per key token, (H|Hkv|1, total_k). Sequence b is query rows cu_seqlens_q[b]:[b + 1] and
     key rows cu_seqlens_k[b]:[b + 1], its mask/bias the same key columns broadcast over its
-    queries. Rows outside every sequence get out 0 and lse -inf. Differentiable by autograd.
+    queries. Rows outside every sequence get out 0 and lse -inf (sinks or not).
+    Differentiable by autograd.
     """
     fn = "reference.attention_varlen"
     check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
@@ -183,7 +185,7 @@ def attention_varlen(
             query[None, q0:q1], key[None, k0:k1], value[None, k0:k1],
             None if mask is None else mask[None, :, None, k0:k1],
             None if bias is None else bias[None, :, None, k0:k1],
-            scale=scale, is_causal=is_causal, softcap=softcap, return_lse=True,
+            scale=scale, is_causal=is_causal, softcap=softcap, return_lse=True, sinks=sinks,
             _keep_lse_dtype=_keep_lse_dtype,
         )  # fmt: skip
         out[q0:q1] = o[0]

@@ -103,3 +103,48 @@ def test_invalid_sinks_raise():
         dmattn_ops.attention(q, k, v, sinks=torch.zeros(3, device=DEVICE))
     with pytest.raises(TypeError, match="sinks dtype"):
         dmattn_ops.attention(q, k, v, sinks=torch.zeros(4, dtype=torch.float16, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_varlen_sinks_against_the_oracle(dtype):
+    if dtype != torch.float64 and not TRITON:
+        pytest.skip("needs CUDA or the interpreter")
+    g = torch.Generator().manual_seed(3)
+    total, h, hkv, d = 13, 4, 2, 16
+    q, k, v = (torch.randn(total, x, d, generator=g, dtype=torch.float64) for x in (h, hkv, hkv))
+    bias = torch.randn(hkv, total, generator=g, dtype=torch.float64)
+    mask = torch.rand(hkv, total, generator=g) < 0.6
+    mask[:, 5:9] = False  # the second sequence (rows 5..8) sees no key
+    cu = torch.tensor([0, 5, 9, 12], dtype=torch.int32)  # row 12 is outside every sequence
+    sinks = torch.tensor([0.5, -1.0, float("-inf"), 3.0], dtype=torch.float64)
+    up = [t.to(DEVICE) for t in (q, k, v, bias)]
+    low = [t.to(dtype) for t in up]
+    args = (cu.to(DEVICE), cu.to(DEVICE), 5, 5, mask.to(DEVICE))
+    s = sinks.to(DEVICE, torch.float64 if dtype == torch.float64 else torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (*low, s)]
+    q_, k_, v_, b_, s_ = leaves
+    out, lse = dmattn_ops.attention_varlen(q_, k_, v_, *args[:4], args[4], b_, is_causal=True,
+                                           sinks=s_, return_lse=True)  # fmt: skip
+    out.square().sum().backward()
+
+    def oracle(tensors):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        qq, kk, vv, bb, ss = leaves
+        o, l_ = reference.attention_varlen(qq, kk, vv, *args[:4], args[4], bb, is_causal=True,
+                                           sinks=ss, return_lse=True)  # fmt: skip
+        o.square().sum().backward()
+        return o, l_, [t.grad for t in leaves]
+
+    ref, ref_lse, ref_grads = oracle((*up, sinks.to(DEVICE)))
+    ref_lp, _, ref_lp_grads = oracle((*low, s))
+
+    def bound(w, wl):
+        return 1e-12 if dtype == torch.float64 else low_precision_bound(w, wl, dtype)
+
+    assert_close(out, ref, bound(ref, ref_lp), "out")
+    assert_close(lse, ref_lse, 1e-5, "lse")  # the public lse is float32
+    assert lse[:, 12].isinf().all() and (out[12] == 0).all()  # outside every sequence
+    assert_close(lse[:, 5:9], s[:, None].float().expand(4, 4), 0.0, "empty sequence: lse = sink")
+    names = ("dq", "dk", "dv", "dbias", "dsinks")
+    for name, a, w, wl in zip(names, leaves, ref_grads, ref_lp_grads):
+        assert_close(a.grad, w, max(bound(w, wl), 1e-12), name)
