@@ -235,7 +235,7 @@ def _flex(q, k, v, options, kwargs):
         # projection's output): "not enough values to unpack (expected 4, got 2)" from
         # cpp_flex_attention_template.py choose_flex_template, and mask/bias tensors computed
         # inside the graph (NoValidChoicesError; cf. pytorch#175545). Both fail loudly at
-        # compile time; README "Flex backend" says what compiles on CPU.
+        # compile time; README "Backends" says what compiles on CPU.
         return flex_attention(q, k, v, kernel_options=options, **kwargs)
     if device.type == "cuda":
         return run_compiled(q, k, v, options, kwargs)
@@ -270,7 +270,6 @@ def attention(
     seqused_k: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
-    backend: str = "flex",
 ):
     """`dmattn_ops.attention` through FlexAttention (same signature, shapes and semantics).
 
@@ -395,7 +394,6 @@ def attention_varlen(
     softcap: float = 0.0,
     deterministic: bool = False,
     return_lse: bool = False,
-    backend: str = "flex",
 ):
     """`dmattn_ops.attention_varlen` through FlexAttention: the packed batch is one flex batch
     with a document mask_mod (query and key in the same sequence). Limits as in `attention`;

@@ -41,7 +41,6 @@ def attention(
     seqused_k: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
-    backend: str = "auto",
     sinks: torch.Tensor | None = None,
     _keep_lse_dtype: bool = False,
 ):
@@ -64,7 +63,7 @@ def attention(
     (a row with no allowed key: out 0, lse sinks[h]).
 
     Keys at or beyond n are zeroed before use, so NaN in an unused KV-cache slot never reaches
-    the result. ``deterministic`` and ``backend`` are accepted for signature parity and ignored.
+    the result. ``deterministic`` is accepted for signature parity and ignored.
     """
     fn = "reference.attention"
     check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
@@ -151,7 +150,6 @@ def attention_varlen(
     softcap: float = 0.0,
     deterministic: bool = False,
     return_lse: bool = False,
-    backend: str = "auto",
     sinks: torch.Tensor | None = None,
     _keep_lse_dtype: bool = False,
 ):
