@@ -36,3 +36,13 @@ def test_argument_errors_are_clear():
                              text=True, timeout=120)  # fmt: skip
         assert res.returncode == 2 and wanted in res.stderr, (args, res.stderr[-2000:])
         assert "Traceback" not in res.stderr
+
+
+def test_context_parallel_bench_smoke():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    res = subprocess.run([sys.executable, "-m", "bench.cp", "--world", "2", "--lengths", "128"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| dense")]
+    assert len(rows) == 1 and "OOM" not in rows[0], res.stdout

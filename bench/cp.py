@@ -1,0 +1,179 @@
+"""Context-parallel benchmark: ``python -m bench.cp [--world 2] [--lengths 32768,65536,131072]``.
+
+Spawns `--world` processes (NCCL on GPUs, one GPU each; gloo on CPU for a smoke run) and times
+one forward+backward of `dmattn_ops.distributed.ring_attention` on B1 H16 Hkv4 D128 (bf16 on
+GPUs), dense causal and DMA (a per-key bias and its top-L/4 mask), against
+`dmattn_ops.attention` on the whole sequence in one process. Reports step ms, the ratio
+(R GPUs over 1), and peak memory per GPU; a length that does not fit is reported as OOM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+B, H, HKV, D = 1, 16, 4, 128
+
+
+def _inputs(length: int, device, dtype, kind: str):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(B, length, H, D, generator=g).to(device, dtype)
+    k = torch.randn(B, length, HKV, D, generator=g).to(device, dtype)
+    v = torch.randn(B, length, HKV, D, generator=g).to(device, dtype)
+    mask = bias = None
+    if kind == "dma":
+        from dmattn_ops.masks import topk_mask
+
+        bias = torch.randn(B, HKV, 1, length, generator=g).to(device, dtype)
+        mask = topk_mask(bias, length // 4)
+    return q, k, v, mask, bias
+
+
+def _time(fn, device) -> float:
+    fn()  # compile / warm up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def _peak_gib(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def _step(fn, tensors):
+    leaves = [t.detach().requires_grad_() if t is not None and t.is_floating_point() else t
+              for t in tensors]  # fmt: skip
+
+    def run():
+        for t in leaves:
+            if t is not None and t.is_floating_point():
+                t.grad = None
+        fn(*leaves).sum().backward()
+
+    return run
+
+
+def _whole(q, k, v, mask, bias):
+    import dmattn_ops
+
+    return dmattn_ops.attention(q, k, v, mask, bias, is_causal=True)
+
+
+def _ring(q, k, v, mask, bias):
+    from dmattn_ops import distributed as cp
+
+    return cp.ring_attention(q, k, v, mask, bias, is_causal=True)
+
+
+def _worker(rank, world, rendezvous, lengths, kinds, results):
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
+                            rank=rank, world_size=world)  # fmt: skip
+    from dmattn_ops import distributed as cp
+
+    try:
+        for kind in kinds:
+            for length in lengths:
+                row = dict(kind=kind, length=length)
+                q, k, v, mask, bias = _inputs(length, device, dtype, kind)
+                if rank == 0:  # one process, the whole sequence
+                    try:
+                        if cuda:
+                            torch.cuda.reset_peak_memory_stats(device)
+                        one = _step(_whole, (q, k, v, mask, bias))
+                        row["one_ms"] = _time(one, device)
+                        row["one_gib"] = _peak_gib(device)
+                    except torch.OutOfMemoryError:
+                        row["one_ms"] = "OOM"
+                    if cuda:
+                        torch.cuda.empty_cache()
+                dist.barrier()
+                part = [cp.shard(t, 1) for t in (q, k, v)]
+                m_part = cp.shard(mask, 3) if mask is not None else None
+                b_part = cp.shard(bias, 3) if bias is not None else None
+                del q, k, v, mask, bias
+                try:
+                    if cuda:
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats(device)
+                    ring = _step(_ring, (*part, m_part, b_part))
+                    row["ring_ms"] = _time(ring, device)
+                    row["ring_gib"] = _peak_gib(device)
+                except torch.OutOfMemoryError:
+                    row["ring_ms"] = "OOM"
+                if rank == 0:
+                    results.put(row)
+                del part, m_part, b_part
+                if cuda:
+                    torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world: int, lengths, kinds) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(world, os.path.join(tmp, "rdv"), lengths, kinds,
+                                          results), nprocs=world, start_method="spawn")  # fmt: skip
+    rows = []
+    while not results.empty():
+        rows.append(results.get())
+    return rows
+
+
+def table(rows, world: int) -> str:
+    lines = [f"| kind | L | 1 process ms | {world} processes ms | ratio | peak GiB 1 | peak GiB "
+             f"per rank ({world}) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def fmt(x, spec):
+        return x if isinstance(x, str) else ("-" if x is None else format(x, spec))
+
+    for r in rows:
+        one, ring = r.get("one_ms"), r.get("ring_ms")
+        ratio = ring / one if isinstance(one, float) and isinstance(ring, float) else None
+        lines.append(f"| {r['kind']} | {r['length']} | {fmt(one, '.2f')} | {fmt(ring, '.2f')} | "
+                     f"{fmt(ratio, '.2f')} | {fmt(r.get('one_gib'), '.2f')} | "
+                     f"{fmt(r.get('ring_gib'), '.2f')} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from bench.__main__ import header
+
+    p = argparse.ArgumentParser(prog="python -m bench.cp", description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=2, help="processes (GPUs) in the ring")
+    p.add_argument("--lengths", default="32768,65536,131072", help="comma-separated")
+    p.add_argument("--kinds", default="dense,dma", help="dense, dma")
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    for length in lengths:
+        if length % (2 * args.world):
+            p.error(f"length {length} does not divide into {2 * args.world} zigzag chunks")
+    if torch.cuda.is_available() and torch.cuda.device_count() < args.world:
+        p.error(f"--world {args.world} needs as many GPUs; {torch.cuda.device_count()} visible")
+    print(header(), flush=True)
+    rows = run(args.world, lengths, args.kinds.split(","))
+    print(table(rows, args.world))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
