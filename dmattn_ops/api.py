@@ -113,17 +113,18 @@ def attention(
     if sinks is not None:
         if isinstance(query, torch.Tensor) and query.dim() == 4:
             check_sinks(sinks, query, "dmattn.attention")
-        if backend == "reference":
-            return reference.attention(
+        with ops.autocast_off(query):
+            if backend == "reference":
+                return reference.attention(
+                    query, key, value, mask, bias, scale=scale, is_causal=is_causal,
+                    softcap=softcap, seqused_k=seqused_k, return_lse=return_lse, sinks=sinks,
+                )  # fmt: skip
+            out, lse = attention(
                 query, key, value, mask, bias, scale=scale, is_causal=is_causal,
-                softcap=softcap, seqused_k=seqused_k, return_lse=return_lse, sinks=sinks,
+                softcap=softcap, seqused_k=seqused_k, deterministic=deterministic,
+                backend=backend, return_lse=True, _internal_lse=True,
             )  # fmt: skip
-        out, lse = attention(
-            query, key, value, mask, bias, scale=scale, is_causal=is_causal, softcap=softcap,
-            seqused_k=seqused_k, deterministic=deterministic, backend=backend,
-            return_lse=True, _internal_lse=True,
-        )  # fmt: skip
-        out, lse = add_sinks(out, lse, sinks)
+            out, lse = add_sinks(out, lse, sinks)
         return (out, lse.float()) if return_lse else out
     with ops.autocast_off(query):
         if backend in ("reference", "flex"):
@@ -207,15 +208,16 @@ def attention_varlen(
     if sinks is not None:
         if isinstance(query, torch.Tensor) and query.dim() == 3:
             check_sinks(sinks, query[None], fn)
-        if backend == "reference":
-            return reference.attention_varlen(*args, **options, return_lse=return_lse,
-                                              sinks=sinks)  # fmt: skip
-        out, lse = attention_varlen(*args, **options, backend=backend, return_lse=True,
-                                    _internal_lse=True)  # fmt: skip
-        # (total, H, Dv) and (H, total) as one batch of (1, total, H, Dv) and (1, H, total).
-        out_s, lse_s = add_sinks(out[None], lse[None], sinks)
-        inside = torch.arange(lse.shape[1], device=lse.device) < cu_seqlens_q[-1]
-        out, lse = out_s[0], torch.where(inside, lse_s[0], lse)
+        with ops.autocast_off(query):
+            if backend == "reference":
+                return reference.attention_varlen(*args, **options, return_lse=return_lse,
+                                                  sinks=sinks)  # fmt: skip
+            out, lse = attention_varlen(*args, **options, backend=backend, return_lse=True,
+                                        _internal_lse=True)  # fmt: skip
+            # (total, H, Dv) and (H, total) as one batch of (1, total, H, Dv), (1, H, total).
+            out_s, lse_s = add_sinks(out[None], lse[None], sinks)
+            inside = torch.arange(lse.shape[1], device=lse.device) < cu_seqlens_q[-1]
+            out, lse = out_s[0], torch.where(inside, lse_s[0], lse)
         return (out, lse.float()) if return_lse else out
     with ops.autocast_off(query):
         if backend in ("reference", "flex"):
