@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 
 
 @functools.cache
@@ -20,6 +21,11 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def interpreter_on() -> bool:
+    """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET=1): CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def cdiv(a: int, b: int) -> int:

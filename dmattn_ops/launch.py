@@ -9,16 +9,25 @@ implementation.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from dmattn_ops import chunked, configs
 from dmattn_ops._alloc import empty
-from dmattn_ops._triton import LazyKernel, available, cdiv, next_power_of_2
-from dmattn_ops.chunked import stats_dtype, varlen_bounds
+from dmattn_ops._triton import LazyKernel, available, cdiv, interpreter_on, next_power_of_2
+from dmattn_ops.chunked import stats_dtype
 from dmattn_ops.configs import Config
+from dmattn_ops.tiles import (
+    _pool_queries,
+    block_any,
+    build_key_lists,
+    build_tables,
+    build_varlen_key_lists,
+    compactable,
+    mask_bytes,
+    operand_strides,
+)
 
 attention_fwd_kernel = LazyKernel("attention_fwd", "attention_fwd_kernel")
 attention_bwd_dbias_kernel = LazyKernel("attention_bwd", "attention_bwd_dbias_kernel")
@@ -27,16 +36,8 @@ attention_bwd_dkdv_kernel = LazyKernel("attention_bwd", "attention_bwd_dkdv_kern
 attention_bwd_dq_kernel = LazyKernel("attention_bwd", "attention_bwd_dq_kernel")
 attention_decode_kernel = LazyKernel("attention_decode", "attention_decode_kernel")
 decode_combine_kernel = LazyKernel("attention_decode", "decode_combine_kernel")
-key_lists_kernel = LazyKernel("block_mask", "key_lists_kernel")
-mask_block_any_kernel = LazyKernel("block_mask", "mask_block_any_kernel")
-tile_cols_kernel = LazyKernel("block_mask", "tile_cols_kernel")
-tile_rows_kernel = LazyKernel("block_mask", "tile_rows_kernel")
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def triton_runs_on(t: torch.Tensor) -> bool:
@@ -106,13 +107,6 @@ def _head_blocks(d: int, dv: int) -> dict:
     return dict(BLOCK_D=block, BLOCK_DV=block)
 
 
-def operand_strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
-    """Strides of a (B|1, H|Hkv|1, Lq|1, Lk) operand with 0 on its broadcast dims."""
-    if t is None:
-        return (0, 0, 0, 0)
-    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
-
-
 def _head_div(t: torch.Tensor | None, h: int, hkv: int) -> int:
     """Query head h reads head h // div of the operand."""
     if t is None or t.shape[1] == h:
@@ -126,145 +120,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.bfloat16 and interpreter_on():
         return "upcast"  # see kernels/common.py dot()
     return "tf32"  # ignored for 16-bit operands
-
-
-def _mask_bytes(mask: torch.Tensor | None) -> torch.Tensor | None:
-    return None if mask is None else mask.view(torch.uint8)
-
-
-@dataclass
-class Tables:
-    """Which key tiles each query tile must visit (and the transpose), per table (batch, head).
-
-    active (Bt, Ht, NQ, NK) int8; kv_num (Bt, Ht, NQ) and kv_idx (Bt, Ht, NQ, NK) list the active
-    key tiles of each query tile in ascending order (entries past kv_num are never written nor
-    read); q_num / q_idx the active query tiles of each key tile, likewise. Bt is B when
-    seqused_k or the mask varies over the batch, else 1; Ht is the mask's head dim.
-
-    Interior tiles (all rows < Lq, all keys < seqused_k, every key causally visible to every row)
-    are read without predicates. They form a prefix of each query tile's key tiles and a run of
-    each key tile's query tiles, so: kv_int (Bt, Ht, NQ), the first kv_int entries of kv_idx are
-    interior; q_lo / q_hi (Bt, Ht, NK), entries [q_lo, q_hi) of q_idx are interior.
-    """
-
-    active: torch.Tensor
-    kv_num: torch.Tensor
-    kv_idx: torch.Tensor
-    kv_int: torch.Tensor
-    q_num: torch.Tensor
-    q_idx: torch.Tensor
-    q_lo: torch.Tensor
-    q_hi: torch.Tensor
-    stride_b: int
-    stride_bt: int
-
-
-def block_any(mask, lq, lk, block_m, block_n) -> torch.Tensor:
-    """(Bm, Hm, NQ | 1, NK) int8: whether each (query tile, key tile) of the mask allows any
-    entry. One pass over the mask."""
-    bm, hm, lqm, _ = mask.shape
-    nq, nk = cdiv(lq, block_m), cdiv(lk, block_n)
-    nqm = nq if lqm > 1 else 1
-    mask_any = torch.empty((bm, hm, nqm, nk), dtype=torch.int8, device=mask.device)
-    sb, sh, sm, sn = operand_strides(mask)
-    mask_block_any_kernel[(nqm, nk, bm * hm)](
-        mask.view(torch.uint8), mask_any, sb, sh, sm, sn, hm, lqm, lk, nqm, nk,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-    )  # fmt: skip
-    return mask_any
-
-
-def _pool_queries(mask_any: torch.Tensor, ratio: int) -> torch.Tensor:
-    """block_any for query tiles `ratio` times taller, from the finer one (no mask pass)."""
-    if ratio == 1 or mask_any.shape[2] == 1:
-        return mask_any
-    pad = -mask_any.shape[2] % ratio
-    fine = torch.nn.functional.pad(mask_any, (0, 0, 0, pad))
-    return fine.unflatten(2, (-1, ratio)).amax(dim=3)
-
-
-def build_tables(mask, seqused_k, b, lq, lk, is_causal, block_m, block_n, mask_any=None) -> Tables:
-    """Activity of every (query tile, key tile): the mask has an allowed entry there (mask_any,
-    from block_any unless given) and the tile lies inside the causal / seqused_k window. Two
-    kernel launches (rows, then columns) whatever the shapes: the host cost stays flat."""
-    if mask_any is None:
-        mask_any = block_any(mask, lq, lk, block_m, block_n)
-    bm, hm, _, nk = mask_any.shape
-    nq = cdiv(lq, block_m)
-    bt = b if seqused_k is not None else bm
-    device = mask.device
-    shape = (bt, hm, nq)
-    active = empty((*shape, nk), dtype=torch.int8, device=device)
-    kv_num = empty(shape, dtype=torch.int32, device=device)
-    kv_int = empty(shape, dtype=torch.int32, device=device)
-    kv_idx = empty((*shape, nk), dtype=torch.int32, device=device)
-    q_num, q_lo, q_hi = (empty((bt, hm, nk), dtype=torch.int32, device=device) for _ in "abc")
-    q_idx = empty((bt, hm, nk, nq), dtype=torch.int32, device=device)
-    sb, sh, sq, _ = operand_strides(mask_any)
-    common = dict(
-        BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(is_causal),
-        num_warps=1 if interpreter_on() else 4,
-    )  # fmt: skip
-    tile_rows_kernel[(nq, bt * hm)](
-        mask_any, seqused_k, active, kv_num, kv_idx, kv_int, sb, sh, sq,
-        hm, lq, lk, nq, nk, HAS_SEQUSED=seqused_k is not None, BLOCK_K=_block(nk), **common,
-    )  # fmt: skip
-    tile_cols_kernel[(nk, bt * hm)](
-        active, seqused_k, q_num, q_idx, q_lo, q_hi,
-        hm, lq, lk, nq, nk, HAS_SEQUSED=seqused_k is not None, BLOCK_Q=_block(nq), **common,
-    )  # fmt: skip
-    return Tables(
-        active, kv_num, kv_idx, kv_int, q_num, q_idx, q_lo, q_hi,
-        stride_b=hm * nq if bt > 1 else 0,
-        stride_bt=hm * nk if bt > 1 else 0,
-    )  # fmt: skip
-
-
-@dataclass
-class KeyLists:
-    """For a mask broadcast over queries, (B|1, H|Hkv|1, 1, Lk): the allowed keys of each
-    (batch, mask head) in ascending order, padded with Lk (keys, (Bm, Hm, Lk) int32); how many
-    of them each query tile may see under causality and seqused_k (key_end, (Bt, Hm, NQ)); and
-    how many lie below seqused_k (key_count, (Bt, Hm))."""
-
-    keys: torch.Tensor
-    key_end: torch.Tensor
-    key_count: torch.Tensor
-    keys_stride_b: int
-    keys_stride_h: int
-    end_stride_b: int
-    count_stride_b: int
-
-
-def compactable(mask: torch.Tensor | None, h: int, hkv: int) -> bool:
-    """Masks that allow the same keys for every query, with one key list per KV group."""
-    return mask is not None and mask.shape[2] == 1 and (mask.shape[1] != h or h == hkv)
-
-
-def build_key_lists(mask, seqused_k, b, lq, lk, is_causal, block_m) -> KeyLists:
-    """KeyLists of a compactable mask: one kernel launch (kernels/block_mask.py
-    key_lists_kernel), one pass over the mask, no host sync."""
-    bm, hm = mask.shape[0], mask.shape[1]
-    device = mask.device
-    bt = b if seqused_k is not None else bm
-    nq = cdiv(lq, block_m)
-    keys = empty((bm, hm, lk), dtype=torch.int32, device=device)
-    key_end = empty((bt, hm, nq), dtype=torch.int32, device=device)
-    key_count = empty((bt, hm), dtype=torch.int32, device=device)
-    prefix = empty((bt * hm, lk), dtype=torch.int32, device=device)
-    sb, sh, _, sn = operand_strides(mask)
-    keys_stride_b = hm * lk if bm > 1 else 0
-    end_stride_b, count_stride_b = (hm * nq, hm) if bt > 1 else (0, 0)
-    key_lists_kernel[(bt * hm,)](
-        _mask_bytes(mask), seqused_k, prefix, keys, key_end, key_count, sb, sh, sn,
-        keys_stride_b, end_stride_b, count_stride_b, hm, lq, lk, nq,
-        HAS_SEQUSED=seqused_k is not None, IS_CAUSAL=bool(is_causal), BLOCK_M=block_m,
-        CHUNK=1024, num_warps=1 if interpreter_on() else 4,
-    )  # fmt: skip
-    return KeyLists(
-        keys=keys, key_end=key_end, key_count=key_count, keys_stride_b=keys_stride_b,
-        keys_stride_h=lk, end_stride_b=end_stride_b, count_stride_b=count_stride_b,
-    )  # fmt: skip
 
 
 def _empty_forward(query, value):
@@ -337,7 +192,7 @@ def _launch_forward(
     h, d = query.shape[2], query.shape[3]
     hkv, dv = key.shape[2], value.shape[3]
     attention_fwd_kernel[(nq, b * h)](
-        query, key, value, None if lists else _mask_bytes(mask), bias, seqused_k, cu_q, cu_k,
+        query, key, value, None if lists else mask_bytes(mask), bias, seqused_k, cu_q, cu_k,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
         tables.kv_int if tables else None,
         lists.keys if lists else None, lists.key_end if lists else None,
@@ -451,7 +306,7 @@ def attention_backward(
             *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
             *operand_strides(mask), *operand_strides(bias),
         )  # fmt: skip
-        mask_u8 = None if lists else _mask_bytes(mask)
+        mask_u8 = None if lists else mask_bytes(mask)
         mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
         bb, hb = bias.shape[0], bias.shape[1]
         n_batch, batch_mul = (1, 1) if bb == b else (b, 0)
@@ -523,7 +378,7 @@ def _launch_backward(
     mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
     nk = cdiv(span_k, kv.block_n)
     attention_bwd_dkdv_kernel[(nk, b * hkv)](
-        query, key, value, grad_out, None if dkdv_lists else _mask_bytes(mask), bias,
+        query, key, value, grad_out, None if dkdv_lists else mask_bytes(mask), bias,
         seqused_k, cu_q, cu_k, lse, lse_rem, delta,
         tables.q_num if tables else None, tables.q_idx if tables else None,
         tables.q_lo if tables else None, tables.q_hi if tables else None,
@@ -538,7 +393,7 @@ def _launch_backward(
     )  # fmt: skip
     nq = cdiv(span_q, qc.block_m)
     attention_bwd_dq_kernel[(nq, b * h)](
-        query, key, value, grad_out, None if lists else _mask_bytes(mask), bias,
+        query, key, value, grad_out, None if lists else mask_bytes(mask), bias,
         seqused_k, cu_q, cu_k, lse, lse_rem, delta,
         dq_tables.kv_num if dq_tables else None, dq_tables.kv_idx if dq_tables else None,
         dq_tables.kv_int if dq_tables else None,
@@ -552,45 +407,6 @@ def _launch_backward(
 
 
 # Variable-length batches: packed (total, H, D) tensors and cu_seqlens.
-
-
-def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, block_m) -> KeyLists:
-    """Key lists of a varlen mask (Hm, total_k): per (mask head, sequence) the sequence's allowed
-    keys in ascending order, as indices local to the sequence, stored where the sequence's keys
-    are (keys (Hm, total_k)); key_end (B, Hm, NQ) and key_count (B, Hm) as in build_key_lists.
-    No host synchronisation."""
-    hm, total_k = mask.shape
-    device = mask.device
-    k_start, k_end = varlen_bounds(cu_k, total_k)
-    q_start, q_end = varlen_bounds(cu_q, total_q)
-    n, lq = k_end - k_start, q_end - q_start  # [B]
-    pos = torch.arange(total_k, device=device)
-    seq = torch.searchsorted(k_end, pos, right=True)  # [total_k]; B past the last sequence
-    # Grouped by sequence, the allowed keys first within each, in ascending order.
-    order = torch.argsort(seq * 2 + (~mask).to(torch.int64), dim=-1, stable=True)  # [Hm, Tk]
-    seq_of = seq[order]
-    start_of = torch.cat([k_start, k_end[-1:]])[seq_of]
-    len_of = torch.cat([n, n.new_zeros(1)])[seq_of]
-    local = order - start_of
-    keys = torch.where((local >= 0) & (local < len_of), local, total_k)
-    csum = torch.nn.functional.pad(mask.cumsum(dim=-1), (1, 0))  # [Hm, Tk + 1]
-    count = csum[:, k_end] - csum[:, k_start]  # [Hm, B]
-    m_start = torch.arange(nq, device=device) * block_m  # [NQ]
-    m_end = torch.minimum(m_start[None, :] + block_m, lq[:, None])  # [B, NQ]
-    end = n[:, None].expand(-1, nq)
-    if is_causal:
-        end = torch.minimum(end, m_end + (n - lq)[:, None]).clamp(min=0)
-    end = torch.where(m_start[None, :] < lq[:, None], end, 0)
-    key_end = csum[:, k_start[:, None] + end] - csum[:, k_start][:, :, None]  # [Hm, B, NQ]
-    return KeyLists(
-        keys=keys.to(torch.int32).contiguous(),
-        key_end=key_end.transpose(0, 1).to(torch.int32).contiguous(),
-        key_count=count.t().to(torch.int32).contiguous(),
-        keys_stride_b=0,
-        keys_stride_h=total_k,
-        end_stride_b=hm * nq,
-        count_stride_b=hm,
-    )
 
 
 def _varlen_operand(t: torch.Tensor | None) -> torch.Tensor | None:
