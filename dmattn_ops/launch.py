@@ -443,7 +443,9 @@ def attention_varlen_forward(
     nq = cdiv(max_q, cfg.block_m)
     lists = None
     if mask is not None:
-        lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, cfg.block_m)
+        lists = build_varlen_key_lists(
+            mask, cu_q, cu_k, total_q, nq, is_causal, cfg.block_m, min(max_k, total_k)
+        )
     _launch_forward(
         query[None], key[None], value[None], _varlen_operand(mask), _varlen_operand(bias),
         None, cu_q, cu_k, out[None], lse, lse_rem, b, total_q, total_k, nq, (0, total_q),
@@ -490,7 +492,7 @@ def attention_varlen_backward(
         if mask is not None:
             block_m = cfgs.dq.block_m
             nq = cdiv(max_q, block_m)
-            lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, block_m)
+            lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, block_m, max_k)
         dkdv_lists = lists if compactable(_varlen_operand(mask), h, hkv) else None
         delta = _delta(out[None], grad_out[None], None if grad_lse is None else grad_lse[None])
         _launch_backward(

@@ -12,7 +12,6 @@ import torch
 
 from dmattn_ops._alloc import empty
 from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
-from dmattn_ops.chunked import varlen_bounds
 
 key_lists_kernel = LazyKernel("block_mask", "key_lists_kernel")
 mask_block_any_kernel = LazyKernel("block_mask", "mask_block_any_kernel")
@@ -159,10 +158,10 @@ def build_key_lists(mask, seqused_k, b, lq, lk, is_causal, block_m) -> KeyLists:
     keys_stride_b = hm * lk if bm > 1 else 0
     end_stride_b, count_stride_b = (hm * nq, hm) if bt > 1 else (0, 0)
     key_lists_kernel[(bt * hm,)](
-        mask_bytes(mask), seqused_k, prefix, keys, key_end, key_count, sb, sh, sn,
-        keys_stride_b, end_stride_b, count_stride_b, hm, lq, lk, nq,
-        HAS_SEQUSED=seqused_k is not None, IS_CAUSAL=bool(is_causal), BLOCK_M=block_m,
-        CHUNK=1024, num_warps=1 if interpreter_on() else 4,
+        mask_bytes(mask), seqused_k, None, None, prefix, keys, key_end, key_count, sb, sh, sn,
+        keys_stride_b, lk, end_stride_b, count_stride_b, hm, lq, lk, nq, lk,
+        HAS_SEQUSED=seqused_k is not None, VARLEN=False, IS_CAUSAL=bool(is_causal),
+        BLOCK_M=block_m, CHUNK=1024, num_warps=1 if interpreter_on() else 4,
     )  # fmt: skip
     return KeyLists(
         keys=keys, key_end=key_end, key_count=key_count, keys_stride_b=keys_stride_b,
@@ -170,40 +169,26 @@ def build_key_lists(mask, seqused_k, b, lq, lk, is_causal, block_m) -> KeyLists:
     )  # fmt: skip
 
 
-def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, block_m) -> KeyLists:
+def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, block_m, max_k) -> KeyLists:
     """Key lists of a varlen mask (Hm, total_k): per (mask head, sequence) the sequence's allowed
     keys in ascending order, as indices local to the sequence, stored where the sequence's keys
-    are (keys (Hm, total_k)); key_end (B, Hm, NQ) and key_count (B, Hm) as in build_key_lists.
-    No host synchronisation."""
+    are (keys (Hm, total_k), total_k elsewhere); key_end (B, Hm, NQ) and key_count (B, Hm) as in
+    build_key_lists. One kernel launch, no host synchronisation."""
     hm, total_k = mask.shape
+    b = cu_q.shape[0] - 1
     device = mask.device
-    k_start, k_end = varlen_bounds(cu_k, total_k)
-    q_start, q_end = varlen_bounds(cu_q, total_q)
-    n, lq = k_end - k_start, q_end - q_start  # [B]
-    pos = torch.arange(total_k, device=device)
-    seq = torch.searchsorted(k_end, pos, right=True)  # [total_k]; B past the last sequence
-    # Grouped by sequence, the allowed keys first within each, in ascending order.
-    order = torch.argsort(seq * 2 + (~mask).to(torch.int64), dim=-1, stable=True)  # [Hm, Tk]
-    seq_of = seq[order]
-    start_of = torch.cat([k_start, k_end[-1:]])[seq_of]
-    len_of = torch.cat([n, n.new_zeros(1)])[seq_of]
-    local = order - start_of
-    keys = torch.where((local >= 0) & (local < len_of), local, total_k)
-    csum = torch.nn.functional.pad(mask.cumsum(dim=-1), (1, 0))  # [Hm, Tk + 1]
-    count = csum[:, k_end] - csum[:, k_start]  # [Hm, B]
-    m_start = torch.arange(nq, device=device) * block_m  # [NQ]
-    m_end = torch.minimum(m_start[None, :] + block_m, lq[:, None])  # [B, NQ]
-    end = n[:, None].expand(-1, nq)
-    if is_causal:
-        end = torch.minimum(end, m_end + (n - lq)[:, None]).clamp(min=0)
-    end = torch.where(m_start[None, :] < lq[:, None], end, 0)
-    key_end = csum[:, k_start[:, None] + end] - csum[:, k_start][:, :, None]  # [Hm, B, NQ]
+    keys = torch.full((hm, total_k), total_k, dtype=torch.int32, device=device)
+    key_end = empty((b, hm, nq), dtype=torch.int32, device=device)
+    key_count = empty((b, hm), dtype=torch.int32, device=device)
+    prefix = empty((b * hm, max(max_k, 1)), dtype=torch.int32, device=device)
+    if b > 0:
+        key_lists_kernel[(b * hm,)](
+            mask_bytes(mask), None, cu_q, cu_k, prefix, keys, key_end, key_count,
+            0, mask.stride(0), mask.stride(1), 0, total_k, hm * nq, hm, hm, total_q, total_k, nq,
+            max(max_k, 1), HAS_SEQUSED=False, VARLEN=True, IS_CAUSAL=bool(is_causal),
+            BLOCK_M=block_m, CHUNK=1024, num_warps=1 if interpreter_on() else 4,
+        )  # fmt: skip
     return KeyLists(
-        keys=keys.to(torch.int32).contiguous(),
-        key_end=key_end.transpose(0, 1).to(torch.int32).contiguous(),
-        key_count=count.t().to(torch.int32).contiguous(),
-        keys_stride_b=0,
-        keys_stride_h=total_k,
-        end_stride_b=hm * nq,
-        count_stride_b=hm,
-    )
+        keys=keys, key_end=key_end, key_count=key_count, keys_stride_b=0,
+        keys_stride_h=total_k, end_stride_b=hm * nq, count_stride_b=hm,
+    )  # fmt: skip

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from dmattn_ops.kernels.common import seq_extent
+
 
 @triton.jit
 def mask_block_any_kernel(
@@ -156,6 +158,8 @@ def tile_cols_kernel(
 def key_lists_kernel(
     MASK,
     SEQUSED,
+    CU_Q,
+    CU_K,
     PREFIX,
     KEYS,
     KEY_END,
@@ -164,55 +168,68 @@ def key_lists_kernel(
     stride_mh,
     stride_mn,
     stride_kb,
+    stride_kh,
     stride_eb,
     stride_cb,
     Hm,
     Lq,
     Lk,
     NQ,
+    prefix_len,
     HAS_SEQUSED: tl.constexpr,
+    VARLEN: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Key lists of a mask shared by all queries (launch.py KeyLists), one program per
-    (table batch bt, mask head h), in one pass over the mask row:
+    """Key lists of a mask shared by all queries (tiles.py KeyLists), one program per (batch or
+    sequence b, mask head h), in one pass over the mask row:
 
-    KEYS[b, h, :] the allowed keys in ascending order, padded with Lk (written by the programs
-    of bt = 0 when the mask broadcasts over the batch, stride_kb = 0); KEY_COUNT[bt, h] how many
-    lie below n = seqused_k[bt] (or Lk); KEY_END[bt, h, t] how many query tile t may see: those
-    below min(n, end of the tile + n - Lq) under causality, else below n. PREFIX (Bt * Hm, Lk)
-    is scratch for the running counts, read back by the same program after a barrier."""
+    KEYS: the allowed keys in ascending order, padded with Lk; batched, KEYS[b, h, :] (written by
+    the programs of b = 0 when the mask broadcasts over the batch, stride_kb = 0); varlen, at the
+    sequence's own key positions of KEYS[h, :], as indices local to the sequence. KEY_COUNT[b, h]:
+    how many lie below n (seqused_k[b], Lk, or the sequence's length). KEY_END[b, h, t]: how many
+    query tile t may see: those below min(n, end of the tile + n - Lq) under causality, else
+    below n (0 for a tile past a sequence's queries). PREFIX (B * Hm, prefix_len) is scratch for
+    the running counts, read back by the same program after a barrier."""
     pid = tl.program_id(0)
     i_bt = pid // Hm
     i_h = pid % Hm
-    n = Lk
-    if HAS_SEQUSED:
-        n = tl.minimum(tl.maximum(tl.load(SEQUSED + i_bt), 0), Lk)
-    writes = ((i_bt == 0) | (i_bt * stride_kb != 0)).to(tl.int32)  # 0 or 1
-    row = MASK + i_bt.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh
-    keys = KEYS + i_bt.to(tl.int64) * stride_kb + i_h.to(tl.int64) * Lk
-    prefix = PREFIX + pid.to(tl.int64) * Lk
+    _, lq, k_start, n, lk = seq_extent(CU_Q, CU_K, SEQUSED, i_bt, Lq, Lk, HAS_SEQUSED, VARLEN)
+    if VARLEN:
+        # A sequence longer than max_seqlen_k breaks the contract (checked outside compiled
+        # code); the scratch row holds prefix_len = max_seqlen_k entries, so never scan more.
+        lk = tl.minimum(lk, prefix_len)
+        n = lk
+        row = MASK + i_h.to(tl.int64) * stride_mh + k_start * stride_mn
+        keys = KEYS + i_h.to(tl.int64) * stride_kh + k_start
+        writes = 1
+    else:
+        row = MASK + i_bt.to(tl.int64) * stride_mb + i_h.to(tl.int64) * stride_mh
+        keys = KEYS + i_bt.to(tl.int64) * stride_kb + i_h.to(tl.int64) * stride_kh
+        writes = ((i_bt == 0) | (i_bt * stride_kb != 0)).to(tl.int32)  # 0 or 1
+    prefix = PREFIX + pid.to(tl.int64) * prefix_len
     total = 0
     below_n = 0
-    for start in range(0, Lk, CHUNK):
+    for start in range(0, lk, CHUNK):
         j = start + tl.arange(0, CHUNK)
-        a = (tl.load(row + j.to(tl.int64) * stride_mn, mask=j < Lk, other=0) != 0).to(tl.int32)
+        a = (tl.load(row + j.to(tl.int64) * stride_mn, mask=j < lk, other=0) != 0).to(tl.int32)
         inclusive = total + tl.cumsum(a, 0)
-        tl.store(prefix + j, inclusive, mask=j < Lk)
+        tl.store(prefix + j, inclusive, mask=j < lk)
         tl.store(keys + inclusive - 1, j, mask=(a * writes) != 0)
         below_n += tl.sum(tl.where(j < n, a, 0), 0)
         total += tl.sum(a, 0)
-    for start in range(0, Lk, CHUNK):
+    for start in range(0, lk, CHUNK):
         j = start + tl.arange(0, CHUNK)
-        tl.store(keys + j, Lk, mask=(j >= total) & (j < Lk * writes))
+        tl.store(keys + j, Lk, mask=(j >= total) & (j < lk * writes))
     tl.store(KEY_COUNT + i_bt * stride_cb + i_h, below_n)
     tl.debug_barrier()  # the PREFIX stores above are read back by other threads of the program
     for t0 in range(0, NQ, CHUNK):
         t = t0 + tl.arange(0, CHUNK)
         end = tl.zeros([CHUNK], dtype=tl.int32) + n
         if IS_CAUSAL:
-            m_end = tl.minimum((t + 1) * BLOCK_M, Lq)
-            end = tl.maximum(tl.minimum(end, m_end + n - Lq), 0)
+            m_end = tl.minimum((t + 1) * BLOCK_M, lq)
+            end = tl.maximum(tl.minimum(end, m_end + n - lq), 0)
+        end = tl.where(t * BLOCK_M < lq, end, 0)  # varlen: past this sequence's queries
         seen = tl.load(prefix + end - 1, mask=(t < NQ) & (end > 0), other=0)
         tl.store(KEY_END + i_bt * stride_eb + i_h * NQ + t, seen, mask=t < NQ)

@@ -611,3 +611,38 @@ def test_key_lists_kernel_matches_direct_counting(bm, seq, is_causal, lq, lk, bl
     for name, g_, w in zip(("keys", "key_end", "key_count"), (got.keys, got.key_end,
                                                              got.key_count), want):  # fmt: skip
         assert torch.equal(g_.cpu().reshape(w.shape), w), name
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_varlen_key_lists_kernel_matches_direct_counting(is_causal):
+    """Sequences of 0, 1300 (two chunks of keys) and 40 keys, query lengths that differ from
+    them, a key row past the last sequence; keys stored at each sequence's own positions."""
+    hm, block_m = 2, 16
+    cu_q = torch.tensor([0, 3, 40, 77], dtype=torch.int32)
+    cu_k = torch.tensor([0, 0, 1300, 1340], dtype=torch.int32)
+    total_q, total_k = 80, 1345
+    mask = torch.rand(hm, total_k, generator=torch.Generator().manual_seed(1)) < 0.3
+    nq = -(-40 // block_m)
+    got = launch.build_varlen_key_lists(
+        mask.to(DEVICE), cu_q.to(DEVICE), cu_k.to(DEVICE), total_q, nq, is_causal, block_m, 1300
+    )
+    keys = torch.full((hm, total_k), total_k, dtype=torch.int32)
+    key_end = torch.zeros((3, hm, nq), dtype=torch.int32)
+    key_count = torch.zeros((3, hm), dtype=torch.int32)
+    for b in range(3):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        lq, n = q1 - q0, k1 - k0
+        for h in range(hm):
+            allowed = torch.nonzero(mask[h, k0:k1]).flatten()
+            keys[h, k0 : k0 + allowed.numel()] = allowed.to(torch.int32)
+            key_count[b, h] = allowed.numel()
+            for t in range(nq):
+                end = n
+                if is_causal:
+                    end = max(min(n, min((t + 1) * block_m, lq) + n - lq), 0)
+                if t * block_m >= lq:
+                    end = 0
+                key_end[b, h, t] = int((allowed < end).sum())
+    assert torch.equal(got.keys.cpu(), keys)
+    assert torch.equal(got.key_end.cpu().reshape(key_end.shape), key_end)
+    assert torch.equal(got.key_count.cpu().reshape(key_count.shape), key_count)
