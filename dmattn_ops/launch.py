@@ -1,4 +1,5 @@
-"""Host side of the kernels: picks the implementation, builds tile tables, allocates, launches.
+"""Host side of the kernels: picks the path of each call (chunked PyTorch, decode, key lists, tile
+tables, dense), allocates and launches; tiles.py builds the tile tables and key lists.
 
 No autograd here; ops.py calls these from the registered backend kernels.
 

@@ -1,0 +1,264 @@
+"""vmap rules of the dmattn ops (torch.library.register_vmap): the vmapped dim is folded into
+the ops' own batch, so a vmapped call is one launch, never PyTorch's per-sample fallback.
+
+Dense ops: the N samples of a batch of B become a batch of N * B (operands that broadcast over
+the batch keep doing so). Varlen ops: the samples' packed rows are concatenated and their
+cu_seqlens shifted (see _VarlenFold). Imported by ops.py after the ops are defined.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Dense ops: the vmapped dim is folded into the batch dim B, one launch for all of it.
+
+
+def _fold(t, dim, n: int, b: int, *, keep_broadcast: bool = False):
+    """[N, b|1, ...] (or unbatched [b|1, ...]) -> [N * b, ...].
+
+    With keep_broadcast an unbatched operand whose batch dim is 1 stays as it is: it broadcasts
+    over the folded batch just as it did over B.
+    """
+    if t is None:
+        return None
+    if dim is None:
+        if keep_broadcast and t.shape[0] == 1:
+            return t
+        t = t.expand(n, *t.shape)
+    else:
+        t = t.movedim(dim, 0)
+    return t.expand(n, b, *t.shape[2:]).reshape(n * b, *t.shape[2:])
+
+
+def _unfold(t: torch.Tensor, n: int, b: int) -> torch.Tensor:
+    return t.unflatten(0, (n, b))
+
+
+def _pad_dims(in_dims, count: int) -> tuple:
+    """The dispatcher drops trailing arguments left at their defaults, and their in_dims."""
+    return (*in_dims, *([None] * (count - len(in_dims))))
+
+
+def _batch_size(t: torch.Tensor, dim) -> int:
+    """Size of the per-sample batch dim B of t, whose vmapped dim (if any) is at dim."""
+    return t.shape[0] if dim is None else t.movedim(dim, 0).shape[1]
+
+
+@torch.library.register_vmap("dmattn::attention")
+def _attention_vmap(
+    info,
+    in_dims,
+    query,
+    key,
+    value,
+    mask=None,
+    bias=None,
+    scale=None,
+    is_causal=False,
+    softcap=0.0,
+    seqused_k=None,
+    deterministic=False,
+):
+    in_dims = _pad_dims(in_dims, 10)
+    n, b = info.batch_size, _batch_size(query, in_dims[0])
+    out = torch.ops.dmattn.attention(
+        _fold(query, in_dims[0], n, b),
+        _fold(key, in_dims[1], n, b),
+        _fold(value, in_dims[2], n, b),
+        _fold(mask, in_dims[3], n, b, keep_broadcast=True),
+        _fold(bias, in_dims[4], n, b, keep_broadcast=True),
+        scale,
+        is_causal,
+        softcap,
+        _fold(seqused_k, in_dims[8], n, b),
+        deterministic,
+    )
+    return _unfold(out, n, b), 0
+
+
+@torch.library.register_vmap("dmattn::attention_forward")
+def _forward_vmap(
+    info,
+    in_dims,
+    query,
+    key,
+    value,
+    mask,
+    bias,
+    scale,
+    is_causal,
+    softcap,
+    seqused_k,
+    deterministic=False,
+):
+    in_dims = _pad_dims(in_dims, 10)
+    n, b = info.batch_size, _batch_size(query, in_dims[0])
+    out, lse, lse_rem = torch.ops.dmattn.attention_forward(
+        _fold(query, in_dims[0], n, b),
+        _fold(key, in_dims[1], n, b),
+        _fold(value, in_dims[2], n, b),
+        _fold(mask, in_dims[3], n, b, keep_broadcast=True),
+        _fold(bias, in_dims[4], n, b, keep_broadcast=True),
+        scale,
+        is_causal,
+        softcap,
+        _fold(seqused_k, in_dims[8], n, b),
+        deterministic,
+    )
+    return (_unfold(out, n, b), _unfold(lse, n, b), _unfold(lse_rem, n, b)), (0, 0, 0)
+
+
+@torch.library.register_vmap("dmattn::attention_backward")
+def _backward_vmap(
+    info,
+    in_dims,
+    grad_out,
+    grad_lse,
+    query,
+    key,
+    value,
+    out,
+    lse,
+    lse_rem,
+    mask,
+    bias,
+    scale,
+    is_causal,
+    softcap,
+    seqused_k,
+    deterministic,
+    compute_dbias,
+):
+    n, b = info.batch_size, _batch_size(query, in_dims[2])
+    compute_dbias = compute_dbias and bias is not None
+    # Each vmapped sample needs its own dbias, so a bias shared over the batch is expanded here
+    # and its batch dim summed back below.
+    tensors = (grad_out, grad_lse, query, key, value, out, lse, lse_rem)
+    folded = [_fold(t, d, n, b) for t, d in zip(tensors, in_dims)]
+    dq, dk, dv, dbias = torch.ops.dmattn.attention_backward(
+        *folded,
+        _fold(mask, in_dims[8], n, b, keep_broadcast=True),
+        _fold(bias, in_dims[9], n, b, keep_broadcast=not compute_dbias),
+        scale,
+        is_causal,
+        softcap,
+        _fold(seqused_k, in_dims[13], n, b),
+        deterministic,
+        compute_dbias,
+    )
+    grads = (_unfold(dq, n, b), _unfold(dk, n, b), _unfold(dv, n, b))
+    if not compute_dbias:
+        return (*grads, dbias), (0, 0, 0, None)
+    dbias = _unfold(dbias, n, b)
+    if _batch_size(bias, in_dims[9]) == 1 and b != 1:
+        dbias = dbias.float().sum(dim=1, keepdim=True).to(bias.dtype)
+    return (*grads, dbias), (0, 0, 0, 0)
+
+
+# vmap of the varlen ops: the N vmapped samples become one packed batch of N * B sequences.
+# Sample n occupies packed rows [n * T, (n + 1) * T) and its cu_seqlens shift by n * T. cu starts
+# at 0, so the flattened (N, B + 1) offsets list every sequence plus, between samples, the rows
+# past a sample's last sequence as a sequence of their own: its keys are masked out, so those
+# rows get out 0 and lse -inf and their keys no gradient, exactly as rows outside every sequence.
+
+
+class _VarlenFold:
+    """The folded operands of one vmapped varlen call."""
+
+    def __init__(self, n: int, query, key, cu_q, cu_k, max_q, max_k, dims):
+        """dims: the vmapped dims of query, key, cu_q and cu_k."""
+        self.n = n
+        self.tq, self.tk = _per_sample_rows(query, dims[0]), _per_sample_rows(key, dims[1])
+        self.cu_q = self._offsets(cu_q, dims[2], self.tq)
+        self.cu_k = self._offsets(cu_k, dims[3], self.tk)
+        ends_k = self.cu_k.view(n, -1)[:, -1] - torch.arange(n, device=key.device) * self.tk
+        key_pos = torch.arange(self.tk, device=key.device)
+        self.in_sequence = (key_pos[None, :] < ends_k[:, None]).reshape(1, n * self.tk)
+        # The sequences between samples are at most T long.
+        self.max_q, self.max_k = max(max_q, self.tq), max(max_k, self.tk)
+
+    def _offsets(self, cu, dim, total):
+        cu = cu.expand(self.n, *cu.shape) if dim is None else cu.movedim(dim, 0)
+        shift = torch.arange(self.n, device=cu.device, dtype=cu.dtype)[:, None] * total
+        return (cu + shift).reshape(-1)
+
+    def rows(self, t, dim):
+        """(N, total, ...) or unbatched (total, ...) packed rows -> (N * total, ...)."""
+        if t is None:
+            return None
+        t = t.expand(self.n, *t.shape) if dim is None else t.movedim(dim, 0)
+        return t.reshape(-1, *t.shape[2:])
+
+    def columns(self, t, dim):
+        """(N, Hx, total) or unbatched (Hx, total) -> (Hx, N * total): per-token operands, lse."""
+        if t is None:
+            return None
+        t = t.expand(self.n, *t.shape) if dim is None else t.movedim(dim, 0)
+        return t.transpose(0, 1).reshape(t.shape[1], -1)
+
+    def mask(self, mask, dim):
+        folded = self.columns(mask, dim)
+        return self.in_sequence if folded is None else folded & self.in_sequence
+
+    def unrows(self, t):
+        return t.unflatten(0, (self.n, -1))
+
+    def uncolumns(self, t):
+        return t.unflatten(1, (self.n, -1)).transpose(0, 1)
+
+
+def _per_sample_rows(t, dim) -> int:
+    return t.shape[0] if dim is None else t.movedim(dim, 0).shape[1]
+
+
+@torch.library.register_vmap("dmattn::attention_varlen_forward")
+def _varlen_forward_vmap(
+    info, in_dims, query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
+    softcap, deterministic=False,
+):  # fmt: skip
+    in_dims = _pad_dims(in_dims, 13)
+    dims = (in_dims[0], in_dims[1], in_dims[3], in_dims[4])
+    f = _VarlenFold(info.batch_size, query, key, cu_q, cu_k, max_q, max_k, dims)
+    out, lse, lse_rem = torch.ops.dmattn.attention_varlen_forward(
+        f.rows(query, in_dims[0]), f.rows(key, in_dims[1]), f.rows(value, in_dims[2]),
+        f.cu_q, f.cu_k, f.max_q, f.max_k, f.mask(mask, in_dims[7]),
+        f.columns(bias, in_dims[8]), scale, is_causal, softcap, deterministic,
+    )  # fmt: skip
+    return (f.unrows(out), f.uncolumns(lse), f.uncolumns(lse_rem)), (0, 0, 0)
+
+
+@torch.library.register_vmap("dmattn::attention_varlen")
+def _varlen_vmap(
+    info, in_dims, query, key, value, cu_q, cu_k, max_q, max_k, mask=None, bias=None,
+    scale=None, is_causal=False, softcap=0.0, deterministic=False,
+):  # fmt: skip
+    in_dims = _pad_dims(in_dims, 13)
+    dims = (in_dims[0], in_dims[1], in_dims[3], in_dims[4])
+    f = _VarlenFold(info.batch_size, query, key, cu_q, cu_k, max_q, max_k, dims)
+    out = torch.ops.dmattn.attention_varlen(
+        f.rows(query, in_dims[0]), f.rows(key, in_dims[1]), f.rows(value, in_dims[2]),
+        f.cu_q, f.cu_k, f.max_q, f.max_k, f.mask(mask, in_dims[7]),
+        f.columns(bias, in_dims[8]), scale, is_causal, softcap, deterministic,
+    )  # fmt: skip
+    return f.unrows(out), 0
+
+
+@torch.library.register_vmap("dmattn::attention_varlen_backward")
+def _varlen_backward_vmap(
+    info, in_dims, grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q,
+    max_k, mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
+):  # fmt: skip
+    dims = (in_dims[2], in_dims[3], in_dims[8], in_dims[9])
+    f = _VarlenFold(info.batch_size, query, key, cu_q, cu_k, max_q, max_k, dims)
+    compute_dbias = compute_dbias and bias is not None
+    dq, dk, dv, dbias = torch.ops.dmattn.attention_varlen_backward(
+        f.rows(grad_out, in_dims[0]), f.columns(grad_lse, in_dims[1]),
+        f.rows(query, in_dims[2]), f.rows(key, in_dims[3]), f.rows(value, in_dims[4]),
+        f.rows(out, in_dims[5]), f.columns(lse, in_dims[6]), f.columns(lse_rem, in_dims[7]),
+        f.cu_q, f.cu_k, f.max_q, f.max_k, f.mask(mask, in_dims[12]),
+        f.columns(bias, in_dims[13]), scale, is_causal, softcap, deterministic, compute_dbias,
+    )  # fmt: skip
+    grads = (f.unrows(dq), f.unrows(dk), f.unrows(dv))
+    if not compute_dbias:
+        return (*grads, dbias), (0, 0, 0, None)
+    return (*grads, f.uncolumns(dbias)), (0, 0, 0, 0)  # each sample its own dbias
