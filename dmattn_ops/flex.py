@@ -33,6 +33,7 @@ import torch
 
 from dmattn_ops.chunked import varlen_bounds
 from dmattn_ops.validate import (
+    check_backend,
     check_cu_seqlens_values,
     check_flags,
     check_inputs,
@@ -270,14 +271,18 @@ def attention(
     seqused_k: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
+    backend: str = "flex",
 ):
-    """`dmattn_ops.attention` through FlexAttention (same signature, shapes and semantics).
+    """`dmattn_ops.attention` through FlexAttention (same signature, shapes and semantics;
+    ``backend`` keeps the signature: this function is the "flex" backend whatever its value,
+    and an unknown name raises as there).
 
     Compiled flex on CUDA (forward and backward, including the bias gradient); on CPU the
     forward runs compiled, or eager when lse is asked for (compiled CPU flex cannot return it),
     and there is no backward. See the module docstring for caching, recompiles and limits.
     """
 
+    check_backend(backend, "dmattn.flex")
     check_flags(
         "dmattn.flex", is_causal=is_causal, deterministic=deterministic, return_lse=return_lse
     )
@@ -394,12 +399,14 @@ def attention_varlen(
     softcap: float = 0.0,
     deterministic: bool = False,
     return_lse: bool = False,
+    backend: str = "flex",
 ):
     """`dmattn_ops.attention_varlen` through FlexAttention: the packed batch is one flex batch
     with a document mask_mod (query and key in the same sequence). Limits as in `attention`;
     besides, its BlockMask is rebuilt on every call (cu_seqlens change from batch to batch) and
     covers total_q x total_k, where the Triton kernels only visit each sequence's own tiles."""
     fn = "dmattn.flex.attention_varlen"
+    check_backend(backend, fn)
     check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
     check_varlen_inputs(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

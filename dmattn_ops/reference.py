@@ -13,6 +13,7 @@ import math
 import torch
 
 from dmattn_ops.validate import (
+    check_backend,
     check_cu_seqlens_values,
     check_flags,
     check_inputs,
@@ -41,6 +42,7 @@ def attention(
     seqused_k: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
+    backend: str = "auto",
     sinks: torch.Tensor | None = None,
     _keep_lse_dtype: bool = False,
 ):
@@ -63,9 +65,12 @@ def attention(
     (a row with no allowed key: out 0, lse sinks[h]).
 
     Keys at or beyond n are zeroed before use, so NaN in an unused KV-cache slot never reaches
-    the result. ``deterministic`` is accepted for signature parity and ignored.
+    the result. ``deterministic`` and ``backend`` keep the signature of `dmattn_ops.attention`
+    (this function computes the same thing whatever their values; an unknown backend name
+    raises as there).
     """
     fn = "reference.attention"
+    check_backend(backend, fn)
     check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn=fn)
     check_seqused_k_values(seqused_k, key.shape[1], "reference.attention")
@@ -150,6 +155,7 @@ def attention_varlen(
     softcap: float = 0.0,
     deterministic: bool = False,
     return_lse: bool = False,
+    backend: str = "auto",
     sinks: torch.Tensor | None = None,
     _keep_lse_dtype: bool = False,
 ):
@@ -162,6 +168,7 @@ def attention_varlen(
     Differentiable by autograd.
     """
     fn = "reference.attention_varlen"
+    check_backend(backend, fn)
     check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
     check_varlen_inputs(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
