@@ -44,67 +44,39 @@ def _batch_size(t: torch.Tensor, dim) -> int:
     return t.shape[0] if dim is None else t.movedim(dim, 0).shape[1]
 
 
-@torch.library.register_vmap("dmattn::attention")
-def _attention_vmap(
-    info,
-    in_dims,
-    query,
-    key,
-    value,
-    mask=None,
-    bias=None,
-    scale=None,
-    is_causal=False,
-    softcap=0.0,
-    seqused_k=None,
-    deterministic=False,
-):
+def _fold_forward_args(info, in_dims, args):
+    """The 10 arguments of attention / attention_forward with the vmapped dim folded into B,
+    and (n, b) to unfold the results. Trailing arguments the dispatcher dropped (left at their
+    defaults) come back as None and are restored to those defaults."""
     in_dims = _pad_dims(in_dims, 10)
+    args = _pad_dims(args, 10)
+    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic = args
     n, b = info.batch_size, _batch_size(query, in_dims[0])
-    out = torch.ops.dmattn.attention(
+    folded = (
         _fold(query, in_dims[0], n, b),
         _fold(key, in_dims[1], n, b),
         _fold(value, in_dims[2], n, b),
         _fold(mask, in_dims[3], n, b, keep_broadcast=True),
         _fold(bias, in_dims[4], n, b, keep_broadcast=True),
         scale,
-        is_causal,
-        softcap,
+        bool(is_causal),
+        0.0 if softcap is None else softcap,
         _fold(seqused_k, in_dims[8], n, b),
-        deterministic,
+        bool(deterministic),
     )
-    return _unfold(out, n, b), 0
+    return folded, n, b
+
+
+@torch.library.register_vmap("dmattn::attention")
+def _attention_vmap(info, in_dims, *args):
+    folded, n, b = _fold_forward_args(info, in_dims, args)
+    return _unfold(torch.ops.dmattn.attention(*folded), n, b), 0
 
 
 @torch.library.register_vmap("dmattn::attention_forward")
-def _forward_vmap(
-    info,
-    in_dims,
-    query,
-    key,
-    value,
-    mask,
-    bias,
-    scale,
-    is_causal,
-    softcap,
-    seqused_k,
-    deterministic=False,
-):
-    in_dims = _pad_dims(in_dims, 10)
-    n, b = info.batch_size, _batch_size(query, in_dims[0])
-    out, lse, lse_rem = torch.ops.dmattn.attention_forward(
-        _fold(query, in_dims[0], n, b),
-        _fold(key, in_dims[1], n, b),
-        _fold(value, in_dims[2], n, b),
-        _fold(mask, in_dims[3], n, b, keep_broadcast=True),
-        _fold(bias, in_dims[4], n, b, keep_broadcast=True),
-        scale,
-        is_causal,
-        softcap,
-        _fold(seqused_k, in_dims[8], n, b),
-        deterministic,
-    )
+def _forward_vmap(info, in_dims, *args):
+    folded, n, b = _fold_forward_args(info, in_dims, args)
+    out, lse, lse_rem = torch.ops.dmattn.attention_forward(*folded)
     return (_unfold(out, n, b), _unfold(lse, n, b), _unfold(lse_rem, n, b)), (0, 0, 0)
 
 
