@@ -1,6 +1,7 @@
 """Benchmark runner: ``python -m bench [--cases A,B1,...] [--quick] [--out DIR]``.
 
-Every implementation runs in this one process on the same inputs: ours (Triton), PyTorch SDPA
+Every implementation runs in this one process on the same inputs: ours (our Triton kernels, with
+DMATTN_DENSE_SDPA=0 so that dense cases do not run PyTorch's flash kernels), PyTorch SDPA
 (flash backend without mask/bias, a float mask built from mask + bias + bottom-right causal
 otherwise) and FlexAttention (compiled; BlockMask from the mask, bias through score_mod). Each
 case checks every implementation's output against float32 math on sampled rows before timing it
@@ -481,6 +482,9 @@ def plot(results: list[dict], path: str) -> str:
 
 
 def main(argv=None) -> int:
+    # "ours" times our Triton kernels: dense calls would otherwise run PyTorch's flash kernels
+    # inside our op (dmattn_ops/sdpa.py), which the sdpa column already times.
+    os.environ["DMATTN_DENSE_SDPA"] = "0"
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=None, help="comma-separated case names (default all)")
     parser.add_argument(

@@ -5,7 +5,9 @@ blocks under ``torch.compile(fullgraph=True)``: hidden 2048, H16, Hkv4, D128, bf
 and a residual per block, median ms per step. Variants differ only in the attention:
 
 * ``sdpa``: ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``;
-* ``ours-dense``: ``dmattn_ops.attention`` without mask or bias, causal;
+* ``ours-dense``: ``dmattn_ops.attention`` without mask or bias, causal (on CUDA in bf16 it
+  runs PyTorch's flash kernels inside our op, dmattn_ops/sdpa.py);
+* ``ours-dense-triton``: the same with DMATTN_DENSE_SDPA=0, our Triton dense kernels;
 * ``dma-w4`` / ``dma-w8``: ``DynamicMaskAttention`` with window L/4 or L/8 (bias per key and
   KV head, top-window mask), causal, Triton;
 * ``dma-flex``: the same layer with ``backend="flex"``, window L/4.
@@ -19,6 +21,7 @@ default mode (no CUDA graphs) pays it on every call.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -31,7 +34,8 @@ from dmattn_ops.nn import DynamicMaskAttention
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 2048, 16, 4, 128, 4
 SHAPES = {"B4-L2048": (4, 2048), "B16-L512": (16, 512), "B1-L8192": (1, 8192),
           "B1-L32768": (1, 32768)}  # fmt: skip
-VARIANTS = ("sdpa", "ours-dense", "dma-w4", "dma-w8", "dma-flex")
+VARIANTS = ("sdpa", "ours-dense", "ours-dense-triton", "dma-w4", "dma-w8", "dma-flex")
+DENSE = ("sdpa", "ours-dense", "ours-dense-triton")
 
 
 class Block(torch.nn.Module):
@@ -65,7 +69,7 @@ class Block(torch.nn.Module):
 
     def forward(self, x):
         h = self.norm(x)
-        return x + (self.dense(h) if self.variant in ("sdpa", "ours-dense") else self.attn(h))
+        return x + (self.dense(h) if self.variant in DENSE else self.attn(h))
 
 
 def make_model(variant: str, length: int, device, dtype) -> torch.nn.Module:
@@ -103,10 +107,18 @@ def time_step(variant: str, shape: str, mode: str) -> tuple[float, float]:
             torch.compiler.cudagraph_mark_step_begin()  # each step reuses the graph's outputs
         compiled(x).float().square().mean().backward()
 
-    t0 = time.time()
-    step()
-    torch.cuda.synchronize()
-    return bench_ms(step), time.time() - t0
+    saved = os.environ.get("DMATTN_DENSE_SDPA")
+    os.environ["DMATTN_DENSE_SDPA"] = "0" if variant == "ours-dense-triton" else "1"
+    try:
+        t0 = time.time()
+        step()
+        torch.cuda.synchronize()
+        return bench_ms(step), time.time() - t0
+    finally:
+        if saved is None:
+            del os.environ["DMATTN_DENSE_SDPA"]
+        else:
+            os.environ["DMATTN_DENSE_SDPA"] = saved
 
 
 def run_model(shapes, variants, modes, log) -> list[dict]:

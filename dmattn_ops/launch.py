@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dmattn_ops import chunked, configs
+from dmattn_ops import chunked, configs, sdpa
 from dmattn_ops._alloc import empty
 from dmattn_ops._triton import LazyKernel, available, cdiv, interpreter_on, next_power_of_2
 from dmattn_ops.chunked import stats_dtype
@@ -160,6 +160,8 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
         return _empty_forward(query, value)
     if not use_triton(query):
         return chunked.forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
+    if sdpa.applies(query, key, value, mask, bias, is_causal, softcap, seqused_k):
+        return sdpa.forward(query, key, value, scale, is_causal)
     if decode_applies(lq, h, hkv, lk, mask):
         return decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
     cfg = _config("fwd", query, value, mask, bias, lq)
@@ -240,9 +242,9 @@ def attention_backward(
     compute_dbias,
 ):
     """Returns dq, dk, dv in their inputs' layouts and dtypes and dbias in bias's shape and dtype
-    (an empty (0,) tensor when compute_dbias is False). Every path here is deterministic: no
-    kernel uses atomics, so ``deterministic`` selects nothing yet."""
-    del deterministic
+    (an empty (0,) tensor when compute_dbias is False). Our kernels use no atomics, so every
+    path but PyTorch's flash backward (dense calls, sdpa.py) is deterministic; deterministic=True
+    keeps dense calls on our kernels."""
     seqused_k, lse, lse_rem = _dense(seqused_k), _dense(lse), _dense(lse_rem)
     mask = collapse_broadcast(mask)
     if not compute_dbias:
@@ -262,6 +264,13 @@ def attention_backward(
             grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias,
             scale, is_causal, softcap, seqused_k, compute_dbias,
         )  # fmt: skip
+    if (
+        grad_lse is None
+        and not (deterministic or torch.are_deterministic_algorithms_enabled())
+        and sdpa.applies(query, key, value, mask, bias, is_causal, softcap, seqused_k)
+    ):
+        dq, dk, dvv = sdpa.backward(grad_out, query, key, value, out, lse, scale, is_causal)
+        return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device)
     g = h // hkv
     dbias_mode = None
     if compute_dbias:

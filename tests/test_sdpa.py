@@ -1,0 +1,141 @@
+"""Dense calls through PyTorch's flash kernels (dmattn_ops/sdpa.py): when they apply, that they
+match the float64 oracle, and that the calls flash cannot serve stay on our kernels.
+
+The rest of the suite runs with DMATTN_DENSE_SDPA=0 (conftest.py) so that it tests our Triton
+dense kernels; these tests turn the dispatch back on."""
+
+import pytest
+import torch
+from helpers import Case, assert_close, low_precision_bound, param
+
+import dmattn_ops
+from dmattn_ops import reference, sdpa
+
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture
+def dispatch_on(monkeypatch):
+    """DMATTN_DENSE_SDPA=1, and counts of the flash forward and backward calls."""
+    monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        real = getattr(sdpa, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(sdpa, name, spy)
+    return calls
+
+
+def _operands(device="cpu", dtype=torch.bfloat16, lq=8, lk=8, d=16, dv=16):
+    q = torch.zeros(1, lq, 2, d, dtype=dtype, device=device)
+    k = torch.zeros(1, lk, 1, d, dtype=dtype, device=device)
+    v = torch.zeros(1, lk, 1, dv, dtype=dtype, device=device)
+    return q, k, v
+
+
+def test_applies_only_to_plain_dense_cuda_calls(monkeypatch):
+    monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
+    q, k, v = _operands("meta")
+    assert not sdpa.applies(q, k, v, None, None, False, 0.0, None)  # not CUDA
+
+
+@gpu
+def test_applies_rules(monkeypatch):
+    monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
+    q, k, v = _operands("cuda")
+    mask = torch.ones(1, 1, 1, 8, dtype=torch.bool, device="cuda")
+    assert sdpa.applies(q, k, v, None, None, True, 0.0, None)
+    assert not sdpa.applies(q, k, v, mask, None, False, 0.0, None)
+    assert not sdpa.applies(q, k, v, None, mask.bfloat16(), False, 0.0, None)
+    assert not sdpa.applies(q, k, v, None, None, False, 5.0, None)
+    seqused = torch.full((1,), 8, dtype=torch.int32, device="cuda")
+    assert not sdpa.applies(q, k, v, None, None, False, 0.0, seqused)
+    assert not sdpa.applies(*_operands("cuda", torch.float32), None, None, False, 0.0, None)
+    assert not sdpa.applies(*_operands("cuda", lq=4), None, None, True, 0.0, None)  # Lq != Lk
+    assert sdpa.applies(*_operands("cuda", lq=4), None, None, False, 0.0, None)
+    assert not sdpa.applies(*_operands("cuda", d=20, dv=20), None, None, False, 0.0, None)
+    assert not sdpa.applies(*_operands("cuda", dv=32), None, None, False, 0.0, None)
+    monkeypatch.setenv("DMATTN_DENSE_SDPA", "0")
+    assert not sdpa.applies(q, k, v, None, None, True, 0.0, None)
+
+
+def _check(c: Case, dtype, is_causal, *, lse_grad=False, deterministic=False, fn=None):
+    """Runs fn (dmattn_ops.attention, backend auto) and the oracle; checks out, lse, grads."""
+    q = torch.randn(c.b, c.lq, c.h, c.d, dtype=dtype, device="cuda")
+    k = torch.randn(c.b, c.lk, c.hkv, c.d, dtype=dtype, device="cuda")
+    v = torch.randn(c.b, c.lk, c.hkv, c.dv, dtype=dtype, device="cuda")
+    g_out = torch.randn(c.b, c.lq, c.h, c.dv, dtype=dtype, device="cuda")
+    g_lse = torch.randn(c.b, c.h, c.lq, device="cuda")
+
+    def run(fn, cast, **kw):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*leaves, is_causal=is_causal, return_lse=True, **kw)
+        loss = (out * g_out.to(out.dtype)).sum()
+        if lse_grad:
+            loss = loss + (lse * g_lse.to(lse.dtype)).sum()
+        return out, lse, torch.autograd.grad(loss, leaves)
+
+    got = run(fn or dmattn_ops.attention, dtype, deterministic=deterministic)
+    ref64 = run(reference.attention, torch.float64)
+    ref_lp = run(reference.attention, dtype)
+    assert_close(got[0], ref64[0], low_precision_bound(ref64[0], ref_lp[0], dtype), "out")
+    lse_bound = 2 * (ref_lp[1] - ref64[1]).abs().max().item() + 1e-5
+    assert_close(got[1], ref64[1], lse_bound, "lse")
+    for name, g, r, rl in zip(("dq", "dk", "dv"), got[2], ref64[2], ref_lp[2]):
+        assert g.dtype == dtype and g.shape == r.shape
+        assert_close(g, r, low_precision_bound(r, rl, dtype), name)
+
+
+CASES = [
+    param(Case(2, 256, 256, 8, 8, 64, 64)),
+    param(Case(2, 300, 300, 16, 4, 128, 128)),  # GQA, a partial tile
+    param(Case(1, 128, 512, 4, 1, 96, 96)),  # MQA, Lq != Lk (non-causal only)
+    param(Case(1, 64, 64, 2, 2, 256, 256)),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("c", CASES)
+def test_dense_calls_run_flash_and_match_the_oracle(dispatch_on, c, dtype, is_causal):
+    if is_causal and c.lq != c.lk:
+        pytest.skip("bottom-right causal with Lq != Lk stays on our kernels")
+    _check(c, dtype, is_causal)
+    assert dispatch_on == {"forward": 1, "backward": 1}
+
+
+@gpu
+def test_lse_gradient_and_deterministic_take_our_backward(dispatch_on):
+    c = Case(2, 200, 200, 8, 2, 64, 64)
+    _check(c, torch.bfloat16, True, lse_grad=True)
+    assert dispatch_on == {"forward": 1, "backward": 0}
+    _check(c, torch.bfloat16, True, deterministic=True)
+    assert dispatch_on == {"forward": 2, "backward": 0}
+
+
+@gpu
+def test_causal_with_more_queries_than_keys_stays_bottom_right(dispatch_on):
+    # Flash aligns causality top-left; the contract's bottom-right alignment must hold.
+    c = Case(1, 96, 64, 4, 4, 64, 64)
+    _check(c, torch.bfloat16, True)
+    assert dispatch_on["forward"] == 0
+
+
+@gpu
+def test_switch_forces_our_kernels(dispatch_on, monkeypatch):
+    monkeypatch.setenv("DMATTN_DENSE_SDPA", "0")
+    _check(Case(1, 128, 128, 4, 4, 64, 64), torch.bfloat16, True)
+    assert dispatch_on == {"forward": 0, "backward": 0}
+
+
+@gpu
+def test_compiled_dense_call(dispatch_on):
+    torch._dynamo.reset()
+    compiled = torch.compile(dmattn_ops.attention, fullgraph=True)
+    _check(Case(2, 256, 256, 8, 2, 64, 64), torch.bfloat16, True, fn=compiled)
+    assert dispatch_on == {"forward": 1, "backward": 1}
