@@ -20,6 +20,7 @@ from dmattn_ops._triton import LazyKernel, available, cdiv, interpreter_on, next
 from dmattn_ops.chunked import stats_dtype
 from dmattn_ops.configs import Config
 from dmattn_ops.tiles import (
+    PER_ENTRY,
     _pool_queries,
     block_any,
     build_key_lists,
@@ -27,6 +28,7 @@ from dmattn_ops.tiles import (
     build_varlen_key_lists,
     compactable,
     mask_bytes,
+    operand_kind,
     operand_strides,
 )
 
@@ -208,7 +210,9 @@ def _launch_forward(
         _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
         IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_MASK=0 if lists else operand_kind(mask), HAS_BIAS=operand_kind(bias),
+        HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0, COMPACT=lists is not None,
+        VARLEN=cu_q is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
@@ -332,7 +336,8 @@ def attention_backward(
             tables.stride_b if tables else 0, nq,
             h, g, hb, lq, lk, d, dv, nq, nk, n_batch, batch_mul, n_head, head_mul,
             mask_div, bias_div, float(scale), float(softcap),
-            **common,
+            HAS_MASK=0 if lists else operand_kind(mask), HAS_SEQUSED=seqused_k is not None,
+            HAS_SOFTCAP=softcap > 0, **common,
         )  # fmt: skip
 
     if not compute_dbias:
@@ -386,6 +391,10 @@ def _launch_backward(
         *operand_strides(mask), *operand_strides(bias),
     )  # fmt: skip
     mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
+    flags = dict(
+        HAS_BIAS=operand_kind(bias), HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0,
+        VARLEN=cu_q is not None,
+    )  # fmt: skip
     nk = cdiv(span_k, kv.block_n)
     attention_bwd_dkdv_kernel[(nk, b * hkv)](
         query, key, value, grad_out, None if dkdv_lists else mask_bytes(mask), bias,
@@ -399,7 +408,9 @@ def _launch_backward(
         dkdv_lists.keys_stride_h if dkdv_lists else 0,
         dkdv_lists.count_stride_b if dkdv_lists else 0, *lse_strides, *col_strides,
         h, hkv, h // hkv, lq, lk, d, d_v, cdiv(span_q, kv.block_m), mask_div, bias_div,
-        float(scale), float(softcap), **_meta(kv, d, d_v, is_causal, query.dtype),
+        float(scale), float(softcap), HAS_MASK=0 if dkdv_lists else operand_kind(mask),
+        DBIAS_COLS=dbias_cols is not None, COMPACT=dkdv_lists is not None, **flags,
+        **_meta(kv, d, d_v, is_causal, query.dtype),
     )  # fmt: skip
     nq = cdiv(span_q, qc.block_m)
     attention_bwd_dq_kernel[(nq, b * h)](
@@ -412,7 +423,9 @@ def _launch_backward(
         dq_tables.stride_b if dq_tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
         h, h // hkv, lq, lk, d, d_v, cdiv(span_k, qc.block_n), mask_div, bias_div,
-        float(scale), float(softcap), **_meta(qc, d, d_v, is_causal, query.dtype),
+        float(scale), float(softcap), HAS_MASK=0 if lists else operand_kind(mask),
+        DBIAS_DIRECT=dbias_direct is not None, COMPACT=lists is not None, **flags,
+        **_meta(qc, d, d_v, is_causal, query.dtype),
     )  # fmt: skip
 
 
@@ -570,6 +583,9 @@ def decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seq
         _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
         IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_N=block_n, **_head_blocks(d, dv),
         DOT_PRECISION=_dot_precision(query.dtype),
+        # Per-row bias pointers (the rows span the G heads of a group): PER_ENTRY loads.
+        HAS_BIAS=PER_ENTRY if bias is not None else 0,
+        HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0, COMPACT=lists is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     out = empty((b, lq, h, dv), dtype=query.dtype, device=device)

@@ -198,7 +198,7 @@ def _fused_topk(
     topk_mask_kernel[(b * h * lq,)](
         bias_e, mask_e, out.view(torch.int8), *launch.operand_strides(bias_e),
         *launch.operand_strides(mask_e), h, lq, lk, k,
-        BLOCK=block, SMOOTH=smooth, num_warps=warps,
+        BLOCK=block, SMOOTH=smooth, HAS_MASK=mask_e is not None, num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -30,6 +30,17 @@ def operand_strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
     return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
 
 
+# HAS_MASK / HAS_BIAS of a launch (kernels/common.py PER_KEY, PER_ENTRY): 0 without the operand,
+# PER_KEY when its query stride is 0 (the launchers pass 0 on broadcast dims), else PER_ENTRY.
+PER_KEY, PER_ENTRY = 1, 2
+
+
+def operand_kind(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    return PER_ENTRY if operand_strides(t)[2] != 0 else PER_KEY
+
+
 def mask_bytes(mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if mask is None else mask.view(torch.uint8)
 

@@ -21,7 +21,6 @@ from dmattn_ops.kernels.common import (
     interior_key_end,
     key_count,
     listed_interior_count,
-    operand_kind,
     score_tile,
     seq_extent,
 )
@@ -126,17 +125,6 @@ def _dkdv_tile(
     return dk, dv, dbias_col
 
 
-@triton.heuristics(
-    {
-        "HAS_MASK": lambda a: operand_kind(a["MASK"], a["stride_mm"]),
-        "HAS_BIAS": lambda a: operand_kind(a["BIAS"], a["stride_bm"]),
-        "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
-        "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
-        "DBIAS_COLS": lambda a: a["DBIAS_COL"] is not None,
-        "COMPACT": lambda a: a["KEYS"] is not None,
-        "VARLEN": lambda a: a["CU_Q"] is not None,
-    }
-)
 @triton.jit
 def attention_bwd_dkdv_kernel(
     Q,
@@ -477,17 +465,6 @@ def _dq_tile(
     return dot_acc(ds.to(b_kt.dtype), tl.trans(b_kt), dq, DOT_PRECISION)
 
 
-@triton.heuristics(
-    {
-        "HAS_MASK": lambda a: operand_kind(a["MASK"], a["stride_mm"]),
-        "HAS_BIAS": lambda a: operand_kind(a["BIAS"], a["stride_bm"]),
-        "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
-        "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
-        "DBIAS_DIRECT": lambda a: a["DBIAS"] is not None,
-        "COMPACT": lambda a: a["KEYS"] is not None,
-        "VARLEN": lambda a: a["CU_Q"] is not None,
-    }
-)
 @triton.jit
 def attention_bwd_dq_kernel(
     Q,
@@ -691,13 +668,6 @@ def attention_bwd_dq_kernel(
     )
 
 
-@triton.heuristics(
-    {
-        "HAS_MASK": lambda a: operand_kind(a["MASK"], a["stride_mm"]),
-        "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
-        "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
-    }
-)
 @triton.jit
 def attention_bwd_dbias_kernel(
     Q,

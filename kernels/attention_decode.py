@@ -13,22 +13,12 @@ import triton.language as tl
 from dmattn_ops.kernels.attention_fwd import _fwd_tile
 from dmattn_ops.kernels.common import (
     LOG2E,
-    PER_ENTRY,
     causal_key_end,
     key_count,
     lse_split,
 )
 
 
-@triton.heuristics(
-    {
-        # Per-row bias pointers (the rows span the G heads of a group): always PER_ENTRY loads.
-        "HAS_BIAS": lambda a: PER_ENTRY.value if a["BIAS"] is not None else 0,
-        "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
-        "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
-        "COMPACT": lambda a: a["KEYS"] is not None,
-    }
-)
 @triton.jit
 def attention_decode_kernel(
     Q,

@@ -10,7 +10,6 @@ from dmattn_ops.kernels.common import (
     interior_key_end,
     listed_interior_count,
     lse_split,
-    operand_kind,
     score_tile,
     seq_extent,
 )
@@ -95,16 +94,6 @@ def _fwd_tile(
     return acc, l_i, m_new
 
 
-@triton.heuristics(
-    {
-        "HAS_MASK": lambda a: operand_kind(a["MASK"], a["stride_mm"]),
-        "HAS_BIAS": lambda a: operand_kind(a["BIAS"], a["stride_bm"]),
-        "HAS_SEQUSED": lambda a: a["SEQUSED"] is not None,
-        "HAS_SOFTCAP": lambda a: a["softcap"] > 0,
-        "COMPACT": lambda a: a["KEYS"] is not None,
-        "VARLEN": lambda a: a["CU_Q"] is not None,
-    }
-)
 @triton.jit
 def attention_fwd_kernel(
     Q,

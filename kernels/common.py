@@ -13,14 +13,6 @@ PER_KEY = tl.constexpr(1)
 PER_ENTRY = tl.constexpr(2)
 
 
-def operand_kind(t, stride_m: int) -> int:
-    """HAS_MASK / HAS_BIAS of a launch: 0 for None, else PER_KEY or PER_ENTRY by its query
-    stride (the launchers pass 0 on broadcast dims)."""
-    if t is None:
-        return 0
-    return PER_ENTRY.value if stride_m != 0 else PER_KEY.value
-
-
 @triton.jit
 def dot(a, b, DOT_PRECISION: tl.constexpr):
     """tl.dot with fp32 accumulation. DOT_PRECISION "upcast" multiplies the (already rounded)

@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 
-@triton.heuristics({"HAS_MASK": lambda a: a["MASK"] is not None})
 @triton.jit
 def topk_mask_kernel(
     BIAS,
