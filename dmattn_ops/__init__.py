@@ -1,6 +1,6 @@
 """Dynamic Mask Attention as PyTorch custom ops (``torch.ops.dmattn``) backed by Triton kernels."""
 
-from dmattn_ops import flex, masks, nn, ops, reference
+from dmattn_ops import flex, inductor, masks, nn, ops, reference
 from dmattn_ops.api import attention, attention_varlen, flash_attn_func, flash_attn_varlen_func
 
 __all__ = [
@@ -15,3 +15,5 @@ __all__ = [
     "reference",
 ]
 __version__ = "0.1.0"
+
+inductor.register()

@@ -8,6 +8,7 @@ first launch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -28,6 +29,12 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def torch_wrap_triton(fn):
+    from torch.library import wrap_triton
+
+    return wrap_triton(fn)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -36,9 +43,25 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+_TRACING = 0  # > 0 while dmattn_ops/inductor.py traces a launcher for a compiled graph
+
+
+@contextlib.contextmanager
+def tracing():
+    """Launches inside go through torch.library.wrap_triton: under make_fx they are recorded
+    into the graph (Inductor then compiles and launches the kernels) instead of run."""
+    global _TRACING
+    _TRACING += 1
+    try:
+        yield
+    finally:
+        _TRACING -= 1
+
+
 class LazyKernel:
     """A kernel of dmattn_ops.kernels, imported at its first use: `kernel[grid](...)` and
-    attribute access behave as on the @triton.jit function itself."""
+    attribute access behave as on the @triton.jit function itself (inside `tracing()`, as on
+    its torch.library.wrap_triton wrapper)."""
 
     def __init__(self, module: str, name: str):
         self._module, self._name = module, name
@@ -49,6 +72,8 @@ class LazyKernel:
         return getattr(module, self._name)
 
     def __getitem__(self, grid):
+        if _TRACING:
+            return torch_wrap_triton(self.fn)[grid]
         return self.fn[grid]
 
     def __getattr__(self, attr):

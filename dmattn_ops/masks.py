@@ -174,8 +174,7 @@ def _fused_applies(score: torch.Tensor, k: int) -> bool:
     )
 
 
-@torch.library.custom_op("dmattn::topk_select", mutates_args=())
-def _fused_topk(
+def topk_select(
     bias: torch.Tensor, allowed: torch.Tensor | None, k: int, smooth: int
 ) -> torch.Tensor:
     """The k largest of every row of bias among the allowed keys (4-D, broadcast together), as
@@ -188,19 +187,22 @@ def _fused_topk(
         return _smooth(selected, allowed, smooth).contiguous() if smooth else selected
     shape = _broadcast(bias, allowed)
     b, h, lq, lk = shape
-    out = torch.empty(shape, dtype=torch.bool, device=bias.device)
+    out = torch.empty(shape, dtype=torch.int8, device=bias.device)
     if out.numel() == 0:
-        return out
+        return out.view(torch.bool)
     bias_e = bias.expand(shape)
     mask_e = allowed.expand(shape).view(torch.uint8) if allowed is not None else None
     block = max(next_power_of_2(lk), smooth)
     warps = 1 if launch.interpreter_on() else min(16, max(4, block // 512))
     topk_mask_kernel[(b * h * lq,)](
-        bias_e, mask_e, out.view(torch.int8), *launch.operand_strides(bias_e),
+        bias_e, mask_e, out, *launch.operand_strides(bias_e),
         *launch.operand_strides(mask_e), h, lq, lk, k,
         BLOCK=block, SMOOTH=smooth, HAS_MASK=mask_e is not None, num_warps=warps,
     )  # fmt: skip
-    return out
+    return out.view(torch.bool)
+
+
+_fused_topk = torch.library.custom_op("dmattn::topk_select", topk_select, mutates_args=())
 
 
 @_fused_topk.register_fake

@@ -1,0 +1,120 @@
+"""Compiled graphs launch our kernels themselves.
+
+Eagerly, each dmattn op runs its Python launcher (launch.py) on every call: allocations, tile
+tables or key lists, and Triton launches through ``JITFunction.run``, which binds and
+specialises some 60 arguments per launch. In a model compiled in the default mode (no CUDA
+graphs) that host time is paid on every call and leaves the GPU idle (bench/NOTES.md 14-16).
+
+Under torch.compile, AOTAutograd traces the graph under ``FunctionalTensorMode``. For CUDA
+tensors the rules below replace the kernel-carrying ops (``attention_forward``,
+``attention_backward``, their varlen pair and ``topk_select``) by their launcher's own body,
+traced: the allocations become graph buffers and every Triton launch goes through
+``torch.library.wrap_triton`` (_triton.tracing), so Inductor compiles the kernels into the
+graph and launches them from its generated code, with the grids and arguments computed there.
+This is how ``torch.library.triton_op`` works (torch/_library/triton.py); it is applied here
+below the ops' hand-written autograd and vmap kernels (ops.py says why those cannot come from
+register_autograd), so eager calls, torch.func, opcheck and the fake kernels are unchanged.
+
+The ops stay whole (one node each) for torch.export, which keeps them serialisable as
+triton_op does; for CPU tensors (Triton's interpreter cannot run on fake tensors, and the
+chunked PyTorch path gains nothing); and when DMATTN_INDUCTOR_KERNELS=0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+from dmattn_ops import _triton, launch, masks
+from dmattn_ops.validate import check_inputs, check_varlen_inputs
+
+
+def enabled() -> bool:
+    return os.environ.get("DMATTN_INDUCTOR_KERNELS", "1") != "0"
+
+
+def _export_keeps_ops() -> bool:
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+    except ImportError:  # older torch: export traces with the ops whole anyway
+        return False
+    return custom_triton_ops_decomposition_disabled()
+
+
+def _traced(first: torch.Tensor) -> bool:
+    """Whether this is a trace on fake tensors (a compiled graph), not an eager
+    functionalisation of real tensors."""
+    return torch._guards.detect_fake_mode() is not None
+
+
+def applies(first: torch.Tensor) -> bool:
+    return first.is_cuda and enabled() and _traced(first) and not _export_keeps_ops()
+
+
+def _forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, det=False):
+    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn::attention")
+    return launch.attention_forward(
+        query, key, value, mask, bias, scale, is_causal, softcap, seqused_k
+    )
+
+
+def _backward(
+    grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias, scale, is_causal,
+    softcap, seqused_k, deterministic, compute_dbias,
+):  # fmt: skip
+    return launch.attention_backward(
+        grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias, scale, is_causal,
+        softcap, seqused_k, deterministic, compute_dbias and bias is not None,
+    )  # fmt: skip
+
+
+def _varlen_forward(
+    query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
+    deterministic=False,
+):  # fmt: skip
+    check_varlen_inputs(
+        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, softcap,
+        fn="dmattn::attention_varlen",
+    )  # fmt: skip
+    return launch.attention_varlen_forward(
+        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap
+    )
+
+
+def _varlen_backward(
+    grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
+    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
+):  # fmt: skip
+    return launch.attention_varlen_backward(
+        grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
+        mask, bias, scale, is_causal, softcap, deterministic, compute_dbias and bias is not None,
+    )  # fmt: skip
+
+
+def _rule(body, tensor_arg: int):
+    """The FunctionalTensorMode rule of one op: its launcher body, traced, where it applies;
+    the op as one node otherwise."""
+
+    def rule(mode, op, types, args, kwargs):
+        known = (torch.Tensor, FunctionalTensor, torch._subclasses.FakeTensor)
+        if any(not issubclass(t, known) for t in types):
+            return NotImplemented
+        if not applies(args[tensor_arg]):
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        with mode, _triton.tracing():
+            return body(*args, **kwargs)
+
+    return rule
+
+
+def register() -> None:
+    for name, body, tensor_arg in (
+        ("dmattn::attention_forward", _forward, 0),
+        ("dmattn::attention_backward", _backward, 2),
+        ("dmattn::attention_varlen_forward", _varlen_forward, 0),
+        ("dmattn::attention_varlen_backward", _varlen_backward, 2),
+        ("dmattn::topk_select", masks.topk_select, 0),
+    ):
+        torch.library.register_torch_dispatch(name, FunctionalTensorMode, _rule(body, tensor_arg))

@@ -1,0 +1,165 @@
+"""Compiled graphs launch our kernels themselves (dmattn_ops/inductor.py): under torch.compile
+the kernel-carrying ops are replaced by their launchers' bodies, traced, so Inductor compiles and
+launches the Triton kernels; eager calls, export and CPU graphs keep the ops whole.
+
+On CPU the mechanism is checked through the chunked PyTorch path (float64), with the CUDA
+condition lifted; on a GPU the Triton kernels run from Inductor's generated code and must give
+exactly the eager results."""
+
+import pytest
+import torch
+from helpers import Case, make_bias, make_mask, make_qkv
+
+import dmattn_ops
+from dmattn_ops import inductor, reference
+from dmattn_ops.masks import topk_mask
+
+gpu = pytest.mark.gpu
+
+
+def _graphs_of(fn, *args):
+    """Runs fn through aot_autograd (forward and backward graphs kept) and returns its output
+    and the graphs."""
+    from torch._functorch.aot_autograd import aot_function
+    from functorch.compile import make_boxed_func
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    return aot_function(fn, keep, keep)(*args), graphs
+
+
+def _dmattn_nodes(graphs) -> list[str]:
+    return [str(n.target) for g in graphs for n in g.graph.nodes if "dmattn" in str(n.target)]
+
+
+def _attention_loss(q, k, v, bias, mask):
+    out = torch.ops.dmattn.attention(q, k, v, mask, bias, None, True)
+    return out.square().sum()
+
+
+def _cpu_inputs():
+    c = Case(2, 24, 40, 4, 2, 16, 16)
+    q, k, v = make_qkv(c, requires_grad=True)
+    bias = make_bias((c.b, c.hkv, 1, c.lk), requires_grad=True)
+    mask = make_mask((c.b, c.hkv, 1, c.lk))
+    return q, k, v, bias, mask
+
+
+def test_traced_graphs_hold_the_launchers_not_the_ops(monkeypatch):
+    monkeypatch.setattr(inductor, "applies", lambda first: inductor._traced(first))
+    q, k, v, bias, mask = _cpu_inputs()
+    loss, graphs = _graphs_of(_attention_loss, q, k, v, bias, mask)
+    grads = torch.autograd.grad(loss, (q, k, v, bias))
+    assert len(graphs) == 2 and _dmattn_nodes(graphs) == []  # forward and backward graphs
+    ref_inputs = [t.detach().requires_grad_() for t in (q, k, v, bias)]
+    ref_loss = reference.attention(*ref_inputs[:3], mask, ref_inputs[3], is_causal=True)
+    ref_grads = torch.autograd.grad(ref_loss.square().sum(), ref_inputs)
+    torch.testing.assert_close(loss, ref_loss.square().sum())
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def test_cpu_graphs_keep_the_ops():
+    q, k, v, bias, mask = _cpu_inputs()
+    loss, graphs = _graphs_of(_attention_loss, q, k, v, bias, mask)
+    loss.backward()
+    assert "dmattn.attention_forward.default" in _dmattn_nodes(graphs)
+    assert "dmattn.attention_backward.default" in _dmattn_nodes(graphs)
+
+
+def test_switch_keeps_the_ops(monkeypatch):
+    monkeypatch.setenv("DMATTN_INDUCTOR_KERNELS", "0")
+    monkeypatch.setattr(
+        inductor, "applies", lambda first: inductor.enabled() and inductor._traced(first)
+    )
+    q, k, v, bias, mask = _cpu_inputs()
+    _, graphs = _graphs_of(_attention_loss, q, k, v, bias, mask)
+    assert "dmattn.attention_forward.default" in _dmattn_nodes(graphs)
+
+
+def test_eager_calls_do_not_trace(monkeypatch):
+    traced = []
+    monkeypatch.setattr(inductor, "_traced", lambda first: traced.append(1) or False)
+    q, k, v, bias, mask = _cpu_inputs()
+    _attention_loss(q, k, v, bias, mask).backward()
+    assert traced == []  # no FunctionalTensorMode, so the rules are never asked
+
+
+# On the GPU: Inductor compiles and launches our kernels.
+
+
+def _gpu_case(kind: str):
+    c = Case(2, 300, 300, 8, 2, 64, 64)
+    q, k, v = (t.cuda().bfloat16() for t in make_qkv(c))
+    mask = bias = None
+    if kind in ("keys", "tables"):
+        bias = make_bias((c.b, c.hkv, 1, c.lk), device="cuda").bfloat16()
+        mask = (
+            topk_mask(bias, 96) if kind == "keys" else make_mask((c.b, 1, c.lq, c.lk), 0.3, "cuda")
+        )
+    return q, k, v, mask, bias
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["dense", "keys", "tables"])
+def test_compiled_kernels_match_eager_exactly(kind, monkeypatch):
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setenv("DMATTN_DENSE_SDPA", "0")
+    torch._dynamo.reset()
+    q, k, v, mask, bias = _gpu_case(kind)
+
+    def step(q, k, v, bias):
+        out = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True)
+        leaves = [t for t in (q, k, v, bias) if t is not None]
+        return out, torch.autograd.grad(out.float().square().sum(), leaves)
+
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (q, k, v, bias)]
+    eager = step(*leaves)
+    compiled = torch.compile(step, fullgraph=True)
+    result, code = run_and_get_code(compiled, *leaves)
+    source = "\n".join(code)
+    assert "attention_fwd_kernel" in source and "attention_bwd_dq_kernel" in source
+    assert "torch.ops.dmattn" not in source
+    torch.testing.assert_close(result[0], eager[0], rtol=0, atol=0)
+    for g, e in zip(result[1], eager[1]):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@gpu
+def test_compiled_topk_mask_and_varlen_match_eager():
+    torch._dynamo.reset()
+    bias = torch.randn(2, 4, 1, 512, device="cuda")
+    compiled = torch.compile(lambda b: topk_mask(b, 100), fullgraph=True)
+    assert torch.equal(compiled(bias), topk_mask(bias, 100))
+
+    cu = torch.tensor([0, 100, 356], dtype=torch.int32, device="cuda")
+    q = torch.randn(356, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(356, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(356, 2, 64, device="cuda", dtype=torch.bfloat16)
+    kbias = torch.randn(2, 356, device="cuda", dtype=torch.bfloat16)
+    kmask = torch.rand(2, 356, device="cuda") < 0.5
+
+    def f(q, k, v):
+        return dmattn_ops.attention_varlen(q, k, v, cu, cu, 256, 256, kmask, kbias, is_causal=True)
+
+    torch.testing.assert_close(
+        torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v), rtol=0, atol=0
+    )
+
+
+@gpu
+def test_export_keeps_the_op_on_cuda():
+    q, k, v, mask, bias = _gpu_case("keys")
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v, mask, bias):
+            return torch.ops.dmattn.attention(q, k, v, mask, bias, None, True)
+
+    ep = torch.export.export(M(), (q, k, v, mask, bias))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert "dmattn.attention.default" in targets
