@@ -26,6 +26,7 @@ import torch
 
 from dmattn_ops import launch
 from dmattn_ops._triton import LazyKernel, next_power_of_2
+from dmattn_ops.tiles import mask_bytes
 
 topk_mask_kernel = LazyKernel("topk_mask", "topk_mask_kernel")
 
@@ -191,7 +192,7 @@ def topk_select(
     if out.numel() == 0:
         return out.view(torch.bool)
     bias_e = bias.expand(shape)
-    mask_e = allowed.expand(shape).view(torch.uint8) if allowed is not None else None
+    mask_e = mask_bytes(allowed.expand(shape)) if allowed is not None else None
     block = max(next_power_of_2(lk), smooth)
     warps = 1 if launch.interpreter_on() else min(16, max(4, block // 512))
     topk_mask_kernel[(b * h * lq,)](

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dmattn_ops import _triton
 from dmattn_ops._alloc import empty
 from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
 
@@ -42,7 +43,12 @@ def operand_kind(t: torch.Tensor | None) -> int:
 
 
 def mask_bytes(mask: torch.Tensor | None) -> torch.Tensor | None:
-    return None if mask is None else mask.view(torch.uint8)
+    """The bool mask as the kernels read it: its bytes (uint8; every kernel tests != 0). In a
+    traced graph the bool tensor itself (Triton loads a bool pointer as bytes too), since
+    Inductor cannot lower a bool -> uint8 view (torch 2.11)."""
+    if mask is None or _triton.tracing_now():
+        return mask
+    return mask.view(torch.uint8)
 
 
 @dataclass
@@ -81,7 +87,7 @@ def block_any(mask, lq, lk, block_m, block_n) -> torch.Tensor:
     mask_any = torch.empty((bm, hm, nqm, nk), dtype=torch.int8, device=mask.device)
     sb, sh, sm, sn = operand_strides(mask)
     mask_block_any_kernel[(nqm, nk, bm * hm)](
-        mask.view(torch.uint8), mask_any, sb, sh, sm, sn, hm, lqm, lk, nqm, nk,
+        mask_bytes(mask), mask_any, sb, sh, sm, sn, hm, lqm, lk, nqm, nk,
         BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     return mask_any

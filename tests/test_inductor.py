@@ -20,8 +20,8 @@ gpu = pytest.mark.gpu
 def _graphs_of(fn, *args):
     """Runs fn through aot_autograd (forward and backward graphs kept) and returns its output
     and the graphs."""
-    from torch._functorch.aot_autograd import aot_function
     from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_function
 
     graphs = []
 
@@ -113,15 +113,17 @@ def test_compiled_kernels_match_eager_exactly(kind, monkeypatch):
     torch._dynamo.reset()
     q, k, v, mask, bias = _gpu_case(kind)
 
-    def step(q, k, v, bias):
-        out = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True)
-        leaves = [t for t in (q, k, v, bias) if t is not None]
-        return out, torch.autograd.grad(out.float().square().sum(), leaves)
+    def loss(q, k, v, bias):
+        return dmattn_ops.attention(q, k, v, mask, bias, is_causal=True).float().square().sum()
 
-    leaves = [t.detach().requires_grad_() if t is not None else None for t in (q, k, v, bias)]
-    eager = step(*leaves)
-    compiled = torch.compile(step, fullgraph=True)
-    result, code = run_and_get_code(compiled, *leaves)
+    def step(fn):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, bias) if t is not None]
+        value = fn(*leaves, *([None] if bias is None else []))
+        value.backward()
+        return value, [t.grad for t in leaves]
+
+    eager = step(loss)
+    result, code = run_and_get_code(step, torch.compile(loss, fullgraph=True))
     source = "\n".join(code)
     assert "attention_fwd_kernel" in source and "attention_bwd_dq_kernel" in source
     assert "torch.ops.dmattn" not in source
