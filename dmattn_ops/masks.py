@@ -188,19 +188,19 @@ def topk_select(
         return _smooth(selected, allowed, smooth).contiguous() if smooth else selected
     shape = _broadcast(bias, allowed)
     b, h, lq, lk = shape
-    out = torch.empty(shape, dtype=torch.int8, device=bias.device)
+    out = torch.empty(shape, dtype=torch.bool, device=bias.device)
     if out.numel() == 0:
-        return out.view(torch.bool)
+        return out
     bias_e = bias.expand(shape)
     mask_e = mask_bytes(allowed.expand(shape)) if allowed is not None else None
     block = max(next_power_of_2(lk), smooth)
     warps = 1 if launch.interpreter_on() else min(16, max(4, block // 512))
     topk_mask_kernel[(b * h * lq,)](
-        bias_e, mask_e, out, *launch.operand_strides(bias_e),
+        bias_e, mask_e, mask_bytes(out), *launch.operand_strides(bias_e),
         *launch.operand_strides(mask_e), h, lq, lk, k,
         BLOCK=block, SMOOTH=smooth, HAS_MASK=mask_e is not None, num_warps=warps,
     )  # fmt: skip
-    return out.view(torch.bool)
+    return out
 
 
 _fused_topk = torch.library.custom_op("dmattn::topk_select", topk_select, mutates_args=())

@@ -15,6 +15,16 @@ from dmattn_ops import inductor, reference
 from dmattn_ops.masks import topk_mask
 
 gpu = pytest.mark.gpu
+# torch 2.11 / Triton 3.6 on an H100: Inductor's compile of attention_fwd_kernel fails in tl.dot's
+# accumulator check (bench/NOTES.md 23), which is why the path is opt-in. Strict: a fix shows.
+INDUCTOR_COMPILE_FAILS = pytest.mark.xfail(
+    strict=True, reason="Inductor fails to compile attention_fwd_kernel (NOTES.md 23)"
+)
+
+
+@pytest.fixture
+def inductor_kernels(monkeypatch):
+    monkeypatch.setenv("DMATTN_INDUCTOR_KERNELS", "1")
 
 
 def _graphs_of(fn, *args):
@@ -72,7 +82,7 @@ def test_cpu_graphs_keep_the_ops():
 
 
 def test_switch_keeps_the_ops(monkeypatch):
-    monkeypatch.setenv("DMATTN_INDUCTOR_KERNELS", "0")
+    monkeypatch.delenv("DMATTN_INDUCTOR_KERNELS", raising=False)  # off by default
     monkeypatch.setattr(
         inductor, "applies", lambda first: inductor.enabled() and inductor._traced(first)
     )
@@ -105,8 +115,9 @@ def _gpu_case(kind: str):
 
 
 @gpu
+@INDUCTOR_COMPILE_FAILS
 @pytest.mark.parametrize("kind", ["dense", "keys", "tables"])
-def test_compiled_kernels_match_eager_exactly(kind, monkeypatch):
+def test_compiled_kernels_match_eager_exactly(kind, monkeypatch, inductor_kernels):
     from torch._inductor.utils import run_and_get_code
 
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "0")
@@ -133,7 +144,8 @@ def test_compiled_kernels_match_eager_exactly(kind, monkeypatch):
 
 
 @gpu
-def test_compiled_topk_mask_and_varlen_match_eager():
+@INDUCTOR_COMPILE_FAILS
+def test_compiled_topk_mask_and_varlen_match_eager(inductor_kernels):
     torch._dynamo.reset()
     bias = torch.randn(2, 4, 1, 512, device="cuda")
     compiled = torch.compile(lambda b: topk_mask(b, 100), fullgraph=True)
@@ -155,7 +167,7 @@ def test_compiled_topk_mask_and_varlen_match_eager():
 
 
 @gpu
-def test_export_keeps_the_op_on_cuda():
+def test_export_keeps_the_op_on_cuda(inductor_kernels):
     q, k, v, mask, bias = _gpu_case("keys")
 
     class M(torch.nn.Module):
