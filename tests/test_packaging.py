@@ -94,3 +94,41 @@ def test_readme_python_blocks_run(index, tmp_path):
 
 def test_readme_has_python_blocks():
     assert len(README_BLOCKS) >= 3
+
+
+BUILD = """
+import sys
+from setuptools import build_meta
+kind, out = sys.argv[1], sys.argv[2]
+print((build_meta.build_sdist if kind == "sdist" else build_meta.build_wheel)(out))
+"""
+
+
+def _build(kind: str, out) -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", BUILD, kind, str(out)], cwd=root,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    return os.path.join(str(out), res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_sdist_and_wheel_contents(tmp_path):
+    """Built one after the other (both write the source tree's egg-info): the sdist holds what
+    its tests need, the wheel installs the kernels under the package and nothing else."""
+    import tarfile
+    import zipfile
+
+    with tarfile.open(_build("sdist", tmp_path)) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    for needed in ("LICENSE", "README.md", "pyproject.toml", "tests/conftest.py",
+                   "tests/helpers.py", "kernels/attention_fwd.py", "dmattn_ops/py.typed",
+                   "bench/__main__.py"):  # fmt: skip
+        assert needed in names, f"{needed} missing from the sdist"
+
+    with zipfile.ZipFile(_build("wheel", tmp_path)) as whl:
+        names = set(whl.namelist())
+    assert "dmattn_ops/kernels/attention_fwd.py" in names
+    assert "dmattn_ops/py.typed" in names
+    assert not any(n.startswith(("kernels/", "tests/", "bench/")) for n in names)
+    assert any(n.endswith("licenses/LICENSE") for n in names)
