@@ -32,9 +32,9 @@ from dmattn_ops.validate import check_inputs, check_varlen_inputs
 
 
 def enabled() -> bool:
-    """Opt-in (DMATTN_INDUCTOR_KERNELS=1) until Inductor compiles every kernel configuration:
-    with torch 2.11 / Triton 3.6 on an H100 some fail in tl.dot's accumulator check at
-    compile time (bench/NOTES.md 23)."""
+    """Opt-in (DMATTN_INDUCTOR_KERNELS=1) until the path has run on a GPU since the fix of its
+    compile failures (Inductor typed our float arguments fp64; the kernels now take them to
+    fp32, kernels/common.py as_fp32) and has been measured there (bench/NOTES.md 23)."""
     return os.environ.get("DMATTN_INDUCTOR_KERNELS", "0") == "1"
 
 

@@ -15,6 +15,7 @@ import triton.language as tl
 from dmattn_ops.kernels.common import (
     LOG2E,
     PER_ENTRY,
+    as_fp32,
     causal_key_end,
     dot,
     dot_acc,
@@ -213,6 +214,7 @@ def attention_bwd_dkdv_kernel(
 
     VARLEN as in the forward kernel. A mask that is not compacted is then read per tile (it is
     per key token, so there are no tile tables)."""
+    scale, softcap = as_fp32(scale), as_fp32(softcap)
     i_nb = tl.program_id(0)
     i_bg = tl.program_id(1)
     i_b = (i_bg // Hkv).to(tl.int64)
@@ -543,6 +545,7 @@ def attention_bwd_dq_kernel(
 ):
     """One program: dq for BLOCK_M queries of one (batch, head). When the bias has its own
     (batch, head, query) entries, dS is also stored straight into DBIAS (B, H, Lq, Lk)."""
+    scale, softcap = as_fp32(scale), as_fp32(softcap)
     i_mb = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
@@ -738,6 +741,7 @@ def attention_bwd_dbias_kernel(
     """dbias for a bias with its own query rows but shared over batch and/or heads, without
     O(Lq * Lk) scratch per head: one program owns BLOCK_M rows of one bias (batch, head) and sums
     dS over the (batch, head) pairs that read them, tile by tile, in registers."""
+    scale, softcap = as_fp32(scale), as_fp32(softcap)
     i_mb = tl.program_id(0)
     i_bbh = tl.program_id(1)
     i_bb = (i_bbh // Hb).to(tl.int64)

@@ -13,6 +13,7 @@ import triton.language as tl
 from dmattn_ops.kernels.attention_fwd import _fwd_tile
 from dmattn_ops.kernels.common import (
     LOG2E,
+    as_fp32,
     causal_key_end,
     key_count,
     lse_split,
@@ -78,6 +79,7 @@ def attention_decode_kernel(
     (or allowed-key-list positions, COMPACT) of split program_id(0). Writes ACC (S, rows, Dv),
     M and L (S, rows) float32, rows indexed (b * H + h) * Lq + q; splits with no keys write
     (0, -inf, 0)."""
+    scale, softcap = as_fp32(scale), as_fp32(softcap)
     i_s = tl.program_id(0)
     i_bg = tl.program_id(1)
     Hkv = H // G

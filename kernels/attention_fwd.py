@@ -5,6 +5,7 @@ import triton.language as tl
 
 from dmattn_ops.kernels.common import (
     LOG2E,
+    as_fp32,
     causal_key_end,
     dot_acc,
     interior_key_end,
@@ -179,6 +180,7 @@ def attention_fwd_kernel(
     Query tiles launch last first: under causality the last tiles have the most keys, and
     launching them first leaves the short ones for the tail of the grid.
     """
+    scale, softcap = as_fp32(scale), as_fp32(softcap)
     i_mb = tl.num_programs(0) - 1 - tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)

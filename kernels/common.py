@@ -14,6 +14,14 @@ PER_ENTRY = tl.constexpr(2)
 
 
 @triton.jit
+def as_fp32(x):
+    """A float argument in float32. Triton's own launcher passes Python floats as fp32, but a
+    compiled graph's launcher (Inductor, dmattn_ops/inductor.py) types them fp64, which would
+    make the scores, the softmax statistics and the accumulators float64."""
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
 def dot(a, b, DOT_PRECISION: tl.constexpr):
     """tl.dot with fp32 accumulation. DOT_PRECISION "upcast" multiplies the (already rounded)
     operands in fp32: Triton 3.9's interpreter computes bfloat16 tl.dot wrongly (error ~3e10 on

@@ -15,12 +15,6 @@ from dmattn_ops import inductor, reference
 from dmattn_ops.masks import topk_mask
 
 gpu = pytest.mark.gpu
-# torch 2.11 / Triton 3.6 on an H100: Inductor's compile of attention_fwd_kernel fails in tl.dot's
-# accumulator check for these calls (D=64, L=300; the varlen call below and the D=128 model
-# compile), which is why the path is opt-in (bench/NOTES.md 23). Strict: a fix shows.
-INDUCTOR_COMPILE_FAILS = pytest.mark.xfail(
-    strict=True, reason="Inductor fails to compile attention_fwd_kernel (NOTES.md 23)"
-)
 
 
 @pytest.fixture
@@ -116,7 +110,6 @@ def _gpu_case(kind: str):
 
 
 @gpu
-@INDUCTOR_COMPILE_FAILS
 @pytest.mark.parametrize("kind", ["dense", "keys", "tables"])
 def test_compiled_kernels_match_eager_exactly(kind, monkeypatch, inductor_kernels):
     from torch._inductor.utils import run_and_get_code
