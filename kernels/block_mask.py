@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from dmattn_ops.kernels.common import seq_extent
+from dmattn_ops.kernels.common import causal_key_end, interior_key_end, seq_extent
 
 
 @triton.jit
@@ -48,19 +48,12 @@ def _tile_window(
     qb, kb, n, Lq, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr
 ):
     """(inside, interior) of tile (qb, kb) for a batch with n keys: inside, the tile holds a key
-    some row may see (causality, n); interior, every row < Lq sees every key of it. The same
-    tests as common.causal_key_end / interior_key_end, written per tile; kept as verified on
-    the GPU (bench/NOTES.md) rather than rebuilt on those helpers untested there."""
+    some row may see (causality, n); interior, every row < Lq sees every key of it. The bounds
+    the attention kernels loop to (common.causal_key_end, interior_key_end), per tile."""
     m_start = qb * BLOCK_M
     m_end = tl.minimum(m_start + BLOCK_M, Lq)
-    k_start = kb * BLOCK_N
-    key_end = n
-    int_end = n
-    if IS_CAUSAL:
-        key_end = tl.maximum(tl.minimum(n, m_end + n - Lq), 0)
-        int_end = tl.minimum(n, m_start + 1 + n - Lq)
-    inside = k_start < key_end
-    interior = (k_start + BLOCK_N <= int_end) & (m_start + BLOCK_M <= Lq)
+    inside = kb * BLOCK_N < causal_key_end(m_end, n, Lq, IS_CAUSAL)
+    interior = kb < interior_key_end(m_start, n, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL)
     return inside, interior
 
 
