@@ -51,11 +51,13 @@ def forward(query, key, value, scale, is_causal):
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
         0.0, bool(is_causal), False, scale=float(scale),
     )[:2]  # fmt: skip
-    return out.transpose(1, 2), lse, torch.zeros_like(lse)
+    # Contiguous like the Triton path's outputs and the fake kernels (a no-op here: flash
+    # writes (B, Lq, H, D) rows and returns them transposed).
+    return out.transpose(1, 2).contiguous(), lse, torch.zeros_like(lse)
 
 
 def backward(grad_out, query, key, value, out, lse, scale, is_causal):
-    """dq, dk, dv of a dense call (no lse gradient), in the inputs' layouts and dtypes."""
+    """dq, dk, dv of a dense call (no lse gradient), contiguous, in the inputs' dtypes."""
     lq, lk = query.shape[1], key.shape[1]
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
@@ -67,4 +69,6 @@ def backward(grad_out, query, key, value, out, lse, scale, is_causal):
         value.transpose(1, 2), out.transpose(1, 2), lse, None, None, lq, lk, 0.0,
         bool(is_causal), unused, unused, scale=float(scale),
     )  # fmt: skip
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    # Flash's gradients take the layout of its (transposed) inputs; the fake kernels promise
+    # contiguous ones, as the Triton path returns.
+    return tuple(g.transpose(1, 2).contiguous() for g in (dq, dk, dv))

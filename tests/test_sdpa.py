@@ -148,3 +148,24 @@ def test_compiled_dense_call(dispatch_on):
     _check(c, torch.bfloat16, True, fn=lambda *a, return_lse, **kw: compiled(*a, **kw), lse=False)
     # Traced once (the graph then launches the kernels itself), forward and backward.
     assert dispatch_on["forward"] >= 1 and dispatch_on["backward"] >= 1
+
+
+@gpu
+def test_outputs_are_contiguous_as_the_fake_kernels_say(dispatch_on):
+    """Transposed (B, H, L, D) storage seen as (B, L, H, D): the real outputs must have the
+    fake kernels' (contiguous) strides, or compiled graphs misread them."""
+    q, k, v = (
+        torch.randn(2, h, 128, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        for h in (8, 2, 2)
+    )
+    args = (q, k, v, None, None, 0.125, True, 0.0, None, False)
+    out, lse, lse_rem = torch.ops.dmattn.attention_forward(*args)
+    g = torch.randn_like(out)
+    dq, dk, dv, _ = torch.ops.dmattn.attention_backward(
+        g, None, q, k, v, out, lse, lse_rem, None, None, 0.125, True, 0.0, None, False, False
+    )
+    for t in (out, dq, dk, dv):
+        assert t.is_contiguous()
+    assert dispatch_on == {"forward": 1, "backward": 1}
+    torch.library.opcheck(torch.ops.dmattn.attention_forward.default, args,
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
