@@ -7,10 +7,11 @@ graphs) that host time is paid on every call and leaves the GPU idle (bench/NOTE
 
 Under torch.compile, AOTAutograd traces the graph under ``FunctionalTensorMode``. For CUDA
 tensors the rules below replace the kernel-carrying ops (``attention_forward``,
-``attention_backward``, their varlen pair and ``topk_select``) by their launcher's own body,
-traced: the allocations become graph buffers and every Triton launch goes through
-``torch.library.wrap_triton`` (_triton.tracing), so Inductor compiles the kernels into the
-graph and launches them from its generated code, with the grids and arguments computed there.
+``attention_backward``, their varlen pair and ``topk_select``) by their own CUDA kernels
+(ops.py, masks.py: validation, then the launcher), traced: the allocations become graph
+buffers and every Triton launch goes through ``torch.library.wrap_triton`` (_triton.tracing),
+so Inductor compiles the kernels into the graph and launches them from its generated code,
+with the grids and arguments computed there.
 This is how ``torch.library.triton_op`` works (torch/_library/triton.py); it is applied here
 below the ops' hand-written autograd and vmap kernels (ops.py says why those cannot come from
 register_autograd), so eager calls, torch.func, opcheck and the fake kernels are unchanged.
@@ -27,8 +28,7 @@ import os
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from dmattn_ops import _triton, launch, masks
-from dmattn_ops.validate import check_inputs, check_varlen_inputs
+from dmattn_ops import _triton, masks, ops
 
 
 def enabled() -> bool:
@@ -56,48 +56,8 @@ def applies(first: torch.Tensor) -> bool:
     return first.is_cuda and enabled() and _traced(first) and not _export_keeps_ops()
 
 
-def _forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, det=False):
-    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn::attention")
-    return launch.attention_forward(
-        query, key, value, mask, bias, scale, is_causal, softcap, seqused_k
-    )
-
-
-def _backward(
-    grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias, scale, is_causal,
-    softcap, seqused_k, deterministic, compute_dbias,
-):  # fmt: skip
-    return launch.attention_backward(
-        grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias, scale, is_causal,
-        softcap, seqused_k, deterministic, compute_dbias and bias is not None,
-    )  # fmt: skip
-
-
-def _varlen_forward(
-    query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
-    deterministic=False,
-):  # fmt: skip
-    check_varlen_inputs(
-        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, softcap,
-        fn="dmattn::attention_varlen",
-    )  # fmt: skip
-    return launch.attention_varlen_forward(
-        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap
-    )
-
-
-def _varlen_backward(
-    grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
-    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
-):  # fmt: skip
-    return launch.attention_varlen_backward(
-        grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
-        mask, bias, scale, is_causal, softcap, deterministic, compute_dbias and bias is not None,
-    )  # fmt: skip
-
-
 def _rule(body, tensor_arg: int):
-    """The FunctionalTensorMode rule of one op: its launcher body, traced, where it applies;
+    """The FunctionalTensorMode rule of one op: its CUDA kernel's body, traced, where it applies;
     the op as one node otherwise."""
 
     def rule(mode, op, types, args, kwargs):
@@ -114,10 +74,10 @@ def _rule(body, tensor_arg: int):
 
 def register() -> None:
     for name, body, tensor_arg in (
-        ("dmattn::attention_forward", _forward, 0),
-        ("dmattn::attention_backward", _backward, 2),
-        ("dmattn::attention_varlen_forward", _varlen_forward, 0),
-        ("dmattn::attention_varlen_backward", _varlen_backward, 2),
+        ("dmattn::attention_forward", ops._forward_impl, 0),
+        ("dmattn::attention_backward", ops._backward_impl, 2),
+        ("dmattn::attention_varlen_forward", ops._varlen_forward_impl, 0),
+        ("dmattn::attention_varlen_backward", ops._varlen_backward_impl, 2),
         ("dmattn::topk_select", masks.topk_select, 0),
     ):
         torch.library.register_torch_dispatch(name, FunctionalTensorMode, _rule(body, tensor_arg))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
@@ -129,6 +130,8 @@ def data_readable(t: torch.Tensor) -> bool:
     tensor has no storage of its own; the registered ops check it below the transform)."""
     if torch.compiler.is_compiling() or isinstance(t, torch._subclasses.FakeTensor):
         return False
+    if isinstance(t, FunctionalTensor):
+        return False  # traced for a compiled graph (inductor.py): fake underneath
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     functorch = torch._C._functorch

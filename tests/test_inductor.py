@@ -170,3 +170,18 @@ def test_export_keeps_the_op_on_cuda(inductor_kernels):
     ep = torch.export.export(M(), (q, k, v, mask, bias))
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert "dmattn.attention.default" in targets
+
+
+def test_traced_seqused_k_skips_the_value_check(monkeypatch):
+    """seqused_k's range check reads the tensor; inside the traced body it is fake and skipped."""
+    monkeypatch.setattr(inductor, "applies", lambda first: inductor._traced(first))
+    q, k, v, bias, mask = _cpu_inputs()
+    seqused = torch.tensor([40, 17], dtype=torch.int32)
+
+    def f(q, k, v, bias, mask, seqused):
+        return torch.ops.dmattn.attention(q, k, v, mask, bias, None, True, 0.0, seqused)
+
+    out, graphs = _graphs_of(f, q, k, v, bias, mask, seqused)
+    assert _dmattn_nodes(graphs) == []
+    want = reference.attention(q, k, v, mask, bias, is_causal=True, seqused_k=seqused)
+    torch.testing.assert_close(out, want)
