@@ -13,10 +13,13 @@ cannot take one), or deterministic=True (flash accumulates dq with atomics).
 
 DMATTN_DENSE_SDPA=0 in the environment (read per call) forces our Triton kernels; the test
 suite sets it, so the Triton dense kernels stay tested, and tests/test_sdpa.py covers this path.
+`torch.backends.cuda.enable_flash_sdp(False)` turns it off too, and GPUs before sm_80 (no
+flash kernels) never take it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,7 +28,16 @@ DTYPES = (torch.float16, torch.bfloat16)
 
 
 def enabled() -> bool:
-    return os.environ.get("DMATTN_DENSE_SDPA", "1") != "0"
+    """DMATTN_DENSE_SDPA is not "0", and PyTorch's flash backend is on
+    (torch.backends.cuda.enable_flash_sdp)."""
+    switch = os.environ.get("DMATTN_DENSE_SDPA", "1") != "0"
+    return switch and torch.backends.cuda.flash_sdp_enabled()
+
+
+@functools.cache
+def _flash_capable(index: int) -> bool:
+    """PyTorch's flash kernels need sm_80 or newer."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def applies(query, key, value, mask, bias, is_causal, softcap, seqused_k) -> bool:
@@ -36,6 +48,9 @@ def applies(query, key, value, mask, bias, is_causal, softcap, seqused_k) -> boo
     if mask is not None or bias is not None or seqused_k is not None or softcap > 0:
         return False
     if not (query.is_cuda and query.dtype in DTYPES and enabled()):
+        return False
+    index = query.device.index
+    if not _flash_capable(torch.cuda.current_device() if index is None else index):
         return False
     d = query.shape[-1]
     if value.shape[-1] != d or d % 8 or d > 256:

@@ -61,6 +61,11 @@ def test_applies_rules(monkeypatch):
     assert not sdpa.applies(*_operands("cuda", dv=32), None, None, False, 0.0, None)
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "0")
     assert not sdpa.applies(q, k, v, None, None, True, 0.0, None)
+    monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION]):
+        assert not sdpa.applies(q, k, v, None, None, True, 0.0, None)
 
 
 def _check(c: Case, dtype, is_causal, *, lse_grad=False, deterministic=False, fn=None, lse=True):
