@@ -12,6 +12,9 @@ and a residual per block, median ms per step. Variants differ only in the attent
   KV head, top-window mask), causal, Triton;
 * ``dma-flex``: the same layer with ``backend="flex"``, window L/4.
 
+A ``+inductor`` suffix (``dma-w4+inductor``) runs a variant with DMATTN_INDUCTOR_KERNELS=1:
+the compiled graph launches our kernels itself (dmattn_ops/inductor.py).
+
 ``host``: the host time to issue one call (20 calls without synchronising, wall time / 20)
 beside its GPU time (do_bench), for dense, bias-only, mask-only and DMA operands, forward and
 forward+backward. When host time exceeds GPU time the GPU idles, and a compiled model in the
@@ -95,6 +98,9 @@ def bench_ms(fn, warmup=5, reps=20) -> float:
 def time_step(variant: str, shape: str, mode: str) -> tuple[float, float]:
     """(median ms per training step, seconds of the first, compiling, step)."""
     b, n = SHAPES[shape]
+    variant, _, flag = variant.partition("+")
+    if variant not in VARIANTS or flag not in ("", "inductor"):
+        raise ValueError(f"unknown variant {variant}{'+' if flag else ''}{flag}")
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = make_model(variant, n, "cuda", torch.bfloat16)
@@ -107,18 +113,23 @@ def time_step(variant: str, shape: str, mode: str) -> tuple[float, float]:
             torch.compiler.cudagraph_mark_step_begin()  # each step reuses the graph's outputs
         compiled(x).float().square().mean().backward()
 
-    saved = os.environ.get("DMATTN_DENSE_SDPA")
-    os.environ["DMATTN_DENSE_SDPA"] = "0" if variant == "ours-dense-triton" else "1"
+    switches = {
+        "DMATTN_DENSE_SDPA": "0" if variant == "ours-dense-triton" else "1",
+        "DMATTN_INDUCTOR_KERNELS": "1" if flag == "inductor" else "0",
+    }
+    saved = {name: os.environ.get(name) for name in switches}
+    os.environ.update(switches)
     try:
         t0 = time.time()
         step()
         torch.cuda.synchronize()
         return bench_ms(step), time.time() - t0
     finally:
-        if saved is None:
-            del os.environ["DMATTN_DENSE_SDPA"]
-        else:
-            os.environ["DMATTN_DENSE_SDPA"] = saved
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def run_model(shapes, variants, modes, log) -> list[dict]:
