@@ -123,13 +123,14 @@ def test_compiled_kernels_match_eager_exactly(kind, monkeypatch, inductor_kernel
     g = torch.randn(q.shape[:3] + (v.shape[-1],), device="cuda").bfloat16().float()
 
     def loss(q, k, v, bias):
-        return (dmattn_ops.attention(q, k, v, mask, bias, is_causal=True).float() * g).sum()
+        out = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True)
+        return out, (out.float() * g).sum()
 
     def step(fn):
         leaves = [t.detach().requires_grad_() for t in (q, k, v, bias) if t is not None]
-        value = fn(*leaves, *([None] if bias is None else []))
+        out, value = fn(*leaves, *([None] if bias is None else []))
         value.backward()
-        return value, [t.grad for t in leaves]
+        return out.detach(), [t.grad for t in leaves]
 
     eager = step(loss)
     result, code = run_and_get_code(step, torch.compile(loss, fullgraph=True))
@@ -137,8 +138,8 @@ def test_compiled_kernels_match_eager_exactly(kind, monkeypatch, inductor_kernel
     assert "attention_fwd_kernel" in source and "attention_bwd_dq_kernel" in source
     assert "torch.ops.dmattn" not in source
     torch.testing.assert_close(result[0], eager[0], rtol=0, atol=0)
-    for g, e in zip(result[1], eager[1]):
-        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    for grad, e in zip(result[1], eager[1]):
+        torch.testing.assert_close(grad, e, rtol=0, atol=0)
 
 
 @gpu
