@@ -138,8 +138,13 @@ def test_compiled_kernels_match_eager_exactly(kind, monkeypatch, inductor_kernel
     assert "attention_fwd_kernel" in source and "attention_bwd_dq_kernel" in source
     assert "torch.ops.dmattn" not in source
     torch.testing.assert_close(result[0], eager[0], rtol=0, atol=0)
-    for grad, e in zip(result[1], eager[1]):
+    for grad, e in zip(result[1][:3], eager[1][:3]):  # dq, dk, dv: straight from our kernels
         torch.testing.assert_close(grad, e, rtol=0, atol=0)
+    if bias is not None:
+        # dbias sums the G query heads' float32 columns (launch._sum_to_bias), which Inductor
+        # may reduce in another order: at most one bfloat16 rounding step apart.
+        grad, e = result[1][3].float(), eager[1][3].float()
+        assert ((grad - e).abs() <= e.abs() * 2.0**-7).all()
 
 
 @gpu
