@@ -15,6 +15,8 @@ and a residual per block, median ms per step. Variants differ only in the attent
 A ``+inductor`` suffix (``dma-w4+inductor``) runs a variant with DMATTN_INDUCTOR_KERNELS=1:
 the compiled graph launches our kernels itself (dmattn_ops/inductor.py).
 
+``profile``: cProfile of those calls (forward+backward), the functions by own time.
+
 ``host``: the host time to issue one call (20 calls without synchronising, wall time / 20)
 beside its GPU time (do_bench), for dense, bias-only, mask-only and DMA operands, forward and
 forward+backward. When host time exceeds GPU time the GPU idles, and a compiled model in the
@@ -218,6 +220,30 @@ def run_host(kinds, log, calls=20) -> list[dict]:
     return rows
 
 
+def host_profile(kinds, log, calls=20, top=25) -> None:
+    """cProfile of `calls` forward+backward calls per kind, the `top` functions by own time:
+    where the host time of a call goes (Triton's launch path, autograd, the launchers)."""
+    import cProfile
+    import io
+    import pstats
+
+    for kind in kinds:
+        fwdbwd = host_calls(kind)[1]
+        for _ in range(3):
+            fwdbwd()
+        torch.cuda.synchronize()
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(calls):
+            fwdbwd()
+        profile.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+        log(f"== {kind} fwd+bwd, {calls} calls, by own time")
+        log("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:6000])
+
+
 def host_table(rows) -> str:
     lines = ["| operands | pass | host ms / call | GPU ms / call |", "|---|---|---|---|"]
     for r in rows:
@@ -229,7 +255,10 @@ def main(argv=None) -> int:
     from bench.__main__ import header
 
     p = argparse.ArgumentParser(prog="python -m bench.model", description=__doc__.splitlines()[0])
-    p.add_argument("what", nargs="?", default="model,host", help="model, host or both")
+    p.add_argument(
+        "what", nargs="?", default="model,host",
+        help="model, host, profile (cProfile of the host calls), comma-separated",
+    )  # fmt: skip
     p.add_argument("--shapes", default="B4-L2048,B16-L512,B1-L8192,B1-L32768")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--modes", default="default,reduce-overhead")
@@ -244,6 +273,8 @@ def main(argv=None) -> int:
 
     print(header(), flush=True)
     tables = []
+    if "profile" in args.what:
+        host_profile(args.kinds.split(","), log)
     if "host" in args.what:
         tables.append(host_table(run_host(args.kinds.split(","), log)))
     if "model" in args.what:
