@@ -46,14 +46,14 @@ def _export_keeps_ops() -> bool:
     return custom_triton_ops_decomposition_disabled()
 
 
-def _traced(first: torch.Tensor) -> bool:
+def _traced() -> bool:
     """Whether this is a trace on fake tensors (a compiled graph), not an eager
     functionalisation of real tensors."""
     return torch._guards.detect_fake_mode() is not None
 
 
 def applies(first: torch.Tensor) -> bool:
-    return first.is_cuda and enabled() and _traced(first) and not _export_keeps_ops()
+    return first.is_cuda and enabled() and _traced() and not _export_keeps_ops()
 
 
 def _rule(body, tensor_arg: int):

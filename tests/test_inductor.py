@@ -55,7 +55,7 @@ def _cpu_inputs():
 
 
 def test_traced_graphs_hold_the_launchers_not_the_ops(monkeypatch):
-    monkeypatch.setattr(inductor, "applies", lambda first: inductor._traced(first))
+    monkeypatch.setattr(inductor, "applies", lambda first: inductor._traced())
     q, k, v, bias, mask = _cpu_inputs()
     loss, graphs = _graphs_of(_attention_loss, q, k, v, bias, mask)
     grads = torch.autograd.grad(loss, (q, k, v, bias))
@@ -79,19 +79,23 @@ def test_cpu_graphs_keep_the_ops():
 def test_switch_keeps_the_ops(monkeypatch):
     monkeypatch.delenv("DMATTN_INDUCTOR_KERNELS", raising=False)  # off by default
     monkeypatch.setattr(
-        inductor, "applies", lambda first: inductor.enabled() and inductor._traced(first)
+        inductor, "applies", lambda first: inductor.enabled() and inductor._traced()
     )
     q, k, v, bias, mask = _cpu_inputs()
     _, graphs = _graphs_of(_attention_loss, q, k, v, bias, mask)
     assert "dmattn.attention_forward.default" in _dmattn_nodes(graphs)
 
 
-def test_eager_calls_do_not_trace(monkeypatch):
-    traced = []
-    monkeypatch.setattr(inductor, "_traced", lambda first: traced.append(1) or False)
+def test_only_traces_consult_the_rules(monkeypatch):
+    asked = []
+    real = inductor.applies
+    monkeypatch.setattr(inductor, "applies", lambda first: asked.append(1) or real(first))
     q, k, v, bias, mask = _cpu_inputs()
     _attention_loss(q, k, v, bias, mask).backward()
-    assert traced == []  # no FunctionalTensorMode, so the rules are never asked
+    assert asked == []  # eager: no FunctionalTensorMode, the rules are never asked
+    loss, _ = _graphs_of(_attention_loss, q, k, v, bias, mask)
+    loss.backward()
+    assert len(asked) >= 2  # the forward and the backward op, each traced once
 
 
 # On the GPU: Inductor compiles and launches our kernels.
@@ -184,7 +188,7 @@ def test_export_keeps_the_op_on_cuda(inductor_kernels):
 
 def test_traced_seqused_k_skips_the_value_check(monkeypatch):
     """seqused_k's range check reads the tensor; inside the traced body it is fake and skipped."""
-    monkeypatch.setattr(inductor, "applies", lambda first: inductor._traced(first))
+    monkeypatch.setattr(inductor, "applies", lambda first: inductor._traced())
     q, k, v, bias, mask = _cpu_inputs()
     seqused = torch.tensor([40, 17], dtype=torch.int32)
 
