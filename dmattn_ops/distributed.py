@@ -96,6 +96,20 @@ class _Ring:
                 diagonal = self.is_causal and c == a
                 yield slice(qi * cq, (qi + 1) * cq), slice(ki * ck, (ki + 1) * ck), diagonal
 
+    def visits(self, key, value, mask, bias):
+        """(src, k, v, m, b) for each ring step: the key-side blocks of rank src (this rank's
+        first), the next block's transfer started before the caller computes on this one and
+        finished after."""
+        travelling = [t for t in (key, value, mask, bias) if t is not None]
+        for step in range(self.world):
+            finish = self.exchange(travelling) if step < self.world - 1 else None
+            k, v, *rest = travelling
+            m = rest.pop(0) if mask is not None else None
+            b = rest.pop(0) if bias is not None else None
+            yield (self.rank - step) % self.world, k, v, m, b
+            if finish is not None:
+                travelling = finish()
+
     def exchange(self, tensors):
         """Send these tensors to the next rank and receive the previous rank's (same shapes):
         started now, finished by calling the returned function."""
@@ -144,19 +158,13 @@ class _RingAttention(torch.autograd.Function):
         b, _, h, _ = query.shape
         out = torch.zeros((*query.shape[:3], value.shape[-1]), dtype=stats, device=query.device)
         lse = torch.full((b, h, rows), float("-inf"), dtype=stats, device=query.device)
-        travelling = [t for t in (key, value, mask, bias) if t is not None]
-        for step in range(ring.world):
-            src = (ring.rank - step) % ring.world
-            finish = ring.exchange(travelling) if step < ring.world - 1 else None
-            k, v, m, bb = _unpack(travelling, mask is not None, bias is not None)
+        for src, k, v, m, bb in ring.visits(key, value, mask, bias):
             for qs, ks, diagonal in ring.pairs(src, rows):
                 o, l_o, _ = torch.ops.dmattn.attention_forward(
                     query[:, qs], k[:, ks], v[:, ks], _cols(m, ks), _cols(bb, ks), ring.scale,
                     diagonal, ring.softcap, None, ring.deterministic,
                 )  # fmt: skip
                 out[:, qs], lse[:, :, qs] = _merge(out[:, qs], lse[:, :, qs], o, l_o)
-            if finish is not None:
-                travelling = finish()
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, mask, bias, out, lse)
         ctx.ring = ring
@@ -175,11 +183,7 @@ class _RingAttention(torch.autograd.Function):
         db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_dbias else None
         lse_rem = torch.zeros_like(lse)  # the merged lse carries no remainder
         grad_out = grad_out.contiguous()
-        kv = [t for t in (key, value, mask, bias) if t is not None]
-        for step in range(ring.world):
-            src = (ring.rank - step) % ring.world
-            finish = ring.exchange(kv) if step < ring.world - 1 else None
-            k, v, m, bb = _unpack(kv, mask is not None, bias is not None)
+        for src, k, v, m, bb in ring.visits(key, value, mask, bias):
             for qs, ks, diagonal in ring.pairs(src, rows):
                 g = torch.ops.dmattn.attention_backward(
                     grad_out[:, qs], None, query[:, qs], k[:, ks], v[:, ks], out[:, qs],
@@ -197,17 +201,8 @@ class _RingAttention(torch.autograd.Function):
                 grads = [dk, dv] + ([db] if need_dbias else [])
                 dk, dv, *rest = ring.exchange(grads)()
                 db = rest[0] if need_dbias else None
-            if finish is not None:
-                kv = finish()
         return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None,
                 db.to(bias.dtype) if need_dbias else None, None)  # fmt: skip
-
-
-def _unpack(tensors, has_mask: bool, has_bias: bool):
-    k, v, *rest = tensors
-    m = rest.pop(0) if has_mask else None
-    bb = rest.pop(0) if has_bias else None
-    return k, v, m, bb
 
 
 def ring_attention(
