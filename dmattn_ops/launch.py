@@ -27,7 +27,6 @@ from dmattn_ops.tiles import (
     build_tables,
     build_varlen_key_lists,
     compactable,
-    mask_bytes,
     operand_kind,
     operand_strides,
 )
@@ -197,7 +196,7 @@ def _launch_forward(
     h, d = query.shape[2], query.shape[3]
     hkv, dv = key.shape[2], value.shape[3]
     attention_fwd_kernel[(nq, b * h)](
-        query, key, value, None if lists else mask_bytes(mask), bias, seqused_k, cu_q, cu_k,
+        query, key, value, None if lists else mask, bias, seqused_k, cu_q, cu_k,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
         tables.kv_int if tables else None,
         lists.keys if lists else None, lists.key_end if lists else None,
@@ -320,7 +319,7 @@ def attention_backward(
             *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
             *operand_strides(mask), *operand_strides(bias),
         )  # fmt: skip
-        mask_u8 = None if lists else mask_bytes(mask)
+        mask_arg = None if lists else mask
         mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
         bb, hb = bias.shape[0], bias.shape[1]
         n_batch, batch_mul = (1, 1) if bb == b else (b, 0)
@@ -331,7 +330,7 @@ def attention_backward(
         else:
             n_head, head_mul = h, 0
         attention_bwd_dbias_kernel[(nq, bb * hb)](
-            query, key, value, grad_out, mask_u8, bias, seqused_k, lse, lse_rem, delta,
+            query, key, value, grad_out, mask_arg, bias, seqused_k, lse, lse_rem, delta,
             tables.active if tables else None, dbias_bcast, *strides,
             tables.stride_b if tables else 0, nq,
             h, g, hb, lq, lk, d, dv, nq, nk, n_batch, batch_mul, n_head, head_mul,
@@ -397,7 +396,7 @@ def _launch_backward(
     )  # fmt: skip
     nk = cdiv(span_k, kv.block_n)
     attention_bwd_dkdv_kernel[(nk, b * hkv)](
-        query, key, value, grad_out, None if dkdv_lists else mask_bytes(mask), bias,
+        query, key, value, grad_out, None if dkdv_lists else mask, bias,
         seqused_k, cu_q, cu_k, lse, lse_rem, delta,
         tables.q_num if tables else None, tables.q_idx if tables else None,
         tables.q_lo if tables else None, tables.q_hi if tables else None,
@@ -414,7 +413,7 @@ def _launch_backward(
     )  # fmt: skip
     nq = cdiv(span_q, qc.block_m)
     attention_bwd_dq_kernel[(nq, b * h)](
-        query, key, value, grad_out, None if lists else mask_bytes(mask), bias,
+        query, key, value, grad_out, None if lists else mask, bias,
         seqused_k, cu_q, cu_k, lse, lse_rem, delta,
         dq_tables.kv_num if dq_tables else None, dq_tables.kv_idx if dq_tables else None,
         dq_tables.kv_int if dq_tables else None,

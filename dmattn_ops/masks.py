@@ -26,7 +26,6 @@ import torch
 
 from dmattn_ops import launch
 from dmattn_ops._triton import LazyKernel, next_power_of_2
-from dmattn_ops.tiles import mask_bytes
 
 topk_mask_kernel = LazyKernel("topk_mask", "topk_mask_kernel")
 
@@ -193,11 +192,11 @@ def topk_select(
     if out.numel() == 0:
         return out
     bias_e = bias.expand(shape)
-    mask_e = mask_bytes(allowed.expand(shape)) if allowed is not None else None
+    mask_e = allowed.expand(shape) if allowed is not None else None
     block = max(next_power_of_2(lk), smooth)
     warps = 1 if launch.interpreter_on() else min(16, max(4, block // 512))
     topk_mask_kernel[(b * h * lq,)](
-        bias_e, mask_e, mask_bytes(out), *launch.operand_strides(bias_e),
+        bias_e, mask_e, out, *launch.operand_strides(bias_e),
         *launch.operand_strides(mask_e), h, lq, lk, k,
         BLOCK=block, SMOOTH=smooth, HAS_MASK=mask_e is not None, num_warps=warps,
     )  # fmt: skip

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dmattn_ops import _triton
 from dmattn_ops._alloc import empty
 from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
 
@@ -40,15 +39,6 @@ def operand_kind(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
     return PER_ENTRY if operand_strides(t)[2] != 0 else PER_KEY
-
-
-def mask_bytes(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The bool mask as the kernels read it: its bytes (uint8; every kernel tests != 0). In a
-    traced graph the bool tensor itself (Triton loads a bool pointer as bytes too), since
-    Inductor cannot lower a bool -> uint8 view (torch 2.11)."""
-    if mask is None or _triton.tracing_now():
-        return mask
-    return mask.view(torch.uint8)
 
 
 @dataclass
@@ -87,7 +77,7 @@ def block_any(mask, lq, lk, block_m, block_n) -> torch.Tensor:
     mask_any = torch.empty((bm, hm, nqm, nk), dtype=torch.int8, device=mask.device)
     sb, sh, sm, sn = operand_strides(mask)
     mask_block_any_kernel[(nqm, nk, bm * hm)](
-        mask_bytes(mask), mask_any, sb, sh, sm, sn, hm, lqm, lk, nqm, nk,
+        mask, mask_any, sb, sh, sm, sn, hm, lqm, lk, nqm, nk,
         BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     return mask_any
@@ -175,7 +165,7 @@ def build_key_lists(mask, seqused_k, b, lq, lk, is_causal, block_m) -> KeyLists:
     keys_stride_b = hm * lk if bm > 1 else 0
     end_stride_b, count_stride_b = (hm * nq, hm) if bt > 1 else (0, 0)
     key_lists_kernel[(bt * hm,)](
-        mask_bytes(mask), seqused_k, None, None, prefix, keys, key_end, key_count, sb, sh, sn,
+        mask, seqused_k, None, None, prefix, keys, key_end, key_count, sb, sh, sn,
         keys_stride_b, lk, end_stride_b, count_stride_b, hm, lq, lk, nq, lk,
         HAS_SEQUSED=seqused_k is not None, VARLEN=False, IS_CAUSAL=bool(is_causal),
         BLOCK_M=block_m, CHUNK=1024, num_warps=1 if interpreter_on() else 4,
@@ -200,7 +190,7 @@ def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, block_m, ma
     prefix = empty((b * hm, max(max_k, 1)), dtype=torch.int32, device=device)
     if b > 0:
         key_lists_kernel[(b * hm,)](
-            mask_bytes(mask), None, cu_q, cu_k, prefix, keys, key_end, key_count,
+            mask, None, cu_q, cu_k, prefix, keys, key_end, key_count,
             0, mask.stride(0), mask.stride(1), 0, total_k, hm * nq, hm, hm, total_q, total_k, nq,
             max(max_k, 1), HAS_SEQUSED=False, VARLEN=True, IS_CAUSAL=bool(is_causal),
             BLOCK_M=block_m, CHUNK=1024, num_warps=1 if interpreter_on() else 4,

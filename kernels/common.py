@@ -9,6 +9,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 # What the kernels' HAS_MASK / HAS_BIAS constexprs hold (0, absent, is falsy): PER_KEY operands
 # have one entry per key, broadcast over the queries (query stride 0), and are loaded once per
 # tile column instead of once per score; PER_ENTRY operands have their own query rows.
+# Masks arrive as the caller's bool tensors (Triton reads a bool pointer as bytes); every kernel
+# tests the loaded entries with != 0.
 PER_KEY = tl.constexpr(1)
 PER_ENTRY = tl.constexpr(2)
 

@@ -87,7 +87,7 @@ def _arguments(kind, jit, cfg, width, ops, float_type="fp32"):
         elif name == "BIAS":
             sig[name] = None if ops.bias == "none" else f"*{_DTYPES[ops.bias_itemsize]}"
         elif name == "MASK":
-            sig[name] = "*u8" if tables else None
+            sig[name] = "*i1" if tables else None
         elif name in ("LSE", "LSE_REM", "DELTA", "ACC", "M", "L", "DBIAS_COL"):
             sig[name] = "*fp32"
         elif name in ("KV_NUM", "KV_IDX", "KV_INT", "Q_NUM", "Q_IDX", "Q_LO", "Q_HI"):
