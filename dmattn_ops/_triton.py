@@ -30,6 +30,7 @@ def interpreter_on() -> bool:
 
 
 def torch_wrap_triton(fn):
+    """torch.library.wrap_triton(fn), imported when first needed."""
     from torch.library import wrap_triton
 
     return wrap_triton(fn)

@@ -53,6 +53,8 @@ def _traced() -> bool:
 
 
 def applies(first: torch.Tensor) -> bool:
+    """Whether an op call whose first tensor is `first` is traced into the graph: CUDA, the
+    path switched on, a compiled graph's trace, not torch.export."""
     return first.is_cuda and enabled() and _traced() and not _export_keeps_ops()
 
 
@@ -73,6 +75,7 @@ def _rule(body, tensor_arg: int):
 
 
 def register() -> None:
+    """Install the rules (once, at `import dmattn_ops`)."""
     for name, body, tensor_arg in (
         ("dmattn::attention_forward", ops._forward_impl, 0),
         ("dmattn::attention_backward", ops._backward_impl, 2),

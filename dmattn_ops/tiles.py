@@ -36,6 +36,7 @@ PER_KEY, PER_ENTRY = 1, 2
 
 
 def operand_kind(t: torch.Tensor | None) -> int:
+    """The HAS_MASK / HAS_BIAS value of a launch with operand t (see above)."""
     if t is None:
         return 0
     return PER_ENTRY if operand_strides(t)[2] != 0 else PER_KEY
