@@ -12,8 +12,9 @@ and a residual per block, median ms per step. Variants differ only in the attent
   KV head, top-window mask), causal, Triton;
 * ``dma-flex``: the same layer with ``backend="flex"``, window L/4.
 
-A ``+inductor`` suffix (``dma-w4+inductor``) runs a variant with DMATTN_INDUCTOR_KERNELS=1:
-the compiled graph launches our kernels itself (dmattn_ops/inductor.py).
+Compiled graphs launch our kernels themselves (dmattn_ops/inductor.py); a ``+ops`` suffix
+(``dma-w4+ops``) runs a variant with DMATTN_INDUCTOR_KERNELS=0 instead: the ops stay whole in
+the graph and run our Python launchers.
 
 ``profile``: cProfile of those calls (forward+backward), the functions by own time.
 
@@ -101,7 +102,7 @@ def time_step(variant: str, shape: str, mode: str) -> tuple[float, float]:
     """(median ms per training step, seconds of the first, compiling, step)."""
     b, n = SHAPES[shape]
     variant, _, flag = variant.partition("+")
-    if variant not in VARIANTS or flag not in ("", "inductor"):
+    if variant not in VARIANTS or flag not in ("", "ops"):
         raise ValueError(f"unknown variant {variant}{'+' if flag else ''}{flag}")
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -117,7 +118,7 @@ def time_step(variant: str, shape: str, mode: str) -> tuple[float, float]:
 
     switches = {
         "DMATTN_DENSE_SDPA": "0" if variant == "ours-dense-triton" else "1",
-        "DMATTN_INDUCTOR_KERNELS": "1" if flag == "inductor" else "0",
+        "DMATTN_INDUCTOR_KERNELS": "0" if flag == "ops" else "1",
     }
     saved = {name: os.environ.get(name) for name in switches}
     os.environ.update(switches)

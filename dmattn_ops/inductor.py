@@ -16,13 +16,24 @@ This is how ``torch.library.triton_op`` works (torch/_library/triton.py); it is 
 below the ops' hand-written autograd and vmap kernels (ops.py says why those cannot come from
 register_autograd), so eager calls, torch.func, opcheck and the fake kernels are unchanged.
 
-The ops stay whole (one node each) for torch.export, which keeps them serialisable as
-triton_op does; for CPU tensors (Triton's interpreter cannot run on fake tensors, and the
-chunked PyTorch path gains nothing); and unless DMATTN_INDUCTOR_KERNELS=1 (see enabled()).
+Inductor launches user-defined Triton kernels through Triton's own Python launcher unless
+``torch._inductor.config.static_launch_user_defined_triton_kernels`` is on; with it, through its
+static launcher, a few microseconds per launch. On the H100 that is the difference between a
+slower and a faster model step (bench/NOTES.md 26: B4 L2048 DMA step 17.4 ms with Triton's
+launcher, 10.3 ms with the static one, 15.9 ms with the ops whole). So when a graph first takes
+our kernels, we turn that option on unless the user set it (in code or through its environment
+variable TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS); kernels the static launcher
+cannot take fall back to Triton's launcher by Inductor's own rule.
+
+The ops stay whole (one node each) in graphs with symbolic sizes (see _symbolic); for
+torch.export, which keeps them serialisable as triton_op does; for CPU tensors (Triton's
+interpreter cannot run on fake tensors, and the chunked PyTorch path gains nothing); and where
+DMATTN_INDUCTOR_KERNELS=0 (see enabled()).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -30,12 +41,27 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 
 from dmattn_ops import _triton, masks, ops
 
+log = logging.getLogger(__name__)
+_STATIC = "static_launch_user_defined_triton_kernels"
+
 
 def enabled() -> bool:
-    """Opt-in (DMATTN_INDUCTOR_KERNELS=1) until the path has run on a GPU since the fix of its
-    compile failures (Inductor typed our float arguments fp64; the kernels now take them to
-    fp32, kernels/common.py as_fp32) and has been measured there (bench/NOTES.md 23)."""
-    return os.environ.get("DMATTN_INDUCTOR_KERNELS", "0") == "1"
+    """On unless DMATTN_INDUCTOR_KERNELS=0 (read per trace): then compiled graphs keep the ops
+    whole and run the eager launchers."""
+    return os.environ.get("DMATTN_INDUCTOR_KERNELS", "1") != "0"
+
+
+def _launch_statically() -> None:
+    """Turns on Inductor's static launcher for user-defined Triton kernels, unless the user chose
+    (module docstring)."""
+    from torch._inductor import config
+
+    if getattr(config, _STATIC, True) or "TORCHINDUCTOR_" + _STATIC.upper() in os.environ:
+        return
+    if not getattr(config, "_is_default", lambda name: False)(_STATIC):
+        return
+    setattr(config, _STATIC, True)
+    log.info("dmattn_ops: torch._inductor.config.%s = True (our kernels in a graph)", _STATIC)
 
 
 def _export_keeps_ops() -> bool:
@@ -58,6 +84,16 @@ def applies(first: torch.Tensor) -> bool:
     return first.is_cuda and enabled() and _traced() and not _export_keeps_ops()
 
 
+def _symbolic(args) -> bool:
+    """Whether a tensor argument has a symbolic size (torch.compile(dynamic=True), or a size that
+    changed since the first compile). The launchers choose tile configurations and grids from
+    sizes, which would guard them to one value per compile; such graphs keep the ops whole."""
+    return any(
+        isinstance(t, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in t.shape)
+        for t in args
+    )
+
+
 def _rule(body, tensor_arg: int):
     """The FunctionalTensorMode rule of one op: its CUDA kernel's body, traced, where it applies;
     the op as one node otherwise."""
@@ -66,8 +102,9 @@ def _rule(body, tensor_arg: int):
         known = (torch.Tensor, FunctionalTensor, torch._subclasses.FakeTensor)
         if any(not issubclass(t, known) for t in types):
             return NotImplemented
-        if not applies(args[tensor_arg]):
+        if not applies(args[tensor_arg]) or _symbolic(args):
             return mode.__torch_dispatch__(op, types, args, kwargs)
+        _launch_statically()
         with mode, _triton.tracing():
             return body(*args, **kwargs)
 

@@ -161,8 +161,9 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
         return _empty_forward(query, value)
     if not use_triton(query):
         return chunked.forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
-    if sdpa.applies(query, key, value, mask, bias, is_causal, softcap, seqused_k):
-        return sdpa.forward(query, key, value, scale, is_causal)
+    fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
+    if fused:
+        return sdpa.forward(query, key, value, scale, is_causal, fused)
     if decode_applies(lq, h, hkv, lk, mask):
         return decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
     cfg = _config("fwd", query, value, mask, bias, lq)
@@ -246,7 +247,7 @@ def attention_backward(
 ):
     """Returns dq, dk, dv in their inputs' layouts and dtypes and dbias in bias's shape and dtype
     (an empty (0,) tensor when compute_dbias is False). Our kernels use no atomics, so every
-    path but PyTorch's flash backward (dense calls, sdpa.py) is deterministic; deterministic=True
+    path but PyTorch's fused backwards (dense calls, sdpa.py) is deterministic; deterministic=True
     keeps dense calls on our kernels."""
     seqused_k, lse, lse_rem = _dense(seqused_k), _dense(lse), _dense(lse_rem)
     mask = collapse_broadcast(mask)
@@ -267,12 +268,11 @@ def attention_backward(
             grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias,
             scale, is_causal, softcap, seqused_k, compute_dbias,
         )  # fmt: skip
-    if (
-        grad_lse is None
-        and not (deterministic or torch.are_deterministic_algorithms_enabled())
-        and sdpa.applies(query, key, value, mask, bias, is_causal, softcap, seqused_k)
-    ):
-        dq, dk, dvv = sdpa.backward(grad_out, query, key, value, out, lse, scale, is_causal)
+    fused = None
+    if grad_lse is None and not (deterministic or torch.are_deterministic_algorithms_enabled()):
+        fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
+    if fused:
+        dq, dk, dvv = sdpa.backward(grad_out, query, key, value, out, lse, scale, is_causal, fused)
         return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device)
     g = h // hkv
     dbias_mode = None

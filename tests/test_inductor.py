@@ -76,8 +76,32 @@ def test_cpu_graphs_keep_the_ops():
     assert "dmattn.attention_backward.default" in _dmattn_nodes(graphs)
 
 
+def test_on_by_default(monkeypatch):
+    monkeypatch.delenv("DMATTN_INDUCTOR_KERNELS", raising=False)
+    assert inductor.enabled()
+
+
+def test_static_launch_is_turned_on_unless_the_user_chose(monkeypatch):
+    import contextvars
+
+    from torch._inductor import config
+
+    name = inductor._STATIC
+    monkeypatch.delenv("TORCHINDUCTOR_" + name.upper(), raising=False)
+
+    def launch_statically(**patch):
+        with config.patch(patch):
+            inductor._launch_statically()
+            return getattr(config, name)
+
+    # A copied context: the option's override (a ContextVar) does not outlive the check.
+    if config._is_default(name):
+        assert contextvars.copy_context().run(launch_statically) is True
+    assert contextvars.copy_context().run(launch_statically, **{name: False}) is False
+
+
 def test_switch_keeps_the_ops(monkeypatch):
-    monkeypatch.delenv("DMATTN_INDUCTOR_KERNELS", raising=False)  # off by default
+    monkeypatch.setenv("DMATTN_INDUCTOR_KERNELS", "0")
     monkeypatch.setattr(
         inductor, "applies", lambda first: inductor.enabled() and inductor._traced()
     )
@@ -199,3 +223,33 @@ def test_traced_seqused_k_skips_the_value_check(monkeypatch):
     assert _dmattn_nodes(graphs) == []
     want = reference.attention(q, k, v, mask, bias, is_causal=True, seqused_k=seqused)
     torch.testing.assert_close(out, want)
+
+
+def test_symbolic_sizes_keep_the_ops(monkeypatch):
+    """Under dynamic shapes the launchers would guard their tile configurations to one size;
+    such graphs keep the ops whole (and compile once for every size)."""
+    monkeypatch.setattr(inductor, "applies", lambda first: inductor._traced())
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def keep(g, _):
+            graphs.append(g)
+            return g
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+
+    cf = torch.compile(_attention_loss, backend=backend, fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for lq, lk in [(17, 29), (33, 41)]:
+            c = Case(1, lq, lk, 2, 1, 16, 16)
+            q, k, v = make_qkv(c, requires_grad=True)
+            bias = make_bias((1, 1, 1, lk), requires_grad=True)
+            mask = make_mask((1, 1, 1, lk))
+            loss = cf(q, k, v, bias, mask)
+            loss.backward()
+            ref = reference.attention(q, k, v, mask, bias, is_causal=True).square().sum()
+            torch.testing.assert_close(loss, ref)
+    assert "dmattn.attention_forward.default" in _dmattn_nodes(graphs)

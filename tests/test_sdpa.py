@@ -1,5 +1,6 @@
-"""Dense calls through PyTorch's flash kernels (dmattn_ops/sdpa.py): when they apply, that they
-match the float64 oracle, and that the calls flash cannot serve stay on our kernels.
+"""Dense calls through PyTorch's fused kernels, cuDNN or flash (dmattn_ops/sdpa.py): when each
+applies, that both match the float64 oracle, and that the calls they cannot serve stay on our
+kernels.
 
 The rest of the suite runs with DMATTN_DENSE_SDPA=0 (conftest.py) so that it tests our Triton
 dense kernels; these tests turn the dispatch back on."""
@@ -16,31 +17,32 @@ gpu = pytest.mark.gpu
 
 @pytest.fixture
 def dispatch_on(monkeypatch):
-    """DMATTN_DENSE_SDPA=1, and counts of the flash forward and backward calls."""
+    """DMATTN_DENSE_SDPA=1, and the fused forward and backward calls, each by the kernel it ran
+    ("cudnn" or "flash", its last argument)."""
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
-    calls = {"forward": 0, "backward": 0}
+    calls = {"forward": [], "backward": []}
     for name in calls:
         real = getattr(sdpa, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
+            calls[_name].append(args[-1])
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(sdpa, name, spy)
     return calls
 
 
-def _operands(device="cpu", dtype=torch.bfloat16, lq=8, lk=8, d=16, dv=16):
-    q = torch.zeros(1, lq, 2, d, dtype=dtype, device=device)
-    k = torch.zeros(1, lk, 1, d, dtype=dtype, device=device)
-    v = torch.zeros(1, lk, 1, dv, dtype=dtype, device=device)
+def _operands(device="cpu", dtype=torch.bfloat16, lq=8, lk=8, d=16, dv=16, h=2, hkv=1):
+    q = torch.zeros(1, lq, h, d, dtype=dtype, device=device)
+    k = torch.zeros(1, lk, hkv, d, dtype=dtype, device=device)
+    v = torch.zeros(1, lk, hkv, dv, dtype=dtype, device=device)
     return q, k, v
 
 
 def test_applies_only_to_plain_dense_cuda_calls(monkeypatch):
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
     q, k, v = _operands("meta")
-    assert not sdpa.applies(q, k, v, None, None, False, 0.0, None)  # not CUDA
+    assert not sdpa.kernel(q, k, v, None, None, False, 0.0, None)  # not CUDA
 
 
 @gpu
@@ -48,24 +50,43 @@ def test_applies_rules(monkeypatch):
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
     q, k, v = _operands("cuda")
     mask = torch.ones(1, 1, 1, 8, dtype=torch.bool, device="cuda")
-    assert sdpa.applies(q, k, v, None, None, True, 0.0, None)
-    assert not sdpa.applies(q, k, v, mask, None, False, 0.0, None)
-    assert not sdpa.applies(q, k, v, None, mask.bfloat16(), False, 0.0, None)
-    assert not sdpa.applies(q, k, v, None, None, False, 5.0, None)
+    assert sdpa.kernel(q, k, v, None, None, True, 0.0, None)
+    assert not sdpa.kernel(q, k, v, mask, None, False, 0.0, None)
+    assert not sdpa.kernel(q, k, v, None, mask.bfloat16(), False, 0.0, None)
+    assert not sdpa.kernel(q, k, v, None, None, False, 5.0, None)
     seqused = torch.full((1,), 8, dtype=torch.int32, device="cuda")
-    assert not sdpa.applies(q, k, v, None, None, False, 0.0, seqused)
-    assert not sdpa.applies(*_operands("cuda", torch.float32), None, None, False, 0.0, None)
-    assert not sdpa.applies(*_operands("cuda", lq=4), None, None, True, 0.0, None)  # Lq != Lk
-    assert sdpa.applies(*_operands("cuda", lq=4), None, None, False, 0.0, None)
-    assert not sdpa.applies(*_operands("cuda", d=20, dv=20), None, None, False, 0.0, None)
-    assert not sdpa.applies(*_operands("cuda", dv=32), None, None, False, 0.0, None)
+    assert not sdpa.kernel(q, k, v, None, None, False, 0.0, seqused)
+    assert not sdpa.kernel(*_operands("cuda", torch.float32), None, None, False, 0.0, None)
+    assert not sdpa.kernel(*_operands("cuda", lq=4), None, None, True, 0.0, None)  # Lq != Lk
+    assert sdpa.kernel(*_operands("cuda", lq=4), None, None, False, 0.0, None)
+    assert not sdpa.kernel(*_operands("cuda", d=20, dv=20), None, None, False, 0.0, None)
+    assert not sdpa.kernel(*_operands("cuda", dv=32), None, None, False, 0.0, None)
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "0")
-    assert not sdpa.applies(q, k, v, None, None, True, 0.0, None)
+    assert not sdpa.kernel(q, k, v, None, None, True, 0.0, None)
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION]):
-        assert not sdpa.applies(q, k, v, None, None, True, 0.0, None)
+        assert not sdpa.kernel(q, k, v, None, None, True, 0.0, None)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        assert sdpa.kernel(q, k, v, None, None, True, 0.0, None) == "flash"
+    d256 = _operands("cuda", d=256, dv=256)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):  # cuDNN only up to D128 here
+        assert sdpa.kernel(*d256, None, None, True, 0.0, None) is None
+
+
+@gpu
+def test_the_model_shape_takes_the_kernel_sdpa_picks():
+    """H16 Hkv4 D128 bf16 causal (bench.model's shape): our choice is SDPA's own."""
+    from torch.nn.attention import SDPBackend
+
+    q = torch.zeros(2, 256, 16, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.zeros(2, 256, 4, 128, dtype=torch.bfloat16, device="cuda")
+    picked = torch._fused_sdp_choice(
+        q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), None, 0.0, True, enable_gqa=True
+    )
+    want = {int(SDPBackend.CUDNN_ATTENTION): "cudnn", int(SDPBackend.FLASH_ATTENTION): "flash"}
+    assert sdpa.kernel(q, k, k, None, None, True, 0.0, None) == want.get(picked, "flash")
 
 
 def _check(c: Case, dtype, is_causal, *, lse_grad=False, deterministic=False, fn=None, lse=True):
@@ -106,23 +127,33 @@ CASES = [
 
 
 @gpu
+@pytest.mark.parametrize("which", ["cudnn", "flash"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("c", CASES)
-def test_dense_calls_run_flash_and_match_the_oracle(dispatch_on, c, dtype, is_causal):
+def test_dense_calls_run_fused_kernels_and_match_the_oracle(
+    dispatch_on, c, dtype, is_causal, which
+):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     if is_causal and c.lq != c.lk:
         pytest.skip("bottom-right causal with Lq != Lk stays on our kernels")
-    _check(c, dtype, is_causal)
-    assert dispatch_on == {"forward": 1, "backward": 1}
+    only = SDPBackend.CUDNN_ATTENTION if which == "cudnn" else SDPBackend.FLASH_ATTENTION
+    with sdpa_kernel([only]):
+        operands = _operands("cuda", dtype, c.lq, c.lk, c.d, c.dv, c.h, c.hkv)
+        if sdpa.kernel(*operands, None, None, is_causal, 0.0, None) is None:
+            pytest.skip(f"PyTorch's {which} kernel does not take this call here")
+        _check(c, dtype, is_causal)
+    assert dispatch_on == {"forward": [which], "backward": [which]}
 
 
 @gpu
 def test_lse_gradient_and_deterministic_take_our_backward(dispatch_on):
     c = Case(2, 200, 200, 8, 2, 64, 64)
     _check(c, torch.bfloat16, True, lse_grad=True)
-    assert dispatch_on == {"forward": 1, "backward": 0}
+    assert len(dispatch_on["forward"]) == 1 and dispatch_on["backward"] == []
     _check(c, torch.bfloat16, True, deterministic=True)
-    assert dispatch_on == {"forward": 2, "backward": 0}
+    assert len(dispatch_on["forward"]) == 2 and dispatch_on["backward"] == []
 
 
 @gpu
@@ -130,14 +161,14 @@ def test_causal_with_more_queries_than_keys_stays_bottom_right(dispatch_on):
     # Flash aligns causality top-left; the contract's bottom-right alignment must hold.
     c = Case(1, 96, 64, 4, 4, 64, 64)
     _check(c, torch.bfloat16, True)
-    assert dispatch_on["forward"] == 0
+    assert dispatch_on["forward"] == []
 
 
 @gpu
 def test_switch_forces_our_kernels(dispatch_on, monkeypatch):
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "0")
     _check(Case(1, 128, 128, 4, 4, 64, 64), torch.bfloat16, True)
-    assert dispatch_on == {"forward": 0, "backward": 0}
+    assert dispatch_on == {"forward": [], "backward": []}
 
 
 @gpu
@@ -152,7 +183,7 @@ def test_compiled_dense_call(dispatch_on):
     c = Case(2, 256, 256, 8, 2, 64, 64)
     _check(c, torch.bfloat16, True, fn=lambda *a, return_lse, **kw: compiled(*a, **kw), lse=False)
     # Traced once (the graph then launches the kernels itself), forward and backward.
-    assert dispatch_on["forward"] >= 1 and dispatch_on["backward"] >= 1
+    assert dispatch_on["forward"] and dispatch_on["backward"]
 
 
 @gpu
@@ -171,6 +202,6 @@ def test_outputs_are_contiguous_as_the_fake_kernels_say(dispatch_on):
     )
     for t in (out, dq, dk, dv):
         assert t.is_contiguous()
-    assert dispatch_on == {"forward": 1, "backward": 1}
+    assert len(dispatch_on["forward"]) == 1 and len(dispatch_on["backward"]) == 1
     torch.library.opcheck(torch.ops.dmattn.attention_forward.default, args,
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
