@@ -105,6 +105,9 @@ def time_step(variant: str, shape: str, mode: str) -> tuple[float, float]:
     if variant not in VARIANTS or flag not in ("", "ops"):
         raise ValueError(f"unknown variant {variant}{'+' if flag else ''}{flag}")
     torch._dynamo.reset()
+    # AOTAutograd's cache keys on the Dynamo graph, which does not see the switches below: a
+    # variant could load another's compiled graph.
+    torch._functorch.config.enable_autograd_cache = False
     torch.manual_seed(0)
     model = make_model(variant, n, "cuda", torch.bfloat16)
     compiled = torch.compile(model, fullgraph=True, mode=None if mode == "default" else mode)

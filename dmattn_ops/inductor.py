@@ -20,10 +20,12 @@ Inductor launches user-defined Triton kernels through Triton's own Python launch
 ``torch._inductor.config.static_launch_user_defined_triton_kernels`` is on; with it, through its
 static launcher, a few microseconds per launch. On the H100 that is the difference between a
 slower and a faster model step (bench/NOTES.md 26: B4 L2048 DMA step 17.4 ms with Triton's
-launcher, 10.3 ms with the static one, 15.9 ms with the ops whole). So when a graph first takes
-our kernels, we turn that option on unless the user set it (in code or through its environment
-variable TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS); kernels the static launcher
-cannot take fall back to Triton's launcher by Inductor's own rule.
+launcher, 10.3 ms with the static one, 15.9 ms with the ops whole). So `import dmattn_ops` turns
+that option on unless the user set it (in code or through its environment variable
+TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS); kernels the static launcher cannot
+take fall back to Triton's launcher by Inductor's own rule. At import, not when a graph first
+takes our kernels: a graph loaded from Inductor's caches is never traced again, and the option
+is read when its kernels load.
 
 The ops stay whole (one node each) in graphs with symbolic sizes (see _symbolic); for
 torch.export, which keeps them serialisable as triton_op does; for CPU tensors (Triton's
@@ -39,7 +41,7 @@ import os
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from dmattn_ops import _triton, masks, ops
+from dmattn_ops import _triton, launch, masks, ops
 
 log = logging.getLogger(__name__)
 _STATIC = "static_launch_user_defined_triton_kernels"
@@ -79,9 +81,17 @@ def _traced() -> bool:
 
 
 def applies(first: torch.Tensor) -> bool:
-    """Whether an op call whose first tensor is `first` is traced into the graph: CUDA, the
-    path switched on, a compiled graph's trace, not torch.export."""
-    return first.is_cuda and enabled() and _traced() and not _export_keeps_ops()
+    """Whether an op call whose first tensor is `first` is traced into the graph: CUDA in a dtype
+    our kernels take (float64 runs the chunked PyTorch path, whose varlen form reads
+    cu_seqlens and cannot be traced on fake tensors), the path switched on, a compiled graph's
+    trace, not torch.export."""
+    return (
+        first.is_cuda
+        and first.dtype in launch.TRITON_DTYPES
+        and enabled()
+        and _traced()
+        and not _export_keeps_ops()
+    )
 
 
 def _symbolic(args) -> bool:
@@ -104,7 +114,6 @@ def _rule(body, tensor_arg: int):
             return NotImplemented
         if not applies(args[tensor_arg]) or _symbolic(args):
             return mode.__torch_dispatch__(op, types, args, kwargs)
-        _launch_statically()
         with mode, _triton.tracing():
             return body(*args, **kwargs)
 
@@ -112,7 +121,8 @@ def _rule(body, tensor_arg: int):
 
 
 def register() -> None:
-    """Install the rules (once, at `import dmattn_ops`)."""
+    """Install the rules and turn on the static launcher (once, at `import dmattn_ops`)."""
+    _launch_statically()
     for name, body, tensor_arg in (
         ("dmattn::attention_forward", ops._forward_impl, 0),
         ("dmattn::attention_backward", ops._backward_impl, 2),

@@ -76,10 +76,11 @@ def test_applies_rules(monkeypatch):
 
 
 @gpu
-def test_the_model_shape_takes_the_kernel_sdpa_picks():
+def test_the_model_shape_takes_the_kernel_sdpa_picks(monkeypatch):
     """H16 Hkv4 D128 bf16 causal (bench.model's shape): our choice is SDPA's own."""
     from torch.nn.attention import SDPBackend
 
+    monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
     q = torch.zeros(2, 256, 16, 128, dtype=torch.bfloat16, device="cuda")
     k = torch.zeros(2, 256, 4, 128, dtype=torch.bfloat16, device="cuda")
     picked = torch._fused_sdp_choice(
