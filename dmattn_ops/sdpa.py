@@ -26,6 +26,7 @@ import functools
 import os
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 DTYPES = (torch.float16, torch.bfloat16)
 FLASH, CUDNN = "flash", "cudnn"
@@ -62,14 +63,51 @@ def kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k) -> str 
         return None
     if not all(t.stride(-1) == 1 for t in (query, key, value)):
         return None
-    if d <= _CUDNN_MAX_HEAD_DIM and torch.backends.cuda.cudnn_sdp_enabled():
-        choice = torch._fused_sdp_choice(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, 0.0,
-            bool(is_causal), enable_gqa=query.shape[2] != key.shape[2],
-        )  # fmt: skip
-        if choice == _CUDNN_CHOICE:
-            return CUDNN
+    if (
+        d <= _CUDNN_MAX_HEAD_DIM
+        and torch.backends.cuda.cudnn_sdp_enabled()
+        and _sdpa_choice(query, key, value, bool(is_causal)) == _CUDNN_CHOICE
+    ):
+        return CUDNN
     return FLASH if torch.backends.cuda.flash_sdp_enabled() else None
+
+
+def _sdpa_choice(query, key, value, is_causal: bool) -> int:
+    """`torch._fused_sdp_choice` for these (B, L, H, D) tensors: the kernel PyTorch's SDPA would
+    run. On the fake tensors of a compiled graph's trace it would answer for meta tensors (the
+    math kernel), so there it asks about real tensors of the same sizes, strides and dtype."""
+    if not is_fake(query):
+        return _choice_of(query, key, value, is_causal)
+    metas = tuple((tuple(t.shape), tuple(t.stride())) for t in (query, key, value))
+    if not all(isinstance(n, int) for shape, stride in metas for n in shape + stride):
+        return -1  # symbolic sizes: no real tensors to ask about (the flash kernel then)
+    flags = (
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.cuda.mem_efficient_sdp_enabled(),
+        torch.backends.cuda.math_sdp_enabled(),
+    )
+    return _traced_choice(metas, query.dtype, query.device, is_causal, flags)
+
+
+def _choice_of(query, key, value, is_causal: bool) -> int:
+    qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    return torch._fused_sdp_choice(
+        qt, kt, vt, None, 0.0, is_causal, enable_gqa=query.shape[2] != key.shape[2]
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _traced_choice(metas, dtype, device, is_causal, flags) -> int:
+    """The choice for real tensors with these (shape, stride) pairs, allocated outside the
+    trace's modes, once per compiled call site and freed at once."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        try:
+            real = [torch.empty_strided(s, st, dtype=dtype, device=device) for s, st in metas]
+        except torch.OutOfMemoryError:
+            return -1
+        return _choice_of(*real, is_causal)
 
 
 def forward(query, key, value, scale, is_causal, which):

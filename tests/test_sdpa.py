@@ -206,3 +206,18 @@ def test_outputs_are_contiguous_as_the_fake_kernels_say(dispatch_on):
     assert len(dispatch_on["forward"]) == 1 and len(dispatch_on["backward"]) == 1
     torch.library.opcheck(torch.ops.dmattn.attention_forward.default, args,
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+
+
+@gpu
+def test_traces_take_the_kernel_eager_calls_take(monkeypatch):
+    """On a compiled graph's fake tensors `torch._fused_sdp_choice` answers for meta tensors;
+    the choice must still be the eager one (cuDNN for the model's shape on an H100)."""
+    from torch._subclasses import FakeTensorMode
+
+    monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
+    q = torch.zeros(2, 256, 16, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.zeros(2, 256, 4, 128, dtype=torch.bfloat16, device="cuda")
+    eager = sdpa.kernel(q, k, k, None, None, True, 0.0, None)
+    with FakeTensorMode() as mode:
+        fq, fk = mode.from_tensor(q), mode.from_tensor(k)
+        assert sdpa.kernel(fq, fk, fk, None, None, True, 0.0, None) == eager
