@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def run_python(code_or_args, cwd):
@@ -26,6 +27,8 @@ def test_main_job(tmp_path):
     res = run_python(["-m", "dmattn_ops"], tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all checks passed" in res.stdout
+    if torch.cuda.is_available():  # the speed line, ours against SDPA on one DMA shape
+        assert "speed, B" in res.stdout and "SDPA dense" in res.stdout, res.stdout
 
 
 WITHOUT_TRITON = """
