@@ -77,6 +77,10 @@ def _cases() -> list[Case]:
              16384, 16384, 128, "blocks", keep=2048),
         Case("D", "GQA B2 H32 Hkv8 L8192, bias (B,Hkv,1,L), mask per key", 2, 32, 8, 8192, 8192,
              128, "gqa", keep=2048),
+        Case("M", "the model's DMA call: B4 H16 Hkv4 L2048, bias (B,Hkv,1,L), top-512 per key",
+             4, 16, 4, 2048, 2048, 128, "gqa", keep=512),
+        Case("M-dense", "the model's dense call: B4 H16 Hkv4 L2048", 4, 16, 4, 2048, 2048, 128,
+             "dense"),
         Case("E", "decode B8 H32 Hkv8 Lq1 Lk32768, seqused_k, bias (B,Hkv,1,Lk)", 8, 32, 8, 1,
              32768, 128, "decode", is_causal=True),
         Case("V", "varlen training: 8 sequences of 256..4096 tokens, H16, bias+mask per key "
