@@ -1,5 +1,7 @@
-"""Context parallelism on CPU (gloo): ring_attention over 2 and 3 processes equals
-dmattn_ops.attention on the whole sequence, outputs and every gradient (issue 17)."""
+"""Context parallelism: ring_attention over 2 and 3 processes equals attention on the whole
+sequence, outputs and every gradient (issue 17). On CPU (gloo, float64) against
+dmattn_ops.attention to float64 rounding; on GPUs (NCCL, bf16, one GPU per rank; needs two)
+against the float64 oracle, within PyTorch's own bf16 error (tests/helpers.py)."""
 
 import os
 import sys
@@ -20,20 +22,23 @@ CONFIGS = [
 ]
 
 
-def _worker(rank: int, world: int, rendezvous: str, failures) -> None:
+def _worker(rank: int, world: int, rendezvous: str, failures, device_type: str = "cpu") -> None:
     sys.path.insert(0, os.path.dirname(__file__))
-    from helpers import assert_close, float64_grad_bound
+    from helpers import assert_close, float64_grad_bound, low_precision_bound
 
     import dmattn_ops
     from dmattn_ops import distributed as cp
     from dmattn_ops import reference
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=world)  # fmt: skip
+    cuda = device_type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
+                            rank=rank, world_size=world)  # fmt: skip
     try:
         for layout, is_causal, with_operands, h, hkv, softcap in CONFIGS:
             g = torch.Generator().manual_seed(7)  # the same whole tensors on every rank
-            b, length, d = 2, 4 * world * 3, 8
+            b, length, d = (2, 64 * 2 * world, 64) if cuda else (2, 4 * world * 3, 8)
             q = torch.randn(b, length, h, d, generator=g, dtype=torch.float64)
             k = torch.randn(b, length, hkv, d, generator=g, dtype=torch.float64)
             v = torch.randn(b, length, hkv, d, generator=g, dtype=torch.float64)
@@ -47,9 +52,23 @@ def _worker(rank: int, world: int, rendezvous: str, failures) -> None:
 
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
             whole_bias = bias.clone().requires_grad_() if bias is not None else None
-            want = dmattn_ops.attention(*whole, mask, whole_bias, **kw)
+            want = (dmattn_ops if not cuda else reference).attention(*whole, mask, whole_bias, **kw)
             (want * w).sum().backward()
             _, lse = reference.attention(q, k, v, mask, bias, return_lse=True, **kw)
+            wanted = [want.detach()] + [t.grad for t in whole]
+            wanted += [whole_bias.grad] if bias is not None else []
+            if cuda:
+                # The float64 oracle, PyTorch's own bf16 error beside it (the bound), and the
+                # inputs in bf16 on this rank's GPU.
+                lowp = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+                lowp_bias = bias.bfloat16().requires_grad_() if bias is not None else None
+                out_lp = reference.attention(*lowp, mask, lowp_bias, **kw)
+                (out_lp.double() * w).sum().backward()
+                in_lowp = [out_lp.detach()] + [t.grad for t in lowp]
+                in_lowp += [lowp_bias.grad] if bias is not None else []
+                q, k, v, w = (t.cuda().bfloat16() for t in (q, k, v, w))
+                mask = mask.cuda() if mask is not None else None
+                bias = bias.cuda().bfloat16() if bias is not None else None
 
             def part(t, dim=1, layout=layout):
                 return cp.shard(t, dim, layout=layout) if t is not None else None
@@ -61,12 +80,14 @@ def _worker(rank: int, world: int, rendezvous: str, failures) -> None:
             what = f"{layout} causal={is_causal} operands={with_operands} H{h} Hkv{hkv}"
             got = [cp.unshard(out.detach(), 1, layout=layout)]
             got += [cp.unshard(t.grad, 1, layout=layout) for t in local]
-            wanted = [want.detach()] + [t.grad for t in whole]
             if bias is not None:
                 got.append(cp.unshard(local_bias.grad, 3, layout=layout))
-                wanted.append(whole_bias.grad)
-            for name, a, e in zip(("out", "dq", "dk", "dv", "dbias"), got, wanted):
-                assert_close(a, e, float64_grad_bound(e, lse), f"{what} {name}")
+            for i, (name, a, e) in enumerate(zip(("out", "dq", "dk", "dv", "dbias"), got, wanted)):
+                if cuda:
+                    bound = low_precision_bound(e, in_lowp[i], torch.bfloat16)
+                    assert_close(a.cpu().double(), e, bound, f"{what} {name}")
+                else:
+                    assert_close(a, e, float64_grad_bound(e, lse), f"{what} {name}")
     except Exception:
         failures.put(f"rank {rank}: {traceback.format_exc()}")
         raise
@@ -74,13 +95,12 @@ def _worker(rank: int, world: int, rendezvous: str, failures) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ring_attention_equals_attention_on_the_whole_sequence(world, tmp_path):
+def _spawn(world: int, tmp_path, device_type: str) -> None:
     ctx = mp.get_context("spawn")
     failures = ctx.SimpleQueue()
     env = {"TRITON_INTERPRET": os.environ.pop("TRITON_INTERPRET", None)}
     try:
-        mp.start_processes(_worker, args=(world, str(tmp_path / "rdv"), failures),
+        mp.start_processes(_worker, args=(world, str(tmp_path / "rdv"), failures, device_type),
                            nprocs=world, start_method="spawn")  # fmt: skip
     except mp.ProcessRaisedException:
         messages = []
@@ -90,6 +110,16 @@ def test_ring_attention_equals_attention_on_the_whole_sequence(world, tmp_path):
     finally:
         if env["TRITON_INTERPRET"] is not None:
             os.environ["TRITON_INTERPRET"] = env["TRITON_INTERPRET"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_attention_equals_attention_on_the_whole_sequence(world, tmp_path):
+    _spawn(world, tmp_path, "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_ring_attention_on_gpus_with_nccl_in_bf16(tmp_path):
+    _spawn(2, tmp_path, "cuda")
 
 
 def test_shard_and_unshard_refuse_lengths_that_do_not_divide(tmp_path):
