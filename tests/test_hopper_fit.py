@@ -11,7 +11,11 @@ Compiling takes seconds per kernel, so two checks share the work:
   configs.shared_bytes (pure arithmetic);
 * the model is checked against Triton: for each kernel, head-dim bucket and dtype, the config
   with the heaviest operands (a per-entry mask and a float32 per-entry bias, where shared memory
-  peaks) is compiled for both targets, and Triton's count must not exceed the model's.
+  peaks) is compiled for both targets, and Triton's count must not exceed the model's. Only
+  configs the model puts at COMPILED_FROM (60%) of the limit or more are compiled: a lighter
+  one could pass the limit only if Triton used 1.7 times what the model counts, and compiling
+  the rest cost a CI machine without a Triton cache minutes (bench/NOTES.md 25, 30).
+  Every kernel has configs above that line on both targets (checked).
 
 The kernels are compiled in a subprocess without TRITON_INTERPRET (tests/conftest.py turns the
 interpreter on for this process, and interpreted kernels cannot be compiled).
@@ -163,6 +167,7 @@ def test_every_config_fits_by_the_model(target):
 
 
 HEAVIEST = [configs.Operands("entry", "entry", 2, 4), configs.Operands("entry", "entry", 4, 4)]
+COMPILED_FROM = 0.6
 
 
 def _compiled_cases(target):
@@ -174,29 +179,42 @@ def _compiled_cases(target):
         ):
             continue
         cfg = configs.config(kind, width, width, ops, lq=lq, limit=limit)
+        if _modelled(kind, cfg, width, ops) < COMPILED_FROM * limit:
+            continue
         if (kind, cfg, width, ops) not in seen:
             seen.add((kind, cfg, width, ops))
             yield kind, cfg, width, ops
 
 
-def _compile_all(target) -> list:
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_kernel_has_compiled_configs(target):
+    assert {kind for kind, *_ in _compiled_cases(target)} == set(KERNELS)
+
+
+def _cases_of(target, kernel):
+    return [case for case in _compiled_cases(target) if case[0] == kernel]
+
+
+def _compile_all(target, kernel) -> list:
     cc, _ = TARGETS[target]
     return [
         (kind, vars(cfg), width, vars(ops), shared_memory(kind, cfg, width, ops, cc))
-        for kind, cfg, width, ops in _compiled_cases(target)
+        for kind, cfg, width, ops in _cases_of(target, kernel)
     ]
 
 
+# One test per target and kernel, so that pytest-xdist spreads the compiles over its workers.
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("target", TARGETS)
-def test_compiled_shared_memory_within_model_and_limit(target):
+def test_compiled_shared_memory_within_model_and_limit(target, kernel):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(
-        [sys.executable, __file__, target], capture_output=True, text=True, env=env,
+        [sys.executable, __file__, target, kernel], capture_output=True, text=True, env=env,
         cwd=os.path.dirname(__file__), timeout=1200,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     results = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(results) == len(list(_compiled_cases(target)))
+    assert len(results) == len(_cases_of(target, kernel))
     _, limit = TARGETS[target]
     for kind, cfg, width, ops, used in results:
         cfg, ops = configs.Config(**cfg), configs.Operands(**ops)
@@ -242,7 +260,7 @@ def test_kernels_compile_with_fp64_float_arguments():
 
 if __name__ == "__main__":
     what = sys.argv[1]
-    print(json.dumps(_compile_fp64_floats() if what == "fp64" else _compile_all(what)))
+    print(json.dumps(_compile_fp64_floats() if what == "fp64" else _compile_all(*sys.argv[1:])))
 
 
 COMPILE_KEY_LISTS = """
