@@ -63,7 +63,7 @@ def _launch_statically() -> None:
     if not getattr(config, "_is_default", lambda name: False)(_STATIC):
         return
     setattr(config, _STATIC, True)
-    log.info("dmattn_ops: torch._inductor.config.%s = True (our kernels in a graph)", _STATIC)
+    log.info("dmattn_ops: torch._inductor.config.%s = True (see dmattn_ops/inductor.py)", _STATIC)
 
 
 def _export_keeps_ops() -> bool:
