@@ -18,6 +18,10 @@ the graph and run our Python launchers.
 
 ``profile``: cProfile of those calls (forward+backward), the functions by own time.
 
+``trace``: torch.profiler over five compiled model steps of each variant: GPU time per step
+by kernel, and the step's wall time against the sum of its kernels (the gap is host time the
+GPU waited for).
+
 ``host``: the host time to issue one call (20 calls without synchronising, wall time / 20)
 beside its GPU time (do_bench), for dense, bias-only, mask-only and DMA operands, forward and
 forward+backward. When host time exceeds GPU time the GPU idles, and a compiled model in the
@@ -100,14 +104,22 @@ def bench_ms(fn, warmup=5, reps=20) -> float:
 
 def time_step(variant: str, shape: str, mode: str) -> tuple[float, float]:
     """(median ms per training step, seconds of the first, compiling, step)."""
-    b, n = SHAPES[shape]
-    variant, _, flag = variant.partition("+")
-    if variant not in VARIANTS or flag not in ("", "ops"):
-        raise ValueError(f"unknown variant {variant}{'+' if flag else ''}{flag}")
-    torch._dynamo.reset()
-    # AOTAutograd's cache keys on the Dynamo graph, which does not see the switches below: a
+    base, switches = _switches(variant)
+    # AOTAutograd's cache keys on the Dynamo graph, which does not see the switches: a
     # variant could load another's compiled graph.
     torch._functorch.config.enable_autograd_cache = False
+    with _environ(switches):
+        step = _compiled_step(base, shape, mode)
+        t0 = time.time()
+        step()
+        torch.cuda.synchronize()
+        return bench_ms(step), time.time() - t0
+
+
+def _compiled_step(variant: str, shape: str, mode: str):
+    """A compiled training step of this variant (switches set by the caller)."""
+    b, n = SHAPES[shape]
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = make_model(variant, n, "cuda", torch.bfloat16)
     compiled = torch.compile(model, fullgraph=True, mode=None if mode == "default" else mode)
@@ -119,23 +131,68 @@ def time_step(variant: str, shape: str, mode: str) -> tuple[float, float]:
             torch.compiler.cudagraph_mark_step_begin()  # each step reuses the graph's outputs
         compiled(x).float().square().mean().backward()
 
-    switches = {
-        "DMATTN_DENSE_SDPA": "0" if variant == "ours-dense-triton" else "1",
+    return step
+
+
+def _switches(variant: str):
+    """(base variant, environment switches) of a variant name such as ``dma-w4+ops``."""
+    base, _, flag = variant.partition("+")
+    if base not in VARIANTS or flag not in ("", "ops"):
+        raise ValueError(f"unknown variant {variant}")
+    return base, {
+        "DMATTN_DENSE_SDPA": "0" if base == "ours-dense-triton" else "1",
         "DMATTN_INDUCTOR_KERNELS": "0" if flag == "ops" else "1",
     }
-    saved = {name: os.environ.get(name) for name in switches}
-    os.environ.update(switches)
-    try:
-        t0 = time.time()
-        step()
-        torch.cuda.synchronize()
-        return bench_ms(step), time.time() - t0
-    finally:
-        for name, value in saved.items():
+
+
+class _environ:
+    """Sets environment variables for a with-block and restores them after."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def __enter__(self):
+        self.saved = {name: os.environ.get(name) for name in self.values}
+        os.environ.update(self.values)
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
             if value is None:
                 del os.environ[name]
             else:
                 os.environ[name] = value
+
+
+def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: int = 14) -> None:
+    """torch.profiler over `steps` compiled steps: kernel ms per step, largest first, and the
+    step's wall time against the sum of its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    base, switches = _switches(variant)
+    # AOTAutograd's cache keys on the Dynamo graph, which does not see the switches.
+    torch._functorch.config.enable_autograd_cache = False
+    with _environ(switches):
+        step = _compiled_step(base, shape, mode)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3 / steps
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total[event.name] = total.get(event.name, 0.0) + event.device_time / 1e3 / steps
+            count[event.name] = count.get(event.name, 0) + 1
+    kernels = sum(total.values())
+    log(f"== trace {shape} {mode} {variant}: {wall:.2f} ms per step (profiled), "
+        f"{kernels:.2f} ms of kernels, {sum(count.values()) // steps} launches")  # fmt: skip
+    for name, ms in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        log(f"  {ms:7.3f} ms x{count[name] // steps:<3d} {name[:90]}")
 
 
 def run_model(shapes, variants, modes, log) -> list[dict]:
@@ -261,7 +318,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.model", description=__doc__.splitlines()[0])
     p.add_argument(
         "what", nargs="?", default="model,host",
-        help="model, host, profile (cProfile of the host calls), comma-separated",
+        help="model, host, profile (cProfile of host calls), trace (kernels per step)",
     )  # fmt: skip
     p.add_argument("--shapes", default="B4-L2048,B16-L512,B1-L8192,B1-L32768")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -281,6 +338,10 @@ def main(argv=None) -> int:
         host_profile(args.kinds.split(","), log)
     if "host" in args.what:
         tables.append(host_table(run_host(args.kinds.split(","), log)))
+    if "trace" in args.what:
+        for shape in args.shapes.split(","):
+            for variant in args.variants.split(","):
+                trace_step(variant, shape, args.modes.split(",")[0], log)
     if "model" in args.what:
         rows = run_model(
             args.shapes.split(","), args.variants.split(","), args.modes.split(","), log
