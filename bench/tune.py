@@ -1,9 +1,12 @@
-"""Tile-config sweep: ``python -m bench.tune [A,B,...] [fwd,dkdv,dq]``.
+"""Tile-config sweep: ``python -m bench.tune [A,B,...] [fwd,dkdv,dq,split]``.
 
 For each case and kernel kind, every candidate (block_m, block_n, num_warps, num_stages) is
 forced through configs.OVERRIDE and the kernel's own device time is read from the profiler
 (bench.profile), so the dk/dv and dq kernels are tuned separately (each reads tile tables on its
 own grid). The dkdv sweep also reports the dq kernel's time, which a shared mask pass affects.
+The split sweep forces how many programs share a KV group's query heads in the dk/dv kernel
+(configs.SPLIT_OVERRIDE; 0 leaves it to configs.dkdv_split), with the dk/dv tile config given,
+and reports the dk/dv kernel plus the reduce kernel that sums its parts.
 """
 
 from __future__ import annotations
@@ -25,11 +28,16 @@ CANDIDATES = {
              (64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 8, 3)],
     "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 2),
            (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 4)],
+    # (split, dk/dv config); split 0 is configs.dkdv_split's own choice.
+    "split": [(0, (32, 64, 4, 3)), (1, (32, 64, 4, 3)), (2, (32, 64, 4, 3)), (4, (32, 64, 4, 3)),
+              (4, (64, 64, 4, 2)), (4, (64, 64, 4, 3)), (4, (32, 128, 4, 3)),
+              (4, (64, 128, 8, 2)), (2, (64, 64, 4, 3))],
 }  # fmt: skip
 KERNELS = {
     "fwd": ("attention_fwd_kernel",),
     "dkdv": ("attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"),
     "dq": ("attention_bwd_dq_kernel",),
+    "split": ("attention_bwd_dkdv_kernel", "attention_bwd_dkdv_reduce_kernel"),
 }
 
 
@@ -49,7 +57,11 @@ def _sweep(name: str, kind: str) -> None:
 
     results = []
     for cfg in CANDIDATES[kind]:
-        configs.OVERRIDE[kind] = configs.Config(*cfg)
+        if kind == "split":
+            configs.SPLIT_OVERRIDE = cfg[0] or None
+            configs.OVERRIDE["dkdv"] = configs.Config(*cfg[1])
+        else:
+            configs.OVERRIDE[kind] = configs.Config(*cfg)
         try:
             times = {kernel: ms for kernel, ms, _ in kernel_times(step)}
             parts = [times.get(kernel, 0.0) for kernel in KERNELS[kind]]
@@ -59,7 +71,8 @@ def _sweep(name: str, kind: str) -> None:
         except Exception as e:  # out of shared memory, say: a result, not a crash
             print(f"{name} {kind} {cfg} FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
         finally:
-            configs.OVERRIDE.pop(kind, None)
+            configs.OVERRIDE.clear()
+            configs.SPLIT_OVERRIDE = None
     if results:
         best = min(results)
         print(f"BEST {name} {kind}: {best[1]} {best[0]:.3f} ms", flush=True)
@@ -75,7 +88,7 @@ def main(cases: list[str], kinds: list[str]) -> int:
 def parse(argv=None) -> tuple[list[str], list[str]]:
     p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__.splitlines()[0])
     p.add_argument("cases", nargs="?", default="A,B", help=f"comma-separated, of {list(CASES)}")
-    p.add_argument("kinds", nargs="?", default="fwd,dkdv,dq", help="of fwd, dkdv, dq")
+    p.add_argument("kinds", nargs="?", default="fwd,dkdv,dq", help="of fwd, dkdv, dq, split")
     args = p.parse_args(argv)
     cases, kinds = args.cases.split(","), args.kinds.split(",")
     for c in cases:

@@ -13,7 +13,8 @@ and sm_80 with every configuration `config` can return and checks the compiled s
 the limits, so the model cannot drift below what Triton allocates.
 
 `OVERRIDE` (kind -> Config) replaces the table for one kind; bench.tune sets it to time
-candidates.
+candidates. `dkdv_split` picks how many programs share a KV group's query heads in the dk/dv
+kernel (`SPLIT_OVERRIDE` replaces that choice likewise).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def _kind(t) -> str:
 
 
 OVERRIDE: dict[str, Config] = {}
+SPLIT_OVERRIDE: int | None = None
 INTERPRETER_CONFIG = Config(16, 16, 1, 1)
 
 
@@ -173,3 +175,29 @@ def config(
         if kind != "decode"
         else Config(0, fitted.block_n, fitted.num_warps, fitted.num_stages)
     )
+
+
+# The dk/dv kernel's programs per SM below which its query heads are split across programs,
+# and the float32 scratch the split may take, in units of the query's own bytes.
+SPLIT_PROGRAMS_PER_SM = 4
+SPLIT_SCRATCH_RATIO = 4
+
+
+def dkdv_split(g: int, programs: int, sms: int, bytes_per_split: int, query_bytes: int) -> int:
+    """How many programs share the G query heads of one KV group in the dk/dv kernel (a divisor
+    of G): 1 when its grid of `programs` key tiles x (batch, KV head) already holds
+    SPLIT_PROGRAMS_PER_SM programs per SM, else the smallest split that reaches it, or the
+    largest whose float32 parts (`bytes_per_split` each) stay within SPLIT_SCRATCH_RATIO times
+    the query's bytes. A key-list call counts every key tile of Lk, listed or not (the list
+    lengths are on the GPU), so it may split less than its active tiles would want."""
+    if SPLIT_OVERRIDE is not None:
+        if g % SPLIT_OVERRIDE:
+            raise ValueError(f"SPLIT_OVERRIDE={SPLIT_OVERRIDE} must divide G={g}")
+        return SPLIT_OVERRIDE
+    split = 1
+    for s in range(2, g + 1):
+        if programs * split >= SPLIT_PROGRAMS_PER_SM * sms:
+            break
+        if g % s == 0 and s * bytes_per_split <= SPLIT_SCRATCH_RATIO * query_bytes:
+            split = s
+    return split

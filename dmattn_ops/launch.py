@@ -35,6 +35,7 @@ attention_fwd_kernel = LazyKernel("attention_fwd", "attention_fwd_kernel")
 attention_bwd_dbias_kernel = LazyKernel("attention_bwd", "attention_bwd_dbias_kernel")
 attention_bwd_delta_kernel = LazyKernel("attention_bwd", "attention_bwd_delta_kernel")
 attention_bwd_dkdv_kernel = LazyKernel("attention_bwd", "attention_bwd_dkdv_kernel")
+attention_bwd_dkdv_reduce_kernel = LazyKernel("attention_bwd", "attention_bwd_dkdv_reduce_kernel")
 attention_bwd_dq_kernel = LazyKernel("attention_bwd", "attention_bwd_dq_kernel")
 attention_decode_kernel = LazyKernel("attention_decode", "attention_decode_kernel")
 decode_combine_kernel = LazyKernel("attention_decode", "decode_combine_kernel")
@@ -395,22 +396,44 @@ def _launch_backward(
         VARLEN=cu_q is not None,
     )  # fmt: skip
     nk = cdiv(span_k, kv.block_n)
-    attention_bwd_dkdv_kernel[(nk, b * hkv)](
+    g = h // hkv
+    split = 1
+    if cu_q is None:
+        split = configs.dkdv_split(
+            g, nk * b * hkv, _sm_count(query.device), b * hkv * lk * (d + d_v) * 4,
+            query.numel() * query.element_size(),
+        )  # fmt: skip
+    part_dk = part_dv = None
+    if split > 1:
+        part_dk = empty((split, b * hkv, lk, d), dtype=torch.float32, device=query.device)
+        part_dv = empty((split, b * hkv, lk, d_v), dtype=torch.float32, device=query.device)
+    attention_bwd_dkdv_kernel[(nk, b * hkv * split)](
         query, key, value, grad_out, None if dkdv_lists else mask, bias,
         seqused_k, cu_q, cu_k, lse, lse_rem, delta,
         tables.q_num if tables else None, tables.q_idx if tables else None,
         tables.q_lo if tables else None, tables.q_hi if tables else None,
         dkdv_lists.keys if dkdv_lists else None, dkdv_lists.key_count if dkdv_lists else None,
-        dk, dv, dbias_cols, *strides,
+        dk, dv, dbias_cols, part_dk, part_dv, *strides,
         tables.stride_bt if tables else 0, nk,
         dkdv_lists.keys_stride_b if dkdv_lists else 0,
         dkdv_lists.keys_stride_h if dkdv_lists else 0,
         dkdv_lists.count_stride_b if dkdv_lists else 0, *lse_strides, *col_strides,
-        h, hkv, h // hkv, lq, lk, d, d_v, cdiv(span_q, kv.block_m), mask_div, bias_div,
-        float(scale), float(softcap), HAS_MASK=0 if dkdv_lists else operand_kind(mask),
-        DBIAS_COLS=dbias_cols is not None, COMPACT=dkdv_lists is not None, **flags,
-        **_meta(kv, d, d_v, is_causal, query.dtype),
+        h, hkv, g, lq, lk, d, d_v, cdiv(span_q, kv.block_m), mask_div, bias_div,
+        float(scale), float(softcap), split, HAS_MASK=0 if dkdv_lists else operand_kind(mask),
+        DBIAS_COLS=dbias_cols is not None, COMPACT=dkdv_lists is not None, PARTIAL=split > 1,
+        **flags, **_meta(kv, d, d_v, is_causal, query.dtype),
     )  # fmt: skip
+    if split > 1:
+        block_r = 16 if interpreter_on() else 64
+        attention_bwd_dkdv_reduce_kernel[(cdiv(lk, block_r), b * hkv)](
+            part_dk, part_dv, dkdv_lists.keys if dkdv_lists else None,
+            dkdv_lists.key_count if dkdv_lists else None, dk, dv,
+            dkdv_lists.keys_stride_b if dkdv_lists else 0,
+            dkdv_lists.keys_stride_h if dkdv_lists else 0,
+            dkdv_lists.count_stride_b if dkdv_lists else 0, hkv, g, lk, d, d_v, mask_div, split,
+            BLOCK_R=block_r, **_head_blocks(d, d_v), COMPACT=dkdv_lists is not None,
+            num_warps=1 if interpreter_on() else 4,
+        )  # fmt: skip
     nq = cdiv(span_q, qc.block_m)
     attention_bwd_dq_kernel[(nq, b * h)](
         query, key, value, grad_out, None if lists else mask, bias,

@@ -149,6 +149,8 @@ def attention_bwd_dkdv_kernel(
     DK,
     DV,
     DBIAS_COL,
+    PART_DK,
+    PART_DV,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -194,6 +196,7 @@ def attention_bwd_dkdv_kernel(
     bias_hdiv,
     scale,
     softcap,
+    SPLIT,
     IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -207,16 +210,24 @@ def attention_bwd_dkdv_kernel(
     DBIAS_COLS: tl.constexpr,
     COMPACT: tl.constexpr,
     VARLEN: tl.constexpr,
+    PARTIAL: tl.constexpr,
 ):
-    """One program: BLOCK_N keys of one (batch, KV head); sums dk/dv over the G query heads of
-    the group. With a bias broadcast over queries it also writes, per query head, the column sums
-    of dS into DBIAS_COL (B, H, Lk) float32 (varlen: (H, total_k)).
+    """One program: BLOCK_N keys of one (batch, KV head) and G / SPLIT query heads of its group;
+    sums dk/dv over those heads. With a bias broadcast over queries it also writes, per query
+    head, the column sums of dS into DBIAS_COL (B, H, Lk) float32 (varlen: (H, total_k)).
+
+    SPLIT == 1 (PARTIAL False) stores dk, dv into DK, DV. Otherwise the SPLIT programs of a key
+    tile each store their float32 sums into PART_DK / PART_DV (SPLIT, B * Hkv, Lk, D|Dv) at the
+    tile's rows (list positions with COMPACT), and attention_bwd_dkdv_reduce_kernel adds them
+    in split order: more programs for small grids, no atomics, bitwise reproducible.
 
     VARLEN as in the forward kernel. A mask that is not compacted is then read per tile (it is
     per key token, so there are no tile tables)."""
     scale, softcap = as_fp32(scale), as_fp32(softcap)
     i_nb = tl.program_id(0)
-    i_bg = tl.program_id(1)
+    i_bg = tl.program_id(1) // SPLIT
+    i_split = tl.program_id(1) % SPLIT
+    G_PART = G // SPLIT
     i_b = (i_bg // Hkv).to(tl.int64)
     i_g = (i_bg % Hkv).to(tl.int64)
     q_start, Lq, k_start, n_keys, Lk = seq_extent(
@@ -266,7 +277,7 @@ def attention_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
-    for hh in range(0, G):
+    for hh in range(i_split * G_PART, (i_split + 1) * G_PART):
         i_h = i_g * G + hh
         p_q = Q + i_b * stride_qb + q_row0 * stride_qm + i_h * stride_qh
         p_do = DO + i_b * stride_dob + q_row0 * stride_dom + i_h * stride_doh
@@ -370,15 +381,83 @@ def attention_bwd_dkdv_kernel(
             o_col = i_b * col_stride_b + i_h * col_stride_h + k_row0 + o_n
             tl.store(DBIAS_COL + o_col, dbias_col, mask=i_n < Lk)
 
-    m_store = i_n < Lk
-    # dk, dv are (B, Lk, Hkv, D|Dv) contiguous.
-    o_kv = (k_start + o_n[:, None]) * Hkv + i_g
-    o_dk = o_kv * D + i_d[None, :]
-    tl.store(
-        DK + o_dk, (dk * scale).to(DK.dtype.element_ty), mask=m_store[:, None] & (i_d[None, :] < D)
-    )
-    o_dv = o_kv * Dv + i_dv[None, :]
-    tl.store(DV + o_dv, dv.to(DV.dtype.element_ty), mask=m_store[:, None] & (i_dv[None, :] < Dv))
+    if PARTIAL:
+        i_r = i_nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_r = i_r < (n_pos if COMPACT else Lk)
+        n_bg = tl.num_programs(1) // SPLIT
+        o_r = ((i_split * n_bg + i_bg).to(tl.int64) * Lk + i_r)[:, None]
+        tl.store(
+            PART_DK + o_r * D + i_d[None, :], dk * scale, mask=m_r[:, None] & (i_d[None, :] < D)
+        )
+        tl.store(PART_DV + o_r * Dv + i_dv[None, :], dv, mask=m_r[:, None] & (i_dv[None, :] < Dv))
+    else:
+        m_store = i_n < Lk
+        # dk, dv are (B, Lk, Hkv, D|Dv) contiguous.
+        o_kv = (k_start + o_n[:, None]) * Hkv + i_g
+        o_dk = o_kv * D + i_d[None, :]
+        tl.store(
+            DK + o_dk,
+            (dk * scale).to(DK.dtype.element_ty),
+            mask=m_store[:, None] & (i_d[None, :] < D),
+        )
+        o_dv = o_kv * Dv + i_dv[None, :]
+        tl.store(
+            DV + o_dv, dv.to(DV.dtype.element_ty), mask=m_store[:, None] & (i_dv[None, :] < Dv)
+        )
+
+
+@triton.jit
+def attention_bwd_dkdv_reduce_kernel(
+    PART_DK,
+    PART_DV,
+    KEYS,
+    KEY_COUNT,
+    DK,
+    DV,
+    keys_stride_b,
+    keys_stride_h,
+    count_stride_b,
+    Hkv,
+    G,
+    Lk,
+    D,
+    Dv,
+    mask_hdiv,
+    SPLIT,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    COMPACT: tl.constexpr,
+):
+    """dk, dv = the sums of attention_bwd_dkdv_kernel's SPLIT float32 parts, in split order, for
+    BLOCK_R rows of one (batch, KV head), cast and stored at their keys (with COMPACT, the
+    listed keys of those list positions; other keys keep the launcher's zeros)."""
+    i_rb = tl.program_id(0)
+    i_bg = tl.program_id(1)
+    n_bg = tl.num_programs(1)
+    i_b = (i_bg // Hkv).to(tl.int64)
+    i_g = (i_bg % Hkv).to(tl.int64)
+    i_r = i_rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    i_d = tl.arange(0, BLOCK_D)
+    i_dv = tl.arange(0, BLOCK_DV)
+    if COMPACT:
+        i_hm = (i_g * G) // mask_hdiv
+        m_r = i_r < tl.load(KEY_COUNT + i_b * count_stride_b + i_hm)
+        i_n = tl.load(KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + i_r, mask=m_r, other=0)
+    else:
+        m_r = i_r < Lk
+        i_n = i_r
+    m_k = m_r[:, None] & (i_d[None, :] < D)
+    m_v = m_r[:, None] & (i_dv[None, :] < Dv)
+    dk = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
+    for i_split in range(0, SPLIT):
+        o_r = ((i_split * n_bg + i_bg).to(tl.int64) * Lk + i_r)[:, None]
+        dk += tl.load(PART_DK + o_r * D + i_d[None, :], mask=m_k, other=0.0)
+        dv += tl.load(PART_DV + o_r * Dv + i_dv[None, :], mask=m_v, other=0.0)
+    o_kv = ((i_b * Lk + i_n.to(tl.int64)) * Hkv + i_g)[:, None]
+    tl.store(DK + o_kv * D + i_d[None, :], dk.to(DK.dtype.element_ty), mask=m_k)
+    tl.store(DV + o_kv * Dv + i_dv[None, :], dv.to(DV.dtype.element_ty), mask=m_v)
 
 
 @triton.jit

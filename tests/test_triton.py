@@ -333,6 +333,62 @@ def test_deterministic_backward_is_bitwise_reproducible():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("mask_kind", ["key-lists", "tables", "none"])
+def test_dkdv_split_across_query_heads(monkeypatch, split, mask_kind):
+    """The dk/dv kernel with a KV group's 4 query heads split over 1, 2 or 4 programs (float32
+    parts summed by the reduce kernel): the oracle's gradients, with seqused_k, causal
+    alignment, a per-key bias's dbias columns, and NaN in every K/V row no list holds."""
+    monkeypatch.setattr(configs, "SPLIT_OVERRIDE", split)
+    c = Case(2, 45, 70, 8, 2, 32, 24)
+    seqused = torch.tensor([70, 52], dtype=torch.int32)
+    mask = None
+    if mask_kind == "key-lists":
+        mask = make_mask((c.b, c.hkv, 1, c.lk), density=0.4, device=DEVICE)
+        assert launch.compactable(mask, c.h, c.hkv)
+    elif mask_kind == "tables":
+        mask = make_mask((c.b, 1, c.lq, c.lk), density=0.4, device=DEVICE)
+        assert not launch.compactable(mask, c.h, c.hkv)
+    run_case(c, torch.float32, mask=mask, bias_shape=(c.b, c.hkv, 1, c.lk), is_causal=True,
+             seqused=seqused)  # fmt: skip
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_dkdv_split_never_reads_unlisted_keys_and_is_reproducible(monkeypatch, split):
+    monkeypatch.setattr(configs, "SPLIT_OVERRIDE", split)
+    c = Case(2, 40, 60, 4, 1, 16, 16)
+    mask = make_mask((c.b, 1, 1, c.lk), density=0.3, device=DEVICE)
+    q = torch.randn(c.b, c.lq, c.h, c.d, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(c.b, c.lk, c.hkv, c.d, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn(c.b, c.lk, c.hkv, c.dv, device=DEVICE, dtype=torch.bfloat16)
+    unlisted = (~mask[:, 0, 0, :])[:, :, None, None]  # [B, Lk, 1, 1]
+
+    def grads(k, v):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = dmattn_ops.attention(*leaves, mask, is_causal=True, backend="triton")
+        return [out, *torch.autograd.grad(out.float().square().sum(), leaves)]
+
+    first, second = grads(k, v), grads(k, v)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    out, dq, dk, dv = grads(torch.where(unlisted, math.nan, k), torch.where(unlisted, math.nan, v))
+    assert torch.equal(out, first[0]) and torch.equal(dq, first[1])
+    assert torch.equal(dk[~unlisted.expand_as(dk)], first[2][~unlisted.expand_as(dk)])
+    assert (dk[unlisted.expand_as(dk)] == 0).all() and (dv[unlisted.expand_as(dv)] == 0).all()
+
+
+def test_dkdv_split_choice():
+    mib = 1 << 20
+    # The DMA model's call (B4 Hkv4 L2048, 64-key tiles, 132 SMs): 512 programs, G = 4.
+    assert configs.dkdv_split(4, 512, 132, 32 * mib, 32 * mib) == 2
+    assert configs.dkdv_split(4, 100, 132, 30 * mib, 32 * mib) == 4
+    assert configs.dkdv_split(4, 100, 132, 70 * mib, 32 * mib) == 1  # scratch over its cap
+    assert configs.dkdv_split(4, 1024, 132, 1, 1) == 1  # enough programs
+    assert configs.dkdv_split(1, 10, 132, 1, 1) == 1
+    assert configs.dkdv_split(6, 100, 132, 1, 100) == 6
+    assert configs.dkdv_split(6, 300, 132, 1, 100) == 2
+
+
 # GPU only: sizes the interpreter cannot reach.
 
 gpu = pytest.mark.gpu
