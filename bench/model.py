@@ -164,8 +164,14 @@ class _environ:
 
 
 def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: int = 14) -> None:
-    """torch.profiler over `steps` compiled steps: kernel ms per step, largest first, and the
-    step's wall time against the sum of its kernels."""
+    """torch.profiler over `steps` compiled steps: kernel ms per step, largest first; the step's
+    wall time against the sum of its kernels; the largest idle gaps of the GPU, each named by
+    the kernel that ended it (the launch the host was late with); and cProfile of the host
+    work of the same steps, by own time."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     base, switches = _switches(variant)
@@ -182,17 +188,40 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
                 step()
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) * 1e3 / steps
+        host = cProfile.Profile()
+        host.enable()
+        for _ in range(steps):
+            step()
+        host.disable()
+        torch.cuda.synchronize()
     total: dict[str, float] = {}
     count: dict[str, int] = {}
+    spans = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             total[event.name] = total.get(event.name, 0.0) + event.device_time / 1e3 / steps
             count[event.name] = count.get(event.name, 0) + 1
+            spans.append((event.time_range.start, event.time_range.end, event.name))
     kernels = sum(total.values())
     log(f"== trace {shape} {mode} {variant}: {wall:.2f} ms per step (profiled), "
         f"{kernels:.2f} ms of kernels, {sum(count.values()) // steps} launches")  # fmt: skip
     for name, ms in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
         log(f"  {ms:7.3f} ms x{count[name] // steps:<3d} {name[:90]}")
+    spans.sort()
+    gaps: dict[str, list[float]] = {}
+    end = None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            gaps.setdefault(name, []).append((start - end) / 1e3)
+        end = stop if end is None else max(end, stop)
+    idle = sum(sum(v) for v in gaps.values()) / steps
+    log(f"  GPU idle between kernels: {idle:.2f} ms per step; by the kernel that ended the gap:")
+    for name, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        log(f"  {sum(v) / steps:7.3f} ms x{len(v) // steps:<3d} {name[:90]}")
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
+    log(f"== host of {steps} steps, by own time")
+    log("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:5000])
 
 
 def run_model(shapes, variants, modes, log) -> list[dict]:
