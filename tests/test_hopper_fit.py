@@ -74,6 +74,7 @@ def _flags(kind, jit, args, ops) -> dict:
         VARLEN=args.get("CU_Q") is not None,
         DBIAS_COLS=args.get("DBIAS_COL") is not None,
         DBIAS_DIRECT=args.get("DBIAS") is not None,
+        PARTIAL=args.get("PART_DK") is not None,
     )  # fmt: skip
     return {name: value for name, value in flags.items() if name in jit.arg_names}
 
@@ -94,6 +95,10 @@ def _arguments(kind, jit, cfg, width, ops, float_type="fp32"):
             sig[name] = "*i1" if tables else None
         elif name in ("LSE", "LSE_REM", "DELTA", "ACC", "M", "L", "DBIAS_COL"):
             sig[name] = "*fp32"
+        elif name in ("PART_DK", "PART_DV"):
+            # Key lists take the split (float32 parts) where the grid is small: compile that
+            # store path with them, the direct one with the other operand kinds.
+            sig[name] = "*fp32" if compact else None
         elif name in ("KV_NUM", "KV_IDX", "KV_INT", "Q_NUM", "Q_IDX", "Q_LO", "Q_HI"):
             sig[name] = "*i32" if tables else None
         elif name in ("KEYS", "KEY_END", "KEY_COUNT"):
