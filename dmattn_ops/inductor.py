@@ -7,8 +7,8 @@ graphs) that host time is paid on every call and leaves the GPU idle (bench/NOTE
 
 Under torch.compile, AOTAutograd traces the graph under ``FunctionalTensorMode``. For CUDA
 tensors the rules below replace the kernel-carrying ops (``attention_forward``,
-``attention_backward``, their varlen pair and ``topk_select``) by their own CUDA kernels
-(ops.py, masks.py: validation, then the launcher), traced: the allocations become graph
+``attention_backward`` and their varlen pair) by their own CUDA kernels (ops.py: validation,
+then the launcher), traced: the allocations become graph
 buffers and every Triton launch goes through ``torch.library.wrap_triton`` (_triton.tracing),
 so Inductor compiles the kernels into the graph and launches them from its generated code,
 with the grids and arguments computed there.
@@ -31,6 +31,11 @@ The ops stay whole (one node each) in graphs with symbolic sizes (see _symbolic)
 torch.export, which keeps them serialisable as triton_op does; for CPU tensors (Triton's
 interpreter cannot run on fake tensors, and the chunked PyTorch path gains nothing); and where
 DMATTN_INDUCTOR_KERNELS=0 (see enabled()).
+
+``dmattn::topk_select`` stays one node: traced into a graph whose mask then feeds
+FlexAttention (``DynamicMaskAttention(backend="flex")`` compiled), the attention came out
+all zeros on the H100 (torch 2.11, Triton 3.6), though the traced mask itself equals the eager
+one (bench/NOTES.md 32; tests/test_flex.py holds it).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import os
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from dmattn_ops import _triton, launch, masks, ops
+from dmattn_ops import _triton, launch, ops
 
 log = logging.getLogger(__name__)
 _STATIC = "static_launch_user_defined_triton_kernels"
@@ -128,6 +133,5 @@ def register() -> None:
         ("dmattn::attention_backward", ops._backward_impl, 2),
         ("dmattn::attention_varlen_forward", ops._varlen_forward_impl, 0),
         ("dmattn::attention_varlen_backward", ops._varlen_backward_impl, 2),
-        ("dmattn::topk_select", masks.topk_select, 0),
     ):
         torch.library.register_torch_dispatch(name, FunctionalTensorMode, _rule(body, tensor_arg))

@@ -179,8 +179,8 @@ def topk_select(
 ) -> torch.Tensor:
     """The k largest of every row of bias among the allowed keys (4-D, broadcast together), as
     a bool mask of their broadcast shape, block-smoothed when smooth > 0 (a power of two).
-    Registered as the op dmattn::topk_select (below); compiled CUDA graphs trace its launch
-    (inductor.py) unless DMATTN_INDUCTOR_KERNELS=0. Where Triton cannot run, torch.topk."""
+    Registered as the op dmattn::topk_select (below), which compiled graphs keep as one node
+    (inductor.py says why). Where Triton cannot run, torch.topk."""
     if not launch.triton_runs_on(bias) or bias.dtype not in launch.TRITON_DTYPES:
         shape = _broadcast(bias, allowed)
         score = bias.expand(shape)
