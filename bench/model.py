@@ -168,9 +168,6 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
     wall time against the sum of its kernels; the largest idle gaps of the GPU, each named by
     the kernel that ended it (the launch the host was late with); and cProfile of the host
     work of the same steps, by own time."""
-    import cProfile
-    import io
-    import pstats
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -188,12 +185,7 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
                 step()
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) * 1e3 / steps
-        host = cProfile.Profile()
-        host.enable()
-        for _ in range(steps):
-            step()
-        host.disable()
-        torch.cuda.synchronize()
+        host_text = _cprofile(step, steps, top)
     total: dict[str, float] = {}
     count: dict[str, int] = {}
     spans = []
@@ -218,10 +210,8 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
     log(f"  GPU idle between kernels: {idle:.2f} ms per step; by the kernel that ended the gap:")
     for name, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
         log(f"  {sum(v) / steps:7.3f} ms x{len(v) // steps:<3d} {name[:90]}")
-    text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
     log(f"== host of {steps} steps, by own time")
-    log("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:5000])
+    log(host_text[:5000])
 
 
 def run_model(shapes, variants, modes, log) -> list[dict]:
@@ -310,28 +300,35 @@ def run_host(kinds, log, calls=20) -> list[dict]:
     return rows
 
 
-def host_profile(kinds, log, calls=20, top=25) -> None:
-    """cProfile of `calls` forward+backward calls per kind, the `top` functions by own time:
-    where the host time of a call goes (Triton's launch path, autograd, the launchers)."""
+def _cprofile(fn, calls: int, top: int) -> str:
+    """cProfile of `calls` calls of fn (then a synchronize): the `top` functions by own time."""
     import cProfile
     import io
     import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return "\n".join(line for line in text.getvalue().splitlines() if line.strip())
+
+
+def host_profile(kinds, log, calls=20, top=25) -> None:
+    """cProfile of `calls` forward+backward calls per kind, the `top` functions by own time:
+    where the host time of a call goes (Triton's launch path, autograd, the launchers)."""
 
     for kind in kinds:
         fwdbwd = host_calls(kind)[1]
         for _ in range(3):
             fwdbwd()
         torch.cuda.synchronize()
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(calls):
-            fwdbwd()
-        profile.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+        text = _cprofile(fwdbwd, calls, top)
         log(f"== {kind} fwd+bwd, {calls} calls, by own time")
-        log("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:6000])
+        log(text[:6000])
 
 
 def host_table(rows) -> str:
