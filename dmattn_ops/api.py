@@ -11,6 +11,8 @@ from dmattn_ops.validate import (
     check_inputs,
     check_sinks,
     check_varlen_inputs,
+    check_window,
+    has_window,
 )
 
 
@@ -61,6 +63,7 @@ def attention(
     return_lse: bool = False,
     backend: str = "auto",
     sinks: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
     _internal_lse: bool = False,
 ):
     r"""Dynamic Mask Attention.
@@ -84,13 +87,18 @@ def attention(
         sinks: float (H,) (query's dtype or float32), or None: a learned logit per query head
             that joins each row's softmax denominator only (attention sinks, as GPT-OSS);
             differentiable. A row with no allowed key then has out 0 and lse sinks[h].
+        window_size: (left, right), flash-attn's sliding window: query i sees keys j with
+            p - left <= j <= p + right, p = i + n - Lq its aligned position; -1 leaves a side
+            unbounded. Combines (and) with is_causal, mask and seqused_k; key tiles outside
+            the band are never read.
 
     Returns:
         out (B, Lq, H, Dv) in query's dtype, or (out, lse) when ``return_lse``.
 
-    With n = seqused_k[b] (or Lk), for batch b, head h, query i and key j::
+    With n = seqused_k[b] (or Lk), p = i + n - Lq, for batch b, head h, query i and key j::
 
-        allowed(i, j) = j < n and mask[b, h, i, j] and (not is_causal or j <= i + n - Lq)
+        allowed(i, j) = j < n and mask[b, h, i, j] and (not is_causal or j <= p)
+                        and (left < 0 or j >= p - left) and (right < 0 or j <= p + right)
         s(i, j) = cap(scale * q_i . k_j) + bias[b, h, i, j] if allowed else -inf
         out_i   = sum_j softmax_j(s(i, .)) v_j      (0 when no key is allowed)
         lse_i   = log sum_j exp(s(i, j))            (-inf when no key is allowed)
@@ -109,6 +117,7 @@ def attention(
         "dmattn.attention", is_causal=is_causal, deterministic=deterministic,
         return_lse=return_lse,
     )  # fmt: skip
+    window = check_window(window_size, "dmattn.attention")
     query, key, value, bias = ops.autocast_inputs(query, key, value, bias)
     if sinks is not None:
         if isinstance(query, torch.Tensor) and query.dim() == 4:
@@ -118,11 +127,12 @@ def attention(
                 return reference.attention(
                     query, key, value, mask, bias, scale=scale, is_causal=is_causal,
                     softcap=softcap, seqused_k=seqused_k, return_lse=return_lse, sinks=sinks,
+                    window_size=window,
                 )  # fmt: skip
             out, lse = attention(
                 query, key, value, mask, bias, scale=scale, is_causal=is_causal,
                 softcap=softcap, seqused_k=seqused_k, deterministic=deterministic,
-                backend=backend, return_lse=True, _internal_lse=True,
+                backend=backend, return_lse=True, window_size=window, _internal_lse=True,
             )  # fmt: skip
             out, lse = add_sinks(out, lse, sinks)
         return (out, lse.float()) if return_lse else out
@@ -132,23 +142,28 @@ def attention(
             return fn(
                 query, key, value, mask, bias, scale=scale, is_causal=is_causal,
                 softcap=softcap, seqused_k=seqused_k, deterministic=deterministic,
-                return_lse=return_lse,
+                return_lse=return_lse, window_size=window,
             )  # fmt: skip
         # The value checks (seqused_k's range) run inside the op, below any torch.func
         # transform, so that direct calls of torch.ops.dmattn.* keep the same contract.
         check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap)
         if backend == "triton":
             _check_triton_can_run(query)
+        # Only a window that bounds something is passed: graphs of windowless calls stay as
+        # they were.
+        extra = (window,) if has_window(window) else ()
         if return_lse:
             scale = ops.default_scale(query) if scale is None else scale
             out, lse, _ = torch.ops.dmattn.attention_forward(
-                query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
-            )
+                query, key, value, mask, bias, scale, is_causal, softcap, seqused_k,
+                deterministic, *extra,
+            )  # fmt: skip
             # float64 inputs keep a float64 lse inside the ops
             return out, (lse if _internal_lse else lse.float())
         return torch.ops.dmattn.attention(
-            query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
-        )
+            query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic,
+            *extra,
+        )  # fmt: skip
 
 
 def attention_varlen(
@@ -169,6 +184,7 @@ def attention_varlen(
     return_lse: bool = False,
     backend: str = "auto",
     sinks: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
     _internal_lse: bool = False,
 ):
     r"""Dynamic Mask Attention over a packed batch of variable-length sequences.
@@ -184,8 +200,8 @@ def attention_varlen(
         mask: bool (H|Hkv|1, total_k), per key token, broadcast over the queries of the
             key's sequence. No gradient.
         bias: float (H|Hkv|1, total_k), per key token like mask; its gradient has its shape.
-        scale, is_causal, softcap, deterministic, backend: as in `attention`; causal is
-            bottom-right aligned within each sequence.
+        scale, is_causal, softcap, deterministic, backend, window_size: as in `attention`;
+            causal and the window are bottom-right aligned within each sequence.
         return_lse: also return lse, float32 (H, total_q).
         sinks: float (H,) or None: attention sinks, as in `attention`; rows outside every
             sequence keep out 0 and lse -inf.
@@ -202,9 +218,13 @@ def attention_varlen(
     fn = "dmattn.attention_varlen"
     check_backend(backend, fn)
     check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
+    window = check_window(window_size, fn)
     query, key, value, bias = ops.autocast_inputs(query, key, value, bias)
     args = (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias)
-    options = dict(scale=scale, is_causal=is_causal, softcap=softcap, deterministic=deterministic)
+    options = dict(
+        scale=scale, is_causal=is_causal, softcap=softcap, deterministic=deterministic,
+        window_size=window,
+    )  # fmt: skip
     if sinks is not None:
         if isinstance(query, torch.Tensor) and query.dim() == 3:
             check_sinks(sinks, query[None], fn)
@@ -229,26 +249,24 @@ def attention_varlen(
         check_varlen_inputs(*args, scale, softcap, fn=fn)
         if backend == "triton":
             _check_triton_can_run(query, fn)
+        extra = (window,) if has_window(window) else ()
         if return_lse:
             scale = ops.default_scale(query) if scale is None else scale
             out, lse, _ = torch.ops.dmattn.attention_varlen_forward(
-                *args, scale, is_causal, softcap, deterministic
+                *args, scale, is_causal, softcap, deterministic, *extra
             )
             return out, (lse if _internal_lse else lse.float())
-        return torch.ops.dmattn.attention_varlen(*args, scale, is_causal, softcap, deterministic)
+        return torch.ops.dmattn.attention_varlen(
+            *args, scale, is_causal, softcap, deterministic, *extra
+        )
 
 
 # flash-attn-style entry points, for code written against flash_attn.flash_attn_func.
 
 
-def _flash_unsupported(fn, dropout_p, window_size, alibi_slopes, return_attn_probs) -> None:
+def _flash_unsupported(fn, dropout_p, alibi_slopes, return_attn_probs) -> None:
     if dropout_p != 0.0:
         raise ValueError(f"{fn}: dropout_p must be 0.0 (Dynamic Mask Attention has no dropout)")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(
-            f"{fn}: window_size={tuple(window_size)} is not supported yet; pass (-1, -1), or "
-            "express the window as a mask"
-        )
     if alibi_slopes is not None:
         raise NotImplementedError(
             f"{fn}: alibi_slopes is not supported; express ALiBi as a bias (it is one)"
@@ -280,15 +298,15 @@ def flash_attn_func(
 
     q (B, Lq, H, D), k/v (B, Lk, Hkv, D|Dv) as in flash-attn; causal is bottom-right aligned
     as in flash-attn >= 2.1. Returns out (B, Lq, H, Dv). The DMA operands come as keywords:
-    ``mask`` and ``bias`` with the shapes of `attention`. dropout_p > 0, a window other than
-    (-1, -1), alibi_slopes and return_attn_probs raise (DMA has no dropout; windows and ALiBi
-    are a mask and a bias).
+    ``mask`` and ``bias`` with the shapes of `attention`. window_size is flash-attn's sliding
+    window (see `attention`). dropout_p > 0, alibi_slopes and return_attn_probs raise (DMA
+    has no dropout; ALiBi is a bias).
     """
     fn = "dmattn.flash_attn_func"
-    _flash_unsupported(fn, dropout_p, window_size, alibi_slopes, return_attn_probs)
+    _flash_unsupported(fn, dropout_p, alibi_slopes, return_attn_probs)
     return attention(
         q, k, v, mask, bias, scale=softmax_scale, is_causal=causal, softcap=softcap,
-        deterministic=deterministic,
+        deterministic=deterministic, window_size=tuple(window_size),
     )  # fmt: skip
 
 
@@ -316,8 +334,9 @@ def flash_attn_varlen_func(
     `attention_varlen`: packed q (total_q, H, D), k/v (total_k, Hkv, D|Dv), int32 cu_seqlens;
     ``mask``/``bias`` per key token, (H|Hkv|1, total_k). Limits as `flash_attn_func`."""
     fn = "dmattn.flash_attn_varlen_func"
-    _flash_unsupported(fn, dropout_p, window_size, alibi_slopes, return_attn_probs)
+    _flash_unsupported(fn, dropout_p, alibi_slopes, return_attn_probs)
     return attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias,
         scale=softmax_scale, is_causal=causal, softcap=softcap, deterministic=deterministic,
+        window_size=tuple(window_size),
     )  # fmt: skip

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from dmattn_ops.validate import NO_WINDOW
+
 # Dense ops: the vmapped dim is folded into the batch dim B, one launch for all of it.
 
 
@@ -45,12 +47,13 @@ def _batch_size(t: torch.Tensor, dim) -> int:
 
 
 def _fold_forward_args(info, in_dims, args):
-    """The 10 arguments of attention / attention_forward with the vmapped dim folded into B,
+    """The 11 arguments of attention / attention_forward with the vmapped dim folded into B,
     and (n, b) to unfold the results. Trailing arguments the dispatcher dropped (left at their
     defaults) come back as None and are restored to those defaults."""
-    in_dims = _pad_dims(in_dims, 10)
-    args = _pad_dims(args, 10)
-    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic = args
+    in_dims = _pad_dims(in_dims, 11)
+    args = _pad_dims(args, 11)
+    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic = args[:10]
+    window_size = NO_WINDOW if args[10] is None else args[10]
     n, b = info.batch_size, _batch_size(query, in_dims[0])
     folded = (
         _fold(query, in_dims[0], n, b),
@@ -63,6 +66,7 @@ def _fold_forward_args(info, in_dims, args):
         0.0 if softcap is None else softcap,
         _fold(seqused_k, in_dims[8], n, b),
         bool(deterministic),
+        window_size,
     )
     return folded, n, b
 
@@ -100,6 +104,7 @@ def _backward_vmap(
     seqused_k,
     deterministic,
     compute_dbias,
+    window_size=NO_WINDOW,
 ):
     n, b = info.batch_size, _batch_size(query, in_dims[2])
     compute_dbias = compute_dbias and bias is not None
@@ -117,6 +122,7 @@ def _backward_vmap(
         _fold(seqused_k, in_dims[13], n, b),
         deterministic,
         compute_dbias,
+        window_size,
     )
     grads = (_unfold(dq, n, b), _unfold(dk, n, b), _unfold(dv, n, b))
     if not compute_dbias:
@@ -186,15 +192,15 @@ def _per_sample_rows(t, dim) -> int:
 @torch.library.register_vmap("dmattn::attention_varlen_forward")
 def _varlen_forward_vmap(
     info, in_dims, query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
-    softcap, deterministic=False,
+    softcap, deterministic=False, window_size=NO_WINDOW,
 ):  # fmt: skip
-    in_dims = _pad_dims(in_dims, 13)
+    in_dims = _pad_dims(in_dims, 14)
     dims = (in_dims[0], in_dims[1], in_dims[3], in_dims[4])
     f = _VarlenFold(info.batch_size, query, key, cu_q, cu_k, max_q, max_k, dims)
     out, lse, lse_rem = torch.ops.dmattn.attention_varlen_forward(
         f.rows(query, in_dims[0]), f.rows(key, in_dims[1]), f.rows(value, in_dims[2]),
         f.cu_q, f.cu_k, f.max_q, f.max_k, f.mask(mask, in_dims[7]),
-        f.columns(bias, in_dims[8]), scale, is_causal, softcap, deterministic,
+        f.columns(bias, in_dims[8]), scale, is_causal, softcap, deterministic, window_size,
     )  # fmt: skip
     return (f.unrows(out), f.uncolumns(lse), f.uncolumns(lse_rem)), (0, 0, 0)
 
@@ -202,15 +208,15 @@ def _varlen_forward_vmap(
 @torch.library.register_vmap("dmattn::attention_varlen")
 def _varlen_vmap(
     info, in_dims, query, key, value, cu_q, cu_k, max_q, max_k, mask=None, bias=None,
-    scale=None, is_causal=False, softcap=0.0, deterministic=False,
+    scale=None, is_causal=False, softcap=0.0, deterministic=False, window_size=NO_WINDOW,
 ):  # fmt: skip
-    in_dims = _pad_dims(in_dims, 13)
+    in_dims = _pad_dims(in_dims, 14)
     dims = (in_dims[0], in_dims[1], in_dims[3], in_dims[4])
     f = _VarlenFold(info.batch_size, query, key, cu_q, cu_k, max_q, max_k, dims)
     out = torch.ops.dmattn.attention_varlen(
         f.rows(query, in_dims[0]), f.rows(key, in_dims[1]), f.rows(value, in_dims[2]),
         f.cu_q, f.cu_k, f.max_q, f.max_k, f.mask(mask, in_dims[7]),
-        f.columns(bias, in_dims[8]), scale, is_causal, softcap, deterministic,
+        f.columns(bias, in_dims[8]), scale, is_causal, softcap, deterministic, window_size,
     )  # fmt: skip
     return f.unrows(out), 0
 
@@ -219,6 +225,7 @@ def _varlen_vmap(
 def _varlen_backward_vmap(
     info, in_dims, grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q,
     max_k, mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
+    window_size=NO_WINDOW,
 ):  # fmt: skip
     dims = (in_dims[2], in_dims[3], in_dims[8], in_dims[9])
     f = _VarlenFold(info.batch_size, query, key, cu_q, cu_k, max_q, max_k, dims)
@@ -229,6 +236,7 @@ def _varlen_backward_vmap(
         f.rows(out, in_dims[5]), f.columns(lse, in_dims[6]), f.columns(lse_rem, in_dims[7]),
         f.cu_q, f.cu_k, f.max_q, f.max_k, f.mask(mask, in_dims[12]),
         f.columns(bias, in_dims[13]), scale, is_causal, softcap, deterministic, compute_dbias,
+        window_size,
     )  # fmt: skip
     grads = (f.unrows(dq), f.unrows(dk), f.unrows(dv))
     if not compute_dbias:

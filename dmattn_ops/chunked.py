@@ -60,12 +60,15 @@ def _blocks(b: int, h: int, lq: int, lk: int, block_q, block_k) -> tuple[int, in
 class _Problem:
     """Everything a tile needs, fixed once per call."""
 
-    def __init__(self, query, key, value, mask, bias, scale, is_causal, softcap, seqused_k):
+    def __init__(
+        self, query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window=(-1, -1)
+    ):
         self.b, self.lq, self.h, self.d = query.shape
         self.lk, self.hkv, self.dv = key.shape[1], key.shape[2], value.shape[3]
         self.g = self.h // self.hkv
         self.ct = compute_dtype(query.dtype)
         self.scale, self.is_causal, self.softcap = scale, is_causal, softcap
+        self.left, self.right = window
         device = query.device
         # [B, Hkv, G, Lq, D] and [B, Hkv, 1, Lk, D]: views, no copies.
         self.q = query.permute(0, 2, 1, 3).unflatten(1, (self.hkv, self.g))
@@ -102,9 +105,14 @@ class _Problem:
         allowed = key_ok[:, None, None, None, :]  # [B, 1, 1, 1, bk]
         if self.mask is not None:
             allowed = allowed & _rows(self.mask, q0, q1)[..., k0:k1]
+        pos = i[None, :, None] + (self.n - self.lq)[:, None, None]  # [B, bq, 1]
+        jj = j[None, None, :]
         if self.is_causal:
-            diag = i[None, :, None] + (self.n - self.lq)[:, None, None]  # [B, bq, 1]
-            allowed = allowed & (j[None, None, :] <= diag)[:, None, None]
+            allowed = allowed & (jj <= pos)[:, None, None]
+        if self.left >= 0:
+            allowed = allowed & (jj >= pos - self.left)[:, None, None]
+        if self.right >= 0:
+            allowed = allowed & (jj <= pos + self.right)[:, None, None]
         if self.bias is not None:
             x = x + _rows(self.bias, q0, q1)[..., k0:k1].to(ct)
         s = torch.where(allowed, x, float("-inf"))
@@ -126,6 +134,7 @@ def forward(
     softcap,
     seqused_k,
     *,
+    window=(-1, -1),
     block_q=None,
     block_k=None,
 ):
@@ -135,7 +144,7 @@ def forward(
     lse_rem = (max + log_sum) - lse, what rounding lse dropped (0 for empty rows); backward
     recomputes P as exp((s - lse) - lse_rem), exact however large the row max is.
     """
-    pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
+    pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window)
     b, lq, h, lk, hkv, g, dv, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.dv, pb.ct
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
     lse = empty((b, h, lq), dtype=stats_dtype(query.dtype), device=query.device)
@@ -190,13 +199,14 @@ def backward(
     seqused_k,
     compute_dbias,
     *,
+    window=(-1, -1),
     block_q=None,
     block_k=None,
 ):
     """Returns dq, dk, dv in their inputs' shapes and dtypes, and dbias in bias's shape and dtype
     (an empty tensor when compute_dbias is False). P is recomputed as
     exp(min((s - lse) - lse_rem, 0)): the exponent is at most 0 in exact arithmetic."""
-    pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
+    pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window)
     b, lq, h, lk, hkv, g, d, dv, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.d, pb.dv, pb.ct
     dev = query.device
     do = grad_out.permute(0, 2, 1, 3).unflatten(1, (hkv, g))  # [B, Hkv, G, Lq, Dv]
@@ -268,7 +278,9 @@ def _seq_operand(t, k0, k1):
     return None if t is None else t[None, :, None, k0:k1]
 
 
-def varlen_forward(query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, softcap):
+def varlen_forward(
+    query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, softcap, window=(-1, -1)
+):
     """Packed (total, H, D) inputs -> out (total_q, H, Dv), lse and lse_rem (H, total_q); rows
     outside every sequence are 0, -inf and 0."""
     total_q, h, _ = query.shape
@@ -282,7 +294,7 @@ def varlen_forward(query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, 
         o, s_lse, s_lse_rem = forward(
             query[None, q0:q1], key[None, k0:k1], value[None, k0:k1],
             _seq_operand(mask, k0, k1), _seq_operand(bias, k0, k1),
-            scale, is_causal, softcap, None,
+            scale, is_causal, softcap, None, window=window,
         )  # fmt: skip
         out[q0:q1] = o[0]
         lse[:, q0:q1] = s_lse[0]
@@ -292,7 +304,7 @@ def varlen_forward(query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, 
 
 def varlen_backward(
     grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k,
-    mask, bias, scale, is_causal, softcap, compute_dbias,
+    mask, bias, scale, is_causal, softcap, compute_dbias, window=(-1, -1),
 ):  # fmt: skip
     """dq, dk, dv (0 outside every sequence) and dbias in bias's (H|Hkv|1, total_k) shape."""
     dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
@@ -305,7 +317,7 @@ def varlen_backward(
             query[None, q0:q1], key[None, k0:k1], value[None, k0:k1], out[None, q0:q1],
             lse[None, :, q0:q1], lse_rem[None, :, q0:q1],
             _seq_operand(mask, k0, k1), _seq_operand(bias, k0, k1),
-            scale, is_causal, softcap, None, compute_dbias,
+            scale, is_causal, softcap, None, compute_dbias, window=window,
         )  # fmt: skip
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = grads[0][0], grads[1][0], grads[2][0]
         if dbias is not None:
@@ -322,7 +334,7 @@ def varlen_backward(
 
 def jvp(
     query, key, value, mask, bias, tangents, lse, lse_rem, scale, is_causal, softcap, seqused_k,
-    *, block_q=None, block_k=None,
+    *, window=(-1, -1), block_q=None, block_k=None,
 ):  # fmt: skip
     """Tangents (out', lse') of (out, lse) for tangents (q', k', v', bias') of the inputs, any
     of which may be None. With P the attention weights and S' = d(scores), in exact arithmetic
@@ -333,7 +345,7 @@ def jvp(
     entries. P is recomputed from lse and lse_rem as in backward; out from the same P. Tiles of
     (B, H, block_q, block_k) as in forward; K/V tangents past seqused_k are never read."""
     tq, tk, tv, tbias = tangents
-    pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
+    pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window)
     b, lq, h, lk, hkv, g, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.ct
     tq5 = None if tq is None else tq.permute(0, 2, 1, 3).unflatten(1, (hkv, g))
     tk5 = None if tk is None else tk.permute(0, 2, 1, 3).unsqueeze(2)
@@ -380,7 +392,20 @@ def jvp(
 
 
 def varlen_jvp(
-    query, key, value, cu_q, cu_k, mask, bias, tangents, lse, lse_rem, scale, is_causal, softcap
+    query,
+    key,
+    value,
+    cu_q,
+    cu_k,
+    mask,
+    bias,
+    tangents,
+    lse,
+    lse_rem,
+    scale,
+    is_causal,
+    softcap,
+    window=(-1, -1),
 ):
     """attention_varlen's (out', lse'), one sequence at a time; 0 on rows outside every
     sequence."""
@@ -398,6 +423,7 @@ def varlen_jvp(
             tuple(None if t is None else t[None, lo:hi] for t, lo, hi in (
                 (tq, q0, q1), (tk, k0, k1), (tv, k0, k1))) + (_seq_operand(tbias, k0, k1),),
             lse[None, :, q0:q1], lse_rem[None, :, q0:q1], scale, is_causal, softcap, None,
+            window=window,
         )  # fmt: skip
         parts_o += [out_t[covered:q0], o[0]]
         parts_l += [lse_t[:, covered:q0], ls[0]]

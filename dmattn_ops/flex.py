@@ -33,12 +33,15 @@ import torch
 
 from dmattn_ops.chunked import varlen_bounds
 from dmattn_ops.validate import (
+    NO_WINDOW,
     check_backend,
     check_cu_seqlens_values,
     check_flags,
     check_inputs,
     check_seqused_k_values,
     check_varlen_inputs,
+    check_window,
+    has_window,
 )
 
 
@@ -71,14 +74,22 @@ def _head_index(hi, t: torch.Tensor, h: int, hkv: int):
     return hi // (h // hkv) if t.shape[1] == hkv else 0
 
 
-def make_mask_mod(mask, seqused_k, is_causal: bool, h: int, hkv: int, lq: int, lk: int):
+def make_mask_mod(
+    mask, seqused_k, is_causal: bool, h: int, hkv: int, lq: int, lk: int, window=NO_WINDOW
+):
     """mask_mod for flex: True where the key is allowed (README "Semantics")."""
+    left, right = window
 
     def mask_mod(b, hi, qi, kj):
         n = seqused_k[b] if seqused_k is not None else lk
         ok = kj < n
+        pos = qi + (n - lq)
         if is_causal:
-            ok = ok & (kj <= qi + (n - lq))
+            ok = ok & (kj <= pos)
+        if left >= 0:
+            ok = ok & (kj >= pos - left)
+        if right >= 0:
+            ok = ok & (kj <= pos + right)
         if mask is not None:
             bm = b if mask.shape[0] > 1 else 0
             qm = qi if mask.shape[2] > 1 else 0
@@ -117,7 +128,7 @@ def make_score_mod(bias, softcap: float, h: int, hkv: int, shift=None):
 _SHIFT_BELOW = -1e37
 
 
-def row_shift(mask, bias, seqused_k, is_causal, b, h, hkv, lq, lk):
+def row_shift(mask, bias, seqused_k, is_causal, b, h, hkv, lq, lk, window=NO_WINDOW):
     """(B|1, H, Lq) float32: the largest bias each row may see where it lies below -1e37, else
     0 (rows untouched), computed on the bias's own broadcast shape."""
     dev = bias.device
@@ -127,7 +138,9 @@ def row_shift(mask, bias, seqused_k, is_causal, b, h, hkv, lq, lk):
     if mask is not None:
         allowed = allowed & _per_head(mask, h, hkv)
     x = torch.where(allowed, _per_head(bias, h, hkv).float(), float("-inf"))
-    if is_causal:
+    if has_window(window):
+        best = _band_max(x, n, lq, lk, h, is_causal, window)
+    elif is_causal:
         i = torch.arange(lq, device=dev)
         last = (i[None, :] + (n - lq)[:, None]).clamp(-1, lk - 1)  # [B|1, Lq]: last key seen
         running = x.cummax(dim=-1).values  # max over keys 0..j
@@ -140,6 +153,45 @@ def row_shift(mask, bias, seqused_k, is_causal, b, h, hkv, lq, lk):
     return torch.where((best < _SHIFT_BELOW) & best.isfinite(), best, 0.0).contiguous()
 
 
+def _band_max(x, n, lq: int, lk: int, h: int, is_causal: bool, window) -> torch.Tensor:
+    """Max of x (B|1, H, Lq|1, Lk) over each row's band [p - left, p + right] (p = i + n - Lq;
+    causal caps right at 0), as (B|1, H, Lq). Biases per key (Lq dim 1) take running maxima
+    (one side bounded) or a max-pool of the band's width, never an Lq x Lk tensor."""
+    left, right = window
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    i = torch.arange(lq, device=x.device)
+    pos = i[None, :] + (n - lq)[:, None]  # [B|1, Lq]
+    lo = pos - left if left >= 0 else torch.zeros_like(pos)
+    hi = pos + right if right >= 0 else torch.full_like(pos, lk - 1)
+    empty = (lo > hi) | (hi < 0) | (lo > lk - 1)
+    lo, hi = lo.clamp(0, lk - 1), hi.clamp(0, lk - 1)
+    rows = x.shape[0], h, lq
+    if x.shape[2] > 1:
+        j = torch.arange(lk, device=x.device)
+        band = (j >= lo[..., None]) & (j <= hi[..., None])  # [B|1, Lq, Lk]
+        best = torch.where(band[:, None], x, float("-inf")).amax(dim=-1)
+    else:
+        xk = x[:, :, 0, :].expand(x.shape[0], h, lk)  # [B|1, H, Lk]
+        if left < 0:  # [0, hi]
+            table, idx = xk.cummax(dim=-1).values, hi
+        elif right < 0:  # [lo, Lk - 1]
+            table, idx = xk.flip(-1).cummax(dim=-1).values.flip(-1), lo
+        else:  # [lo, lo + width - 1], clipped at Lk - 1
+            width = min(left + right + 1, lk)
+            padded = torch.nn.functional.pad(xk, (0, width - 1), value=float("-inf"))
+            table, idx = torch.nn.functional.max_pool1d(padded, width, stride=1), lo
+        best = table.gather(-1, idx[:, None, :].expand(rows[0], h, lq).contiguous())
+        if left >= 0 and right >= 0:
+            # A band clipped at key 0 has fewer than `width` keys: [0, hi], a running max.
+            clipped = (pos - left < 0)[:, None, :].expand_as(best)
+            head = xk.cummax(dim=-1).values.gather(
+                -1, hi[:, None, :].expand(rows[0], h, lq).contiguous()
+            )
+            best = torch.where(clipped, head, best)
+    return torch.where(empty[:, None, :], float("-inf"), best)
+
+
 def _per_head(t, h: int, hkv: int):
     """(B|1, H|Hkv|1, Lq|1, Lk) -> (B|1, H, Lq|1, Lk), a view where it can be."""
     if t.shape[1] == hkv and hkv != h:
@@ -147,20 +199,21 @@ def _per_head(t, h: int, hkv: int):
     return t.expand(t.shape[0], h, *t.shape[2:])
 
 
-def block_mask_for(mask, seqused_k, is_causal, b, h, hkv, lq, lk, device):
-    """The cached BlockMask of this mask/seqused_k/causal combination (None if nothing masks)."""
+def block_mask_for(mask, seqused_k, is_causal, b, h, hkv, lq, lk, device, window=NO_WINDOW):
+    """The cached BlockMask of this mask/seqused_k/causal/window combination (None if nothing
+    masks)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    if mask is None and seqused_k is None and not (is_causal and lq > 0):
+    if mask is None and seqused_k is None and not (is_causal and lq > 0) and not has_window(window):
         return None
     batch = b if (seqused_k is not None or (mask is not None and mask.shape[0] > 1)) else 1
     heads = h if (mask is not None and mask.shape[1] > 1) else 1
-    mask_mod = make_mask_mod(mask, seqused_k, is_causal, h, hkv, lq, lk)
+    mask_mod = make_mask_mod(mask, seqused_k, is_causal, h, hkv, lq, lk, window)
     if torch.compiler.is_compiling():
         # Inside a compiled model: traced inline, no cache (tensor identities and versions are
         # not traceable) and no nested compiled callable.
         return create_block_mask(mask_mod, batch, heads, lq, lk, device=device)
-    key = (b, h, hkv, lq, lk, bool(is_causal), str(device))
+    key = (b, h, hkv, lq, lk, bool(is_causal), tuple(window), str(device))
     tensors = (mask, seqused_k)
     for k, entry in _block_masks:
         if k == key and entry.valid_for(tensors):
@@ -272,6 +325,7 @@ def attention(
     deterministic: bool = False,
     return_lse: bool = False,
     backend: str = "flex",
+    window_size: tuple[int, int] = NO_WINDOW,
 ):
     """`dmattn_ops.attention` through FlexAttention (same signature, shapes and semantics;
     ``backend`` keeps the signature: this function is the "flex" backend whatever its value,
@@ -288,6 +342,7 @@ def attention(
     )
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn.flex")
     check_seqused_k_values(seqused_k, key.shape[1], "dmattn.flex")
+    window = check_window(window_size, "dmattn.flex")
     b, lq, h, d = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     needs_grad = torch.is_grad_enabled() and any(
@@ -308,7 +363,7 @@ def attention(
         # Flex has nothing to launch (or, for D = 0, cannot): the registered op computes it.
         out, lse, _ = torch.ops.dmattn.attention_forward(
             query, key, value, mask, bias, (d**-0.5 if d > 0 else 1.0) if scale is None else scale,
-            is_causal, softcap, seqused_k, deterministic,
+            is_causal, softcap, seqused_k, deterministic, window,
         )  # fmt: skip
         return (out, lse.float()) if return_lse else out
     if seqused_k is not None:
@@ -317,10 +372,10 @@ def attention(
         key = torch.where(used, key, 0)
         value = torch.where(used, value, 0)
 
-    block_mask = block_mask_for(mask, seqused_k, is_causal, b, h, hkv, lq, lk, device)
+    block_mask = block_mask_for(mask, seqused_k, is_causal, b, h, hkv, lq, lk, device, window)
     shift = None
     if return_lse and bias is not None:
-        shift = row_shift(mask, bias, seqused_k, is_causal, b, h, hkv, lq, lk)
+        shift = row_shift(mask, bias, seqused_k, is_causal, b, h, hkv, lq, lk, window)
     score_mod = make_score_mod(bias, softcap, h, hkv, shift)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     kwargs = dict(
@@ -349,9 +404,10 @@ def _varlen_layout(cu, total: int):
     return seq, rows - starts[seq], lengths
 
 
-def make_varlen_mask_mod(mask, cu_q, cu_k, total_q, total_k, is_causal, h, hkv):
+def make_varlen_mask_mod(mask, cu_q, cu_k, total_q, total_k, is_causal, h, hkv, window=NO_WINDOW):
     """Document mask_mod over packed rows: query and key in the same sequence, the key allowed
-    by the per-key-token mask, and causal bottom-right within the sequence."""
+    by the per-key-token mask, and causal and the window bottom-right within the sequence."""
+    left, right = window
     q_seq, q_pos, q_len = _varlen_layout(cu_q, total_q)
     k_seq, k_pos, k_len = _varlen_layout(cu_k, total_k)
     n_sequences = cu_q.shape[0] - 1
@@ -359,8 +415,13 @@ def make_varlen_mask_mod(mask, cu_q, cu_k, total_q, total_k, is_causal, h, hkv):
     def mask_mod(b, hi, qi, kj):
         s = q_seq[qi]
         ok = (s == k_seq[kj]) & (s < n_sequences)
+        pos = q_pos[qi] + (k_len[s] - q_len[s])
         if is_causal:
-            ok = ok & (k_pos[kj] <= q_pos[qi] + (k_len[s] - q_len[s]))
+            ok = ok & (k_pos[kj] <= pos)
+        if left >= 0:
+            ok = ok & (k_pos[kj] >= pos - left)
+        if right >= 0:
+            ok = ok & (k_pos[kj] <= pos + right)
         if mask is not None:
             ok = ok & mask[_head_index(hi, mask[None], h, hkv), kj]
         return ok
@@ -400,6 +461,7 @@ def attention_varlen(
     deterministic: bool = False,
     return_lse: bool = False,
     backend: str = "flex",
+    window_size: tuple[int, int] = NO_WINDOW,
 ):
     """`dmattn_ops.attention_varlen` through FlexAttention: the packed batch is one flex batch
     with a document mask_mod (query and key in the same sequence). Limits as in `attention`;
@@ -412,6 +474,7 @@ def attention_varlen(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         mask, bias, scale, softcap, fn=fn,
     )  # fmt: skip
+    window = check_window(window_size, fn)
     total_q, h, d = query.shape
     total_k, hkv, dv = key.shape[0], key.shape[1], value.shape[2]
     check_cu_seqlens_values(
@@ -435,13 +498,13 @@ def attention_varlen(
         out, lse, _ = torch.ops.dmattn.attention_varlen_forward(
             query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
             bias, (d**-0.5 if d > 0 else 1.0) if scale is None else scale, is_causal, softcap,
-            deterministic,
+            deterministic, window,
         )  # fmt: skip
         return (out, lse.float()) if return_lse else out
     from torch.nn.attention.flex_attention import create_block_mask
 
     mask_mod, key_used = make_varlen_mask_mod(
-        mask, cu_seqlens_q, cu_seqlens_k, total_q, total_k, is_causal, h, hkv
+        mask, cu_seqlens_q, cu_seqlens_k, total_q, total_k, is_causal, h, hkv, window
     )
     # Rows past the last sequence may hold NaN: flex would multiply them by 0.
     key = torch.where(key_used[:, None, None], key, 0)

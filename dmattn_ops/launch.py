@@ -21,6 +21,8 @@ from dmattn_ops.chunked import stats_dtype
 from dmattn_ops.configs import Config
 from dmattn_ops.tiles import (
     PER_ENTRY,
+    UNBOUNDED,
+    Band,
     _pool_queries,
     block_any,
     build_key_lists,
@@ -30,6 +32,7 @@ from dmattn_ops.tiles import (
     operand_kind,
     operand_strides,
 )
+from dmattn_ops.validate import NO_WINDOW
 
 attention_fwd_kernel = LazyKernel("attention_fwd", "attention_fwd_kernel")
 attention_bwd_dbias_kernel = LazyKernel("attention_bwd", "attention_bwd_dbias_kernel")
@@ -78,7 +81,7 @@ def _backward_configs(query, value, mask, bias, lq: int) -> BackwardConfigs:
     )
 
 
-def _backward_tables(mask, seqused_k, b, lq, lk, is_causal, cfgs: BackwardConfigs):
+def _backward_tables(mask, seqused_k, b, lq, lk, band: Band, cfgs: BackwardConfigs):
     """Tile tables of the dk/dv kernel and of the dq kernel, each on its own tile grid. When
     the grids share block_n and one block_m divides the other, the mask is read once and the
     coarser grid is pooled from the finer."""
@@ -90,7 +93,7 @@ def _backward_tables(mask, seqused_k, b, lq, lk, is_causal, cfgs: BackwardConfig
         any_kv, any_q = (any_fine, any_coarse) if kv.block_m == fine else (any_coarse, any_fine)
     else:
         any_kv = any_q = None
-    args = (mask, seqused_k, b, lq, lk, is_causal)
+    args = (mask, seqused_k, b, lq, lk, band)
     tables = build_tables(*args, kv.block_m, kv.block_n, mask_any=any_kv)
     if qc == kv:
         return tables, tables
@@ -152,7 +155,9 @@ def collapse_broadcast(t: torch.Tensor | None) -> torch.Tensor | None:
     return t[index]
 
 
-def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k):
+def attention_forward(
+    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window=NO_WINDOW
+):
     """Returns out (B, Lq, H, Dv), lse and lse_rem, both float32 (B, H, Lq)."""
     seqused_k = _dense(seqused_k)
     mask, bias = collapse_broadcast(mask), collapse_broadcast(bias)
@@ -161,25 +166,30 @@ def attention_forward(query, key, value, mask, bias, scale, is_causal, softcap, 
     if b * lq * h == 0 or lk == 0:
         return _empty_forward(query, value)
     if not use_triton(query):
-        return chunked.forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
-    fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
+        return chunked.forward(
+            query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window=window
+        )
+    band = Band.of(is_causal, window)
+    fused = None
+    if not band.has_window:
+        fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
     if fused:
         return sdpa.forward(query, key, value, scale, is_causal, fused)
     if decode_applies(lq, h, hkv, lk, mask):
-        return decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k)
+        return decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k)
     cfg = _config("fwd", query, value, mask, bias, lq)
     nq = cdiv(lq, cfg.block_m)
     tables = lists = None
     if compactable(mask, h, hkv):
-        lists = build_key_lists(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m)
+        lists = build_key_lists(mask, seqused_k, b, lq, lk, band, cfg.block_m)
     elif mask is not None:
-        tables = build_tables(mask, seqused_k, b, lq, lk, is_causal, cfg.block_m, cfg.block_n)
+        tables = build_tables(mask, seqused_k, b, lq, lk, band, cfg.block_m, cfg.block_n)
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
     lse_rem = empty((b, h, lq), dtype=torch.float32, device=query.device)
     _launch_forward(
         query, key, value, mask, bias, seqused_k, None, None, out, lse, lse_rem,
-        b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, is_causal, softcap,
+        b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, band, softcap,
     )  # fmt: skip
     return out, lse, lse_rem
 
@@ -191,7 +201,7 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
 
 def _launch_forward(
     query, key, value, mask, bias, seqused_k, cu_q, cu_k, out, lse, lse_rem,
-    b, lq, lk, nq, lse_strides, tables, lists, cfg, scale, is_causal, softcap,
+    b, lq, lk, nq, lse_strides, tables, lists, cfg, scale, band, softcap,
 ):  # fmt: skip
     """query/key/value/out 4-D, mask/bias 4-D broadcast operands. Varlen: (1, total, H, D)
     views, Lq/Lk the totals, cu_q/cu_k the cu_seqlens, and nq tiles of the longest sequence."""
@@ -201,15 +211,15 @@ def _launch_forward(
         query, key, value, None if lists else mask, bias, seqused_k, cu_q, cu_k,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
         tables.kv_int if tables else None,
-        lists.keys if lists else None, lists.key_end if lists else None,
-        out, lse, lse_rem,
+        lists.keys if lists else None, lists.key_start if lists else None,
+        lists.key_end if lists else None, out, lse, lse_rem,
         *_strides(query), *_strides(key), *_strides(value),
         *operand_strides(mask), *operand_strides(bias), *_strides(out),
         tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
         h, h // hkv, lq, lk, d, dv, cdiv(lk, cfg.block_n),
         _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
-        IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        *band.args(), **band.flags(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(query.dtype),
         HAS_MASK=0 if lists else operand_kind(mask), HAS_BIAS=operand_kind(bias),
         HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0, COMPACT=lists is not None,
@@ -245,6 +255,7 @@ def attention_backward(
     seqused_k,
     deterministic,
     compute_dbias,
+    window=NO_WINDOW,
 ):
     """Returns dq, dk, dv in their inputs' layouts and dtypes and dbias in bias's shape and dtype
     (an empty (0,) tensor when compute_dbias is False). Our kernels use no atomics, so every
@@ -267,10 +278,12 @@ def attention_backward(
     if not use_triton(query):
         return chunked.backward(
             grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias,
-            scale, is_causal, softcap, seqused_k, compute_dbias,
+            scale, is_causal, softcap, seqused_k, compute_dbias, window=window,
         )  # fmt: skip
+    band = Band.of(is_causal, window)
     fused = None
-    if grad_lse is None and not (deterministic or torch.are_deterministic_algorithms_enabled()):
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    if grad_lse is None and not deterministic and not band.has_window:
         fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
     if fused:
         dq, dk, dvv = sdpa.backward(grad_out, query, key, value, out, lse, scale, is_causal, fused)
@@ -289,9 +302,9 @@ def attention_backward(
     cfgs = _backward_configs(query, value, mask, bias, lq)
     cfg = cfgs.dkdv
     if compact:
-        lists = build_key_lists(mask, seqused_k, b, lq, lk, is_causal, cfgs.dq.block_m)
+        lists = build_key_lists(mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m)
     elif mask is not None:
-        tables, dq_tables = _backward_tables(mask, seqused_k, b, lq, lk, is_causal, cfgs)
+        tables, dq_tables = _backward_tables(mask, seqused_k, b, lq, lk, band, cfgs)
     # With key lists, keys outside every list are never visited: their dk/dv must start at 0.
     alloc = torch.zeros if lists else empty
 
@@ -311,11 +324,11 @@ def attention_backward(
     _launch_backward(
         query, key, value, grad_out, mask, bias, seqused_k, None, None, lse, lse_rem, delta,
         dq, dk, dvv, dbias_cols, dbias_direct, b, lq, lk, lq, lk, (h * lq, lq), (h * lk, lk),
-        tables, dq_tables, lists, lists, cfgs, scale, is_causal, softcap,
+        tables, dq_tables, lists, lists, cfgs, scale, band, softcap,
     )  # fmt: skip
     if dbias_bcast is not None:
         nq, nk = cdiv(lq, cfg.block_m), cdiv(lk, cfg.block_n)
-        common = _meta(cfg, d, dv, is_causal, query.dtype)
+        common = _meta(cfg, d, dv, band, query.dtype)
         strides = (
             *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
             *operand_strides(mask), *operand_strides(bias),
@@ -335,7 +348,7 @@ def attention_backward(
             tables.active if tables else None, dbias_bcast, *strides,
             tables.stride_b if tables else 0, nq,
             h, g, hb, lq, lk, d, dv, nq, nk, n_batch, batch_mul, n_head, head_mul,
-            mask_div, bias_div, float(scale), float(softcap),
+            mask_div, bias_div, float(scale), float(softcap), *band.args(),
             HAS_MASK=0 if lists else operand_kind(mask), HAS_SEQUSED=seqused_k is not None,
             HAS_SOFTCAP=softcap > 0, **common,
         )  # fmt: skip
@@ -366,9 +379,9 @@ def _delta(out, grad_out, grad_lse) -> torch.Tensor:
     return delta
 
 
-def _meta(cfg: Config, d: int, dv: int, is_causal: bool, dtype: torch.dtype) -> dict:
+def _meta(cfg: Config, d: int, dv: int, band: Band, dtype: torch.dtype) -> dict:
     return dict(
-        IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        **band.flags(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -377,7 +390,7 @@ def _meta(cfg: Config, d: int, dv: int, is_causal: bool, dtype: torch.dtype) -> 
 def _launch_backward(
     query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, lse, lse_rem, delta,
     dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
-    tables, dq_tables, lists, dkdv_lists, cfgs, scale, is_causal, softcap,
+    tables, dq_tables, lists, dkdv_lists, cfgs, scale, band, softcap,
 ):  # fmt: skip
     """The dk/dv and dq kernels, over 4-D views as in _launch_forward, with their own tile
     configs (cfgs: BackwardConfigs). The grids cover span_q queries and span_k keys per batch
@@ -419,9 +432,10 @@ def _launch_backward(
         dkdv_lists.keys_stride_h if dkdv_lists else 0,
         dkdv_lists.count_stride_b if dkdv_lists else 0, *lse_strides, *col_strides,
         h, hkv, g, lq, lk, d, d_v, cdiv(span_q, kv.block_m), mask_div, bias_div,
-        float(scale), float(softcap), split, HAS_MASK=0 if dkdv_lists else operand_kind(mask),
+        float(scale), float(softcap), split, *band.args(),
+        HAS_MASK=0 if dkdv_lists else operand_kind(mask),
         DBIAS_COLS=dbias_cols is not None, COMPACT=dkdv_lists is not None, PARTIAL=split > 1,
-        **flags, **_meta(kv, d, d_v, is_causal, query.dtype),
+        **flags, **_meta(kv, d, d_v, band, query.dtype),
     )  # fmt: skip
     if split > 1:
         block_r = 16 if interpreter_on() else 64
@@ -440,14 +454,14 @@ def _launch_backward(
         seqused_k, cu_q, cu_k, lse, lse_rem, delta,
         dq_tables.kv_num if dq_tables else None, dq_tables.kv_idx if dq_tables else None,
         dq_tables.kv_int if dq_tables else None,
-        lists.keys if lists else None, lists.key_end if lists else None,
-        dq, dbias_direct, *strides,
+        lists.keys if lists else None, lists.key_start if lists else None,
+        lists.key_end if lists else None, dq, dbias_direct, *strides,
         dq_tables.stride_b if dq_tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
         h, h // hkv, lq, lk, d, d_v, cdiv(span_k, qc.block_n), mask_div, bias_div,
-        float(scale), float(softcap), HAS_MASK=0 if lists else operand_kind(mask),
+        float(scale), float(softcap), *band.args(), HAS_MASK=0 if lists else operand_kind(mask),
         DBIAS_DIRECT=dbias_direct is not None, COMPACT=lists is not None, **flags,
-        **_meta(qc, d, d_v, is_causal, query.dtype),
+        **_meta(qc, d, d_v, band, query.dtype),
     )  # fmt: skip
 
 
@@ -467,14 +481,15 @@ def _varlen_empty(total_q, h, dv, query):
 
 
 def attention_varlen_forward(
-    query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap
-):
+    query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
+    window=NO_WINDOW,
+):  # fmt: skip
     """Returns out (total_q, H, Dv), lse and lse_rem, both float32 (H, total_q). Rows of out and
     lse outside every sequence are 0 and -inf."""
     cu_q, cu_k = _dense(cu_q), _dense(cu_k)
     if not use_triton(query):
         return chunked.varlen_forward(
-            query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, softcap
+            query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, softcap, window
         )
     total_q, h, _ = query.shape
     total_k, dv = key.shape[0], value.shape[2]
@@ -486,15 +501,16 @@ def attention_varlen_forward(
     max_q = min(max_q, total_q)
     cfg = _config("fwd", query, value, _varlen_operand(mask), _varlen_operand(bias), max_q)
     nq = cdiv(max_q, cfg.block_m)
+    band = Band.of(is_causal, window)
     lists = None
     if mask is not None:
         lists = build_varlen_key_lists(
-            mask, cu_q, cu_k, total_q, nq, is_causal, cfg.block_m, min(max_k, total_k)
+            mask, cu_q, cu_k, total_q, nq, band, cfg.block_m, min(max_k, total_k)
         )
     _launch_forward(
         query[None], key[None], value[None], _varlen_operand(mask), _varlen_operand(bias),
         None, cu_q, cu_k, out[None], lse, lse_rem, b, total_q, total_k, nq, (0, total_q),
-        None, lists, cfg, scale, is_causal, softcap,
+        None, lists, cfg, scale, band, softcap,
     )  # fmt: skip
     return out, lse, lse_rem
 
@@ -510,7 +526,7 @@ def _varlen_sum_to_bias(cols: torch.Tensor, bias: torch.Tensor, hkv: int) -> tor
 
 def attention_varlen_backward(
     grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
-    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
+    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias, window=NO_WINDOW,
 ):  # fmt: skip
     """dq, dk, dv in their inputs' layouts and dtypes (0 on rows outside every sequence) and
     dbias in bias's (H|Hkv|1, total_k) shape and dtype (an empty (0,) tensor unless
@@ -520,7 +536,7 @@ def attention_varlen_backward(
     if not use_triton(query):
         return chunked.varlen_backward(
             grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k,
-            mask, bias, scale, is_causal, softcap, compute_dbias,
+            mask, bias, scale, is_causal, softcap, compute_dbias, window,
         )  # fmt: skip
     total_q, h, _ = query.shape
     total_k, hkv = key.shape[0], key.shape[1]
@@ -533,18 +549,19 @@ def attention_varlen_backward(
     if b > 0 and total_q * h > 0 and total_k > 0 and max_q > 0 and max_k > 0:
         max_q, max_k = min(max_q, total_q), min(max_k, total_k)
         cfgs = _backward_configs(query, value, _varlen_operand(mask), _varlen_operand(bias), max_q)
+        band = Band.of(is_causal, window)
         lists = None
         if mask is not None:
             block_m = cfgs.dq.block_m
             nq = cdiv(max_q, block_m)
-            lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, block_m, max_k)
+            lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, band, block_m, max_k)
         dkdv_lists = lists if compactable(_varlen_operand(mask), h, hkv) else None
         delta = _delta(out[None], grad_out[None], None if grad_lse is None else grad_lse[None])
         _launch_backward(
             query[None], key[None], value[None], grad_out[None], _varlen_operand(mask),
             _varlen_operand(bias), None, cu_q, cu_k, lse, lse_rem, delta[0],
             dq, dk, dvv, dbias_cols, None, b, total_q, total_k, max_q, max_k,
-            (0, total_q), (0, total_k), None, None, lists, dkdv_lists, cfgs, scale, is_causal,
+            (0, total_q), (0, total_k), None, None, lists, dkdv_lists, cfgs, scale, band,
             softcap,
         )  # fmt: skip
     if not compute_dbias:
@@ -577,8 +594,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k):
-    """out, lse, lse_rem as attention_forward, through attention_decode_kernel and its merge."""
+def decode_forward(query, key, value, mask, bias, scale, band: Band, softcap, seqused_k):
+    """out, lse, lse_rem as attention_forward, through attention_decode_kernel and its merge.
+    Under a window the splits cover the band (at most left + Lq + right keys, from the first
+    query's lower bound), not the cache."""
     b, lq, h, d = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     g = h // hkv
@@ -586,24 +605,27 @@ def decode_forward(query, key, value, mask, bias, scale, is_causal, softcap, seq
     cfg = _config("decode", query, value, mask, bias, lq)
     block_n = cfg.block_n
     block_m = max(16, next_power_of_2(g * lq))
-    tiles = cdiv(lk, block_n)
+    span = lk
+    if band.has_window and band.left < UNBOUNDED and band.right < UNBOUNDED:
+        span = min(lk, band.left + lq + band.right + block_n)  # + a tile of alignment
+    tiles = cdiv(span, block_n)
     splits = max(1, min(tiles, cdiv(DECODE_WAVES * _sm_count(device), b * hkv)))
     tiles_per_split = cdiv(tiles, splits)
     splits = cdiv(tiles, tiles_per_split)
-    lists = build_key_lists(mask, seqused_k, b, lq, lk, is_causal, lq) if mask is not None else None
+    lists = build_key_lists(mask, seqused_k, b, lq, lk, band, lq) if mask is not None else None
     rows = b * h * lq
     acc = empty((splits, rows, dv), dtype=torch.float32, device=device)
     m = empty((splits, rows), dtype=torch.float32, device=device)
     l_part = empty((splits, rows), dtype=torch.float32, device=device)
     attention_decode_kernel[(splits, b * hkv)](
-        query, key, value, bias, seqused_k,
-        lists.keys if lists else None, lists.key_end if lists else None, acc, m, l_part,
+        query, key, value, bias, seqused_k, lists.keys if lists else None,
+        lists.key_start if lists else None, lists.key_end if lists else None, acc, m, l_part,
         *query.stride(), *key.stride(), *value.stride(), *operand_strides(bias),
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0,
         lists.end_stride_b if lists else 0, 1,
         h, g, lq, lk, d, dv, rows, tiles_per_split * block_n,
         _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
-        IS_CAUSAL=bool(is_causal), BLOCK_M=block_m, BLOCK_N=block_n, **_head_blocks(d, dv),
+        *band.args(), **band.flags(), BLOCK_M=block_m, BLOCK_N=block_n, **_head_blocks(d, dv),
         DOT_PRECISION=_dot_precision(query.dtype),
         # Per-row bias pointers (the rows span the G heads of a group): PER_ENTRY loads.
         HAS_BIAS=PER_ENTRY if bias is not None else 0,

@@ -36,27 +36,30 @@ from torch._functorch.utils import unwrap_dead_wrappers
 from dmattn_ops import chunked, launch
 from dmattn_ops.chunked import stats_dtype
 from dmattn_ops.validate import (
+    NO_WINDOW,
     check_cu_seqlens_values,
     check_inputs,
     check_seqused_k_values,
     check_varlen_inputs,
+    check_window,
 )
 
 ATTENTION_SCHEMA = (
     "attention(Tensor query, Tensor key, Tensor value, Tensor? mask=None, Tensor? bias=None, "
     "float? scale=None, bool is_causal=False, float softcap=0.0, Tensor? seqused_k=None, "
-    "bool deterministic=False) -> Tensor"
+    "bool deterministic=False, int[2] window_size=[-1, -1]) -> Tensor"
 )
 FORWARD_SCHEMA = (
     "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? bias, "
-    "float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic=False) "
-    "-> (Tensor out, Tensor lse, Tensor lse_rem)"
+    "float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic=False"
+    ", int[2] window_size=[-1, -1]) -> (Tensor out, Tensor lse, Tensor lse_rem)"
 )
 BACKWARD_SCHEMA = (
     "attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, "
     "Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor? mask, Tensor? bias, "
     "float scale, "
-    "bool is_causal, float softcap, Tensor? seqused_k, bool deterministic, bool compute_dbias) "
+    "bool is_causal, float softcap, Tensor? seqused_k, bool deterministic, bool compute_dbias"
+    ", int[2] window_size=[-1, -1]) "
     "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)"
 )
 
@@ -114,19 +117,22 @@ class Options:
     is_causal: bool
     softcap: float
     deterministic: bool
+    window: tuple[int, int]
 
 
 # Backend kernels.
 
 
 def _forward_impl(
-    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic=False
-):
+    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic=False,
+    window_size=NO_WINDOW,
+):  # fmt: skip
     fn = "dmattn::attention"
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn=fn)
     check_seqused_k_values(seqused_k, key.shape[1], fn)
+    window = check_window(window_size, fn)
     return launch.attention_forward(
-        query, key, value, mask, bias, scale, is_causal, softcap, seqused_k
+        query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window
     )
 
 
@@ -147,6 +153,7 @@ def _backward_impl(
     seqused_k,
     deterministic,
     compute_dbias,
+    window_size=NO_WINDOW,
 ):
     return launch.attention_backward(
         grad_out,
@@ -165,6 +172,7 @@ def _backward_impl(
         seqused_k,
         deterministic,
         compute_dbias and bias is not None,
+        tuple(window_size),
     )
 
 
@@ -184,11 +192,13 @@ def _attention_impl(
     softcap=0.0,
     seqused_k=None,
     deterministic=False,
+    window_size=NO_WINDOW,
 ):
     scale = default_scale(query) if scale is None else scale
     out, _, _ = torch.ops.dmattn.attention_forward(
-        query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic
-    )
+        query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic,
+        window_size,
+    )  # fmt: skip
     return out
 
 
@@ -200,9 +210,11 @@ _lib.impl("attention", _attention_impl, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("dmattn::attention_forward")
 def _forward_fake(
-    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic=False
-):
+    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic=False,
+    window_size=NO_WINDOW,
+):  # fmt: skip
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn::attention")
+    check_window(window_size, "dmattn::attention")
     b, lq, h, _ = query.shape
     out = query.new_empty((b, lq, h, value.shape[-1]))
     lse = query.new_empty((b, h, lq), dtype=stats_dtype(query.dtype))
@@ -228,6 +240,7 @@ def _backward_fake(
     seqused_k,
     deterministic,
     compute_dbias,
+    window_size=NO_WINDOW,
 ):
     dq = query.new_empty(query.shape)
     dk = key.new_empty(key.shape)
@@ -293,6 +306,7 @@ class AttentionFunction(torch.autograd.Function):
             options.softcap,
             seqused_k,
             options.deterministic,
+            options.window,
         )
 
     @staticmethod
@@ -311,7 +325,7 @@ class AttentionFunction(torch.autograd.Function):
         o = ctx.options
         out_t, lse_t = chunked.jvp(
             query, key, value, mask, bias, (t_query, t_key, t_value, t_bias), lse, lse_rem,
-            o.scale, o.is_causal, o.softcap, seqused_k,
+            o.scale, o.is_causal, o.softcap, seqused_k, window=o.window,
         )  # fmt: skip
         return out_t, lse_t, None
 
@@ -341,6 +355,7 @@ class AttentionFunction(torch.autograd.Function):
             seqused_k,
             o.deterministic,
             compute_dbias,
+            o.window,
         )
         return dq, dk, dv, None, (dbias if compute_dbias else None), None, None
 
@@ -386,10 +401,12 @@ def _attention_autograd(
     softcap=0.0,
     seqused_k=None,
     deterministic=False,
+    window_size=NO_WINDOW,
 ):
     if _needs_grad(query, key, value, bias):
         scale = default_scale(query) if scale is None else scale
-        options = Options(scale, is_causal, softcap, deterministic)
+        window = check_window(window_size, "dmattn::attention")
+        options = Options(scale, is_causal, softcap, deterministic, window)
         out, _, _ = _apply(AttentionFunction, query, key, value, mask, bias, seqused_k, options)
         return out
     with torch._C._AutoDispatchBelowAutograd():
@@ -405,14 +422,17 @@ def _attention_autograd(
             softcap,
             seqused_k,
             deterministic,
+            window_size,
         )
 
 
 def _forward_autograd(
-    keyset, query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic=False
-):
+    keyset, query, key, value, mask, bias, scale, is_causal, softcap, seqused_k,
+    deterministic=False, window_size=NO_WINDOW,
+):  # fmt: skip
     if _needs_grad(query, key, value, bias):
-        options = Options(scale, is_causal, softcap, deterministic)
+        window = check_window(window_size, "dmattn::attention")
+        options = Options(scale, is_causal, softcap, deterministic, window)
         return _apply(AttentionFunction, query, key, value, mask, bias, seqused_k, options)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.dmattn.attention_forward.default.redispatch(
@@ -427,6 +447,7 @@ def _forward_autograd(
             softcap,
             seqused_k,
             deterministic,
+            window_size,
         )
 
 
@@ -488,21 +509,21 @@ VARLEN_SCHEMA = (
     "attention_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
     "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask=None, "
     "Tensor? bias=None, float? scale=None, bool is_causal=False, float softcap=0.0, "
-    "bool deterministic=False) -> Tensor"
+    "bool deterministic=False, int[2] window_size=[-1, -1]) -> Tensor"
 )
 VARLEN_FORWARD_SCHEMA = (
     "attention_varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
     "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, Tensor? bias, "
-    "float scale, bool is_causal, float softcap, bool deterministic=False) "
-    "-> (Tensor out, Tensor lse, Tensor lse_rem)"
+    "float scale, bool is_causal, float softcap, bool deterministic=False, "
+    "int[2] window_size=[-1, -1]) -> (Tensor out, Tensor lse, Tensor lse_rem)"
 )
 VARLEN_BACKWARD_SCHEMA = (
     "attention_varlen_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, "
     "Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor cu_seqlens_q, "
     "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, "
     "Tensor? bias, float scale, bool is_causal, float softcap, bool deterministic, "
-    "bool compute_dbias) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, "
-    "Tensor grad_bias)"
+    "bool compute_dbias, int[2] window_size=[-1, -1]) -> (Tensor grad_query, Tensor grad_key, "
+    "Tensor grad_value, Tensor grad_bias)"
 )
 for _schema in (VARLEN_SCHEMA, VARLEN_FORWARD_SCHEMA, VARLEN_BACKWARD_SCHEMA):
     _lib.define(_schema)
@@ -510,25 +531,27 @@ for _schema in (VARLEN_SCHEMA, VARLEN_FORWARD_SCHEMA, VARLEN_BACKWARD_SCHEMA):
 
 def _varlen_forward_impl(
     query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
-    deterministic=False,
+    deterministic=False, window_size=NO_WINDOW,
 ):  # fmt: skip
     fn = "dmattn::attention_varlen"
+    window = check_window(window_size, fn)
     check_varlen_inputs(
         query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, softcap, fn=fn
     )
     check_cu_seqlens_values(cu_q, cu_k, query.shape[0], key.shape[0], max_q, max_k, fn)
     return launch.attention_varlen_forward(
-        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap
+        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap, window
     )
 
 
 def _varlen_backward_impl(
     grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
-    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
+    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias, window_size=NO_WINDOW,
 ):  # fmt: skip
     return launch.attention_varlen_backward(
         grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
         mask, bias, scale, is_causal, softcap, deterministic, compute_dbias and bias is not None,
+        tuple(window_size),
     )  # fmt: skip
 
 
@@ -539,12 +562,12 @@ for _key in ("CPU", "CUDA"):
 
 def _varlen_impl(
     query, key, value, cu_q, cu_k, max_q, max_k, mask=None, bias=None, scale=None,
-    is_causal=False, softcap=0.0, deterministic=False,
+    is_causal=False, softcap=0.0, deterministic=False, window_size=NO_WINDOW,
 ):  # fmt: skip
     scale = default_scale(query) if scale is None else scale
     out, _, _ = torch.ops.dmattn.attention_varlen_forward(
         query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
-        deterministic,
+        deterministic, window_size,
     )  # fmt: skip
     return out
 
@@ -555,8 +578,9 @@ _lib.impl("attention_varlen", _varlen_impl, "CompositeExplicitAutograd")
 @torch.library.register_fake("dmattn::attention_varlen_forward")
 def _varlen_forward_fake(
     query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
-    deterministic=False,
+    deterministic=False, window_size=NO_WINDOW,
 ):  # fmt: skip
+    check_window(window_size, "dmattn::attention_varlen")
     check_varlen_inputs(
         query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, softcap,
         fn="dmattn::attention_varlen",
@@ -571,7 +595,7 @@ def _varlen_forward_fake(
 @torch.library.register_fake("dmattn::attention_varlen_backward")
 def _varlen_backward_fake(
     grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
-    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
+    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias, window_size=NO_WINDOW,
 ):  # fmt: skip
     dbias = bias.new_empty(bias.shape) if compute_dbias and bias is not None else None
     if dbias is None:
@@ -594,7 +618,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
         o = options
         return torch.ops.dmattn.attention_varlen_forward(
             query, key, value, cu_q, cu_k, o.max_seqlen_q, o.max_seqlen_k, mask, bias,
-            o.scale, o.is_causal, o.softcap, o.deterministic,
+            o.scale, o.is_causal, o.softcap, o.deterministic, o.window,
         )  # fmt: skip
 
     @staticmethod
@@ -613,7 +637,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
         o = ctx.options
         out_t, lse_t = chunked.varlen_jvp(
             query, key, value, cu_q, cu_k, mask, bias, (t_query, t_key, t_value, t_bias), lse,
-            lse_rem, o.scale, o.is_causal, o.softcap,
+            lse_rem, o.scale, o.is_causal, o.softcap, o.window,
         )  # fmt: skip
         return out_t, lse_t, None
 
@@ -629,39 +653,41 @@ class VarlenAttentionFunction(torch.autograd.Function):
         dq, dk, dv, dbias = torch.ops.dmattn.attention_varlen_backward(
             grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k,
             o.max_seqlen_q, o.max_seqlen_k, mask, bias, o.scale, o.is_causal, o.softcap,
-            o.deterministic, compute_dbias,
+            o.deterministic, compute_dbias, o.window,
         )  # fmt: skip
         return dq, dk, dv, None, None, None, (dbias if compute_dbias else None), None
 
 
 def _varlen_autograd(
     keyset, query, key, value, cu_q, cu_k, max_q, max_k, mask=None, bias=None, scale=None,
-    is_causal=False, softcap=0.0, deterministic=False,
+    is_causal=False, softcap=0.0, deterministic=False, window_size=NO_WINDOW,
 ):  # fmt: skip
     if _needs_grad(query, key, value, bias):
         scale = default_scale(query) if scale is None else scale
-        options = VarlenOptions(scale, is_causal, softcap, deterministic, max_q, max_k)
+        window = check_window(window_size, "dmattn::attention_varlen")
+        options = VarlenOptions(scale, is_causal, softcap, deterministic, window, max_q, max_k)
         args = (query, key, value, cu_q, cu_k, mask, bias, options)
         out, _, _ = _apply(VarlenAttentionFunction, *args)
         return out
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.dmattn.attention_varlen.default.redispatch(
             keyset & torch._C._after_autograd_keyset, query, key, value, cu_q, cu_k, max_q,
-            max_k, mask, bias, scale, is_causal, softcap, deterministic,
+            max_k, mask, bias, scale, is_causal, softcap, deterministic, window_size,
         )  # fmt: skip
 
 
 def _varlen_forward_autograd(
     keyset, query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
-    deterministic=False,
+    deterministic=False, window_size=NO_WINDOW,
 ):  # fmt: skip
     if _needs_grad(query, key, value, bias):
-        options = VarlenOptions(scale, is_causal, softcap, deterministic, max_q, max_k)
+        window = check_window(window_size, "dmattn::attention_varlen")
+        options = VarlenOptions(scale, is_causal, softcap, deterministic, window, max_q, max_k)
         return _apply(VarlenAttentionFunction, query, key, value, cu_q, cu_k, mask, bias, options)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.dmattn.attention_varlen_forward.default.redispatch(
             keyset & torch._C._after_autograd_keyset, query, key, value, cu_q, cu_k, max_q,
-            max_k, mask, bias, scale, is_causal, softcap, deterministic,
+            max_k, mask, bias, scale, is_causal, softcap, deterministic, window_size,
         )  # fmt: skip
 
 

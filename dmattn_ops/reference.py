@@ -19,6 +19,7 @@ from dmattn_ops.validate import (
     check_inputs,
     check_seqused_k_values,
     check_varlen_inputs,
+    check_window,
 )
 
 
@@ -44,6 +45,7 @@ def attention(
     return_lse: bool = False,
     backend: str = "auto",
     sinks: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
     _keep_lse_dtype: bool = False,
 ):
     r"""Dynamic Mask Attention, computed naively (the test oracle).
@@ -54,7 +56,9 @@ def attention(
 
     For batch b, head h (KV head h // (H / Hkv)), query i and key j, with n = seqused_k[b] or Lk::
 
-        allowed(i, j) = j < n and mask[b, h, i, j] and (not is_causal or j <= i + n - Lq)
+        p = i + n - Lq                                   (the query's aligned position)
+        allowed(i, j) = j < n and mask[b, h, i, j] and (not is_causal or j <= p)
+                        and (left < 0 or j >= p - left) and (right < 0 or j <= p + right)
         s(i, j) = cap(scale * q_i . k_j) + bias[b, h, i, j] if allowed else -inf
         cap(x)  = softcap * tanh(x / softcap) if softcap > 0 else x
         out_i   = sum_j softmax_j(s(i, .)) v_j      (0 when no key is allowed)
@@ -63,6 +67,9 @@ def attention(
     With ``sinks`` (H,), a learned logit per query head joins each row's softmax denominator
     only: lse_i = log(exp(sinks[h]) + sum_j exp(s(i, j))), out_i = sum_j exp(s(i, j) - lse_i) v_j
     (a row with no allowed key: out 0, lse sinks[h]).
+
+    ``window_size`` = (left, right) bounds each query's keys to a band around its aligned
+    position (-1: unbounded on that side), as flash-attn's window_size.
 
     Keys at or beyond n are zeroed before use, so NaN in an unused KV-cache slot never reaches
     the result. ``deterministic`` and ``backend`` keep the signature of `dmattn_ops.attention`
@@ -74,6 +81,7 @@ def attention(
     check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn=fn)
     check_seqused_k_values(seqused_k, key.shape[1], "reference.attention")
+    left, right = check_window(window_size, fn)
     b, lq, h, d = query.shape
     lk, hkv = key.shape[1], key.shape[2]
     group = h // hkv if hkv else 1
@@ -98,9 +106,13 @@ def attention(
     allowed = key_ok[:, None, None, :]  # [B, 1, 1, Lk]
     if mask is not None:
         allowed = allowed & _per_query_head(mask, h, hkv)
+    pos = i[None, :, None] + (n - lq)[:, None, None]  # [B, Lq, 1]: aligned query positions
     if is_causal:
-        diag = i[None, :, None] + (n - lq)[:, None, None]  # [B, Lq, 1]
-        allowed = allowed & (j[None, None, :] <= diag)[:, None]
+        allowed = allowed & (j[None, None, :] <= pos)[:, None]
+    if left >= 0:
+        allowed = allowed & (j[None, None, :] >= pos - left)[:, None]
+    if right >= 0:
+        allowed = allowed & (j[None, None, :] <= pos + right)[:, None]
     allowed = allowed.expand(b, h, lq, lk)
 
     x = scale * (q @ k.transpose(-1, -2))  # [B, H, Lq, Lk]
@@ -157,6 +169,7 @@ def attention_varlen(
     return_lse: bool = False,
     backend: str = "auto",
     sinks: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
     _keep_lse_dtype: bool = False,
 ):
     r"""Varlen oracle: `attention` on each sequence of the packed batch on its own.
@@ -191,7 +204,7 @@ def attention_varlen(
             None if mask is None else mask[None, :, None, k0:k1],
             None if bias is None else bias[None, :, None, k0:k1],
             scale=scale, is_causal=is_causal, softcap=softcap, return_lse=True, sinks=sinks,
-            _keep_lse_dtype=_keep_lse_dtype,
+            window_size=window_size, _keep_lse_dtype=_keep_lse_dtype,
         )  # fmt: skip
         out[q0:q1] = o[0]
         lse[:, q0:q1] = s_lse[0]

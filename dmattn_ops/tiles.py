@@ -7,6 +7,7 @@ hand them to the attention kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +18,38 @@ key_lists_kernel = LazyKernel("block_mask", "key_lists_kernel")
 mask_block_any_kernel = LazyKernel("block_mask", "mask_block_any_kernel")
 tile_cols_kernel = LazyKernel("block_mask", "tile_cols_kernel")
 tile_rows_kernel = LazyKernel("block_mask", "tile_rows_kernel")
+
+
+# A window side left unbounded (-1) reaches the kernels as this many keys: past any length
+# they take (int32 positions), and small enough that position +- it stays inside int32.
+UNBOUNDED = 1 << 29
+
+
+class Band(NamedTuple):
+    """How a launch restricts keys by position: (IS_CAUSAL, HAS_WINDOW, win_left, win_right).
+    A window (kernels/common.py score_tile) takes causality into its right side, so at most
+    one of the two flags is set, and calls without a window launch exactly as before."""
+
+    is_causal: bool
+    has_window: bool
+    left: int
+    right: int
+
+    @staticmethod
+    def of(is_causal: bool, window: tuple[int, int]) -> Band:
+        left, right = window
+        if left < 0 and right < 0:
+            return Band(bool(is_causal), False, 0, 0)
+        if is_causal:
+            right = 0 if right < 0 else min(right, 0)
+        return Band(False, True, UNBOUNDED if left < 0 else left, UNBOUNDED if right < 0 else right)
+
+    def args(self) -> tuple[int, int]:
+        """win_left, win_right."""
+        return self.left, self.right
+
+    def flags(self) -> dict:
+        return dict(IS_CAUSAL=self.is_causal, HAS_WINDOW=self.has_window)
 
 
 def _block(dim: int) -> int:
@@ -93,10 +126,11 @@ def _pool_queries(mask_any: torch.Tensor, ratio: int) -> torch.Tensor:
     return fine.unflatten(2, (-1, ratio)).amax(dim=3)
 
 
-def build_tables(mask, seqused_k, b, lq, lk, is_causal, block_m, block_n, mask_any=None) -> Tables:
+def build_tables(mask, seqused_k, b, lq, lk, band: Band, block_m, block_n, mask_any=None) -> Tables:
     """Activity of every (query tile, key tile): the mask has an allowed entry there (mask_any,
-    from block_any unless given) and the tile lies inside the causal / seqused_k window. Two
-    kernel launches (rows, then columns) whatever the shapes: the host cost stays flat."""
+    from block_any unless given) and the tile lies inside the causal / window / seqused_k
+    bounds. Two kernel launches (rows, then columns) whatever the shapes: the host cost stays
+    flat."""
     if mask_any is None:
         mask_any = block_any(mask, lq, lk, block_m, block_n)
     bm, hm, _, nk = mask_any.shape
@@ -112,16 +146,17 @@ def build_tables(mask, seqused_k, b, lq, lk, is_causal, block_m, block_n, mask_a
     q_idx = empty((bt, hm, nk, nq), dtype=torch.int32, device=device)
     sb, sh, sq, _ = operand_strides(mask_any)
     common = dict(
-        BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(is_causal),
-        num_warps=1 if interpreter_on() else 4,
+        BLOCK_M=block_m, BLOCK_N=block_n, **band.flags(), num_warps=1 if interpreter_on() else 4,
     )  # fmt: skip
     tile_rows_kernel[(nq, bt * hm)](
         mask_any, seqused_k, active, kv_num, kv_idx, kv_int, sb, sh, sq,
-        hm, lq, lk, nq, nk, HAS_SEQUSED=seqused_k is not None, BLOCK_K=_block(nk), **common,
+        hm, lq, lk, nq, nk, *band.args(), HAS_SEQUSED=seqused_k is not None,
+        BLOCK_K=_block(nk), **common,
     )  # fmt: skip
     tile_cols_kernel[(nk, bt * hm)](
         active, seqused_k, q_num, q_idx, q_lo, q_hi,
-        hm, lq, lk, nq, nk, HAS_SEQUSED=seqused_k is not None, BLOCK_Q=_block(nq), **common,
+        hm, lq, lk, nq, nk, *band.args(), HAS_SEQUSED=seqused_k is not None,
+        BLOCK_Q=_block(nq), **common,
     )  # fmt: skip
     return Tables(
         active, kv_num, kv_idx, kv_int, q_num, q_idx, q_lo, q_hi,
@@ -135,7 +170,9 @@ class KeyLists:
     """For a mask broadcast over queries, (B|1, H|Hkv|1, 1, Lk): the allowed keys of each
     (batch, mask head) in ascending order, padded with Lk (keys, (Bm, Hm, Lk) int32); how many
     of them each query tile may see under causality and seqused_k (key_end, (Bt, Hm, NQ)); and
-    how many lie below seqused_k (key_count, (Bt, Hm))."""
+    how many lie below seqused_k (key_count, (Bt, Hm)). Under a window, key_start (Bt, Hm, NQ):
+    how many lie below the band of each query tile's first row (else None); the tile's keys
+    are then the list positions [key_start, key_end)."""
 
     keys: torch.Tensor
     key_end: torch.Tensor
@@ -144,6 +181,7 @@ class KeyLists:
     keys_stride_h: int
     end_stride_b: int
     count_stride_b: int
+    key_start: torch.Tensor | None = None
 
 
 def compactable(mask: torch.Tensor | None, h: int, hkv: int) -> bool:
@@ -151,7 +189,7 @@ def compactable(mask: torch.Tensor | None, h: int, hkv: int) -> bool:
     return mask is not None and mask.shape[2] == 1 and (mask.shape[1] != h or h == hkv)
 
 
-def build_key_lists(mask, seqused_k, b, lq, lk, is_causal, block_m) -> KeyLists:
+def build_key_lists(mask, seqused_k, b, lq, lk, band: Band, block_m) -> KeyLists:
     """KeyLists of a compactable mask: one kernel launch (kernels/block_mask.py
     key_lists_kernel), one pass over the mask, no host sync."""
     bm, hm = mask.shape[0], mask.shape[1]
@@ -160,24 +198,26 @@ def build_key_lists(mask, seqused_k, b, lq, lk, is_causal, block_m) -> KeyLists:
     nq = cdiv(lq, block_m)
     keys = empty((bm, hm, lk), dtype=torch.int32, device=device)
     key_end = empty((bt, hm, nq), dtype=torch.int32, device=device)
+    key_start = empty((bt, hm, nq), dtype=torch.int32, device=device) if band.has_window else None
     key_count = empty((bt, hm), dtype=torch.int32, device=device)
     prefix = empty((bt * hm, lk), dtype=torch.int32, device=device)
     sb, sh, _, sn = operand_strides(mask)
     keys_stride_b = hm * lk if bm > 1 else 0
     end_stride_b, count_stride_b = (hm * nq, hm) if bt > 1 else (0, 0)
     key_lists_kernel[(bt * hm,)](
-        mask, seqused_k, None, None, prefix, keys, key_end, key_count, sb, sh, sn,
-        keys_stride_b, lk, end_stride_b, count_stride_b, hm, lq, lk, nq, lk,
-        HAS_SEQUSED=seqused_k is not None, VARLEN=False, IS_CAUSAL=bool(is_causal),
+        mask, seqused_k, None, None, prefix, keys, key_start, key_end, key_count, sb, sh, sn,
+        keys_stride_b, lk, end_stride_b, count_stride_b, hm, lq, lk, nq, lk, *band.args(),
+        HAS_SEQUSED=seqused_k is not None, VARLEN=False, **band.flags(),
         BLOCK_M=block_m, CHUNK=1024, num_warps=1 if interpreter_on() else 4,
     )  # fmt: skip
     return KeyLists(
         keys=keys, key_end=key_end, key_count=key_count, keys_stride_b=keys_stride_b,
         keys_stride_h=lk, end_stride_b=end_stride_b, count_stride_b=count_stride_b,
+        key_start=key_start,
     )  # fmt: skip
 
 
-def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, block_m, max_k) -> KeyLists:
+def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, band: Band, block_m, max_k) -> KeyLists:
     """Key lists of a varlen mask (Hm, total_k): per (mask head, sequence) the sequence's allowed
     keys in ascending order, as indices local to the sequence, stored where the sequence's keys
     are (keys (Hm, total_k), total_k elsewhere); key_end (B, Hm, NQ) and key_count (B, Hm) as in
@@ -187,16 +227,17 @@ def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, is_causal, block_m, ma
     device = mask.device
     keys = torch.full((hm, total_k), total_k, dtype=torch.int32, device=device)
     key_end = empty((b, hm, nq), dtype=torch.int32, device=device)
+    key_start = empty((b, hm, nq), dtype=torch.int32, device=device) if band.has_window else None
     key_count = empty((b, hm), dtype=torch.int32, device=device)
     prefix = empty((b * hm, max(max_k, 1)), dtype=torch.int32, device=device)
     if b > 0:
         key_lists_kernel[(b * hm,)](
-            mask, None, cu_q, cu_k, prefix, keys, key_end, key_count,
+            mask, None, cu_q, cu_k, prefix, keys, key_start, key_end, key_count,
             0, mask.stride(0), mask.stride(1), 0, total_k, hm * nq, hm, hm, total_q, total_k, nq,
-            max(max_k, 1), HAS_SEQUSED=False, VARLEN=True, IS_CAUSAL=bool(is_causal),
+            max(max_k, 1), *band.args(), HAS_SEQUSED=False, VARLEN=True, **band.flags(),
             BLOCK_M=block_m, CHUNK=1024, num_warps=1 if interpreter_on() else 4,
         )  # fmt: skip
     return KeyLists(
         keys=keys, key_end=key_end, key_count=key_count, keys_stride_b=0,
-        keys_stride_h=total_k, end_stride_b=hm * nq, count_stride_b=hm,
+        keys_stride_h=total_k, end_stride_b=hm * nq, count_stride_b=hm, key_start=key_start,
     )  # fmt: skip

@@ -314,3 +314,37 @@ def check_sinks(sinks, query: torch.Tensor, fn: str) -> None:
         )
     if sinks.device != query.device:
         raise ValueError(f"{fn}: sinks is on {sinks.device}, query on {query.device}")
+
+
+NO_WINDOW = (-1, -1)
+
+
+def check_window(window_size, fn: str) -> tuple[int, int]:
+    """window_size: (left, right), two ints >= -1 (-1: unbounded on that side). Returns them as
+    a tuple of Python ints."""
+    if window_size is None:
+        return NO_WINDOW
+    if isinstance(window_size, torch.Tensor) or not hasattr(window_size, "__len__"):
+        raise TypeError(
+            f"{fn}: window_size must be a pair (left, right) of ints; got "
+            f"{type(window_size).__name__}"
+        )
+    if len(window_size) != 2:
+        raise ValueError(
+            f"{fn}: window_size must be a pair (left, right); got {len(window_size)} values"
+        )
+    left, right = window_size
+    for name, v in (("left", left), ("right", right)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(
+                f"{fn}: window_size {name} must be an int (-1 for unbounded); got "
+                f"{type(v).__name__}"
+            )
+        if v < -1:
+            raise ValueError(f"{fn}: window_size {name} must be >= 0, or -1 for unbounded; got {v}")
+    return int(left), int(right)
+
+
+def has_window(window_size) -> bool:
+    """Whether a checked window bounds either side."""
+    return window_size[0] >= 0 or window_size[1] >= 0

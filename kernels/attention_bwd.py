@@ -16,6 +16,8 @@ from dmattn_ops.kernels.common import (
     LOG2E,
     PER_ENTRY,
     as_fp32,
+    band_key_tiles,
+    band_query_tiles,
     causal_key_end,
     dot,
     dot_acc,
@@ -77,7 +79,10 @@ def _dkdv_tile(
     p_bias,
     stride_bm,
     stride_bn,
+    win_left,
+    win_right,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -109,8 +114,8 @@ def _dkdv_tile(
     lse_row, lse_rem, delta = _row_stats(LSE, LSE_REM, DELTA, row_base + o_m, m_m)
     s, m_allowed, t = score_tile(
         b_k, b_qt, i_m[None, :], i_n[:, None], n_keys, Lq, scale, softcap,
-        p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-        IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
+        p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
+        IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
     p = _probs(s, lse_row[None, :], lse_rem[None, :])  # [BN, BM]
     dv = dot_acc(p.to(b_do.dtype), b_do, dv, DOT_PRECISION)
@@ -197,7 +202,10 @@ def attention_bwd_dkdv_kernel(
     scale,
     softcap,
     SPLIT,
+    win_left,
+    win_right,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -301,8 +309,8 @@ def attention_bwd_dkdv_kernel(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
                     LSE, LSE_REM, DELTA, row_base,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
+                    win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
                 )  # fmt: skip
             for it in range(q_lo, q_hi):
@@ -311,8 +319,8 @@ def attention_bwd_dkdv_kernel(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
                     LSE, LSE_REM, DELTA, row_base,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
+                    win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
                 )  # fmt: skip
             for it in range(q_hi, num):
@@ -321,8 +329,8 @@ def attention_bwd_dkdv_kernel(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
                     LSE, LSE_REM, DELTA, row_base,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
+                    win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
                 )  # fmt: skip
         else:
@@ -341,22 +349,30 @@ def attention_bwd_dkdv_kernel(
                 k_hi = k_lo + BLOCK_N - 1
                 k_any = k_lo < n_keys
                 k_full = k_lo + BLOCK_N <= n_keys
-            qb_start = 0
-            qi_start = 0
-            if IS_CAUSAL:
-                qb_start = tl.maximum(k_lo - n_keys + Lq, 0) // BLOCK_M
-                qi_start = tl.cdiv(tl.maximum(k_hi - n_keys + Lq, 0), BLOCK_M)
-            qb_end = tl.where(k_any, NQ, 0)
-            qi_end = tl.where(k_full, Lq // BLOCK_M, 0)
-            qi_start = tl.minimum(tl.maximum(qi_start, qb_start), qb_end)
-            qi_end = tl.minimum(tl.maximum(qi_end, qi_start), qb_end)
+            if HAS_WINDOW:
+                qb_start, qi_start, qi_end, qb_end = band_query_tiles(
+                    k_lo, k_hi, k_full, NQ, n_keys, Lq, win_left, win_right, BLOCK_M
+                )
+                qb_end = tl.where(k_any, qb_end, qb_start)
+                qi_start = tl.minimum(qi_start, qb_end)
+                qi_end = tl.minimum(qi_end, qb_end)
+            else:
+                qb_start = 0
+                qi_start = 0
+                if IS_CAUSAL:
+                    qb_start = tl.maximum(k_lo - n_keys + Lq, 0) // BLOCK_M
+                    qi_start = tl.cdiv(tl.maximum(k_hi - n_keys + Lq, 0), BLOCK_M)
+                qb_end = tl.where(k_any, NQ, 0)
+                qi_end = tl.where(k_full, Lq // BLOCK_M, 0)
+                qi_start = tl.minimum(tl.maximum(qi_start, qb_start), qb_end)
+                qi_end = tl.minimum(tl.maximum(qi_end, qi_start), qb_end)
             for qb in range(qb_start, qi_start):
                 dk, dv, dbias_col = _dkdv_tile(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
                     LSE, LSE_REM, DELTA, row_base,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
+                    win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
                 )  # fmt: skip
             for qb in range(qi_start, qi_end):
@@ -364,8 +380,8 @@ def attention_bwd_dkdv_kernel(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
                     LSE, LSE_REM, DELTA, row_base,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
+                    win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
                 )  # fmt: skip
             for qb in range(qi_end, qb_end):
@@ -373,8 +389,8 @@ def attention_bwd_dkdv_kernel(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
                     LSE, LSE_REM, DELTA, row_base,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                    IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
+                    win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
                 )  # fmt: skip
         if DBIAS_COLS:
@@ -490,7 +506,10 @@ def _dq_tile(
     stride_bm,
     stride_bn,
     p_dbias,
+    win_left,
+    win_right,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -501,10 +520,11 @@ def _dq_tile(
     DOT_PRECISION: tl.constexpr,
     BOUNDARY: tl.constexpr,
     p_keys,
+    pos0,
     n_pos,
     COMPACT: tl.constexpr,
 ):
-    i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    i_n = pos0 + kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if COMPACT:
         if BOUNDARY:
             i_n = tl.load(p_keys + i_n, mask=i_n < n_pos, other=n_keys)
@@ -526,8 +546,8 @@ def _dq_tile(
     )  # [BDV, BN]
     s, m_allowed, t = score_tile(
         b_q, b_kt, i_m[:, None], i_n[None, :], n_keys, Lq, scale, softcap,
-        p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-        IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
+        p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
+        IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
     p = _probs(s, lse_row[:, None], lse_rem[:, None])
     dp = dot(b_do, b_vt, DOT_PRECISION)  # [BM, BN]
@@ -564,6 +584,7 @@ def attention_bwd_dq_kernel(
     KV_IDX,
     KV_INT,
     KEYS,
+    KEY_START,
     KEY_END,
     DQ,
     DBIAS,
@@ -608,7 +629,10 @@ def attention_bwd_dq_kernel(
     bias_hdiv,
     scale,
     softcap,
+    win_left,
+    win_right,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -680,22 +704,29 @@ def attention_bwd_dq_kernel(
         p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + k_row0
         p_end = KEY_END + i_b * table_stride_b + i_hm * table_stride_h
         n_pos = tl.load(p_end + i_mb)
-        kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, BLOCK_M, IS_CAUSAL) // BLOCK_N
+        pos0 = 0
+        kb_int = 0
+        if HAS_WINDOW:
+            pos0 = tl.load(KEY_START + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
+        else:
+            kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, BLOCK_M, IS_CAUSAL) // BLOCK_N
         for kb in range(0, kb_int):
             dq = _dq_tile(
                 dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
                 scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, n_pos, True,
+                win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                DBIAS_DIRECT,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, 0, n_pos, True,
             )  # fmt: skip
-        for kb in range(kb_int, tl.cdiv(n_pos, BLOCK_N)):
+        for kb in range(kb_int, tl.cdiv(n_pos - pos0, BLOCK_N)):
             dq = _dq_tile(
                 dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
                 scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, n_pos, True,
+                win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                DBIAS_DIRECT,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, True,
             )  # fmt: skip
     elif HAS_MASK:
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
@@ -707,8 +738,9 @@ def attention_bwd_dq_kernel(
                 dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
                 scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False,
+                win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                DBIAS_DIRECT,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, 0, False,
             )  # fmt: skip
         for it in range(n_int, num):
             kb = tl.load(KV_IDX + row * NK + it)
@@ -716,32 +748,50 @@ def attention_bwd_dq_kernel(
                 dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
                 scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
+                win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                DBIAS_DIRECT,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
             )  # fmt: skip
     else:
         m_start = i_mb * BLOCK_M
-        m_end = tl.minimum(m_start + BLOCK_M, Lq)
-        kb_end = tl.cdiv(causal_key_end(m_end, n_keys, Lq, IS_CAUSAL), BLOCK_N)
-        kb_end = tl.where(m_start < Lq, kb_end, 0)  # varlen: past this sequence's queries
-        kb_int = tl.minimum(
-            interior_key_end(m_start, n_keys, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL), kb_end
-        )
-        for kb in range(0, kb_int):
+        if HAS_WINDOW:
+            kb_start, kb_int0, kb_int, kb_end = band_key_tiles(
+                m_start, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N
+            )
+            for kb in range(kb_start, kb_int0):
+                dq = _dq_tile(
+                    dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                    scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
+                    win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                    DBIAS_DIRECT,
+                    BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
+                )  # fmt: skip
+        else:
+            m_end = tl.minimum(m_start + BLOCK_M, Lq)
+            kb_end = tl.cdiv(causal_key_end(m_end, n_keys, Lq, IS_CAUSAL), BLOCK_N)
+            kb_end = tl.where(m_start < Lq, kb_end, 0)  # varlen: past this sequence's queries
+            kb_int = tl.minimum(
+                interior_key_end(m_start, n_keys, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL), kb_end
+            )
+            kb_int0 = 0
+        for kb in range(kb_int0, kb_int):
             dq = _dq_tile(
                 dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
                 scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False,
+                win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                DBIAS_DIRECT,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, 0, False,
             )  # fmt: skip
         for kb in range(kb_int, kb_end):
             dq = _dq_tile(
                 dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
                 scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
+                win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                DBIAS_DIRECT,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
             )  # fmt: skip
     # dq is (B, Lq, H, D) or (total_q, H, D), contiguous.
     o_dq = ((q_start + i_m.to(tl.int64)[:, None]) * H + i_h) * D + i_d[None, :]
@@ -807,7 +857,10 @@ def attention_bwd_dbias_kernel(
     bias_hdiv,
     scale,
     softcap,
+    win_left,
+    win_right,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -842,6 +895,11 @@ def attention_bwd_dbias_kernel(
                 if HAS_MASK:
                     o_act = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
                     active = tl.load(ACTIVE + o_act * NK + kb) != 0
+                elif HAS_WINDOW:
+                    kb_lo, _, _, kb_hi = band_key_tiles(
+                        i_mb * BLOCK_M, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N
+                    )
+                    active = (kb >= kb_lo) & (kb < kb_hi)
                 else:
                     m_end = tl.minimum((i_mb + 1) * BLOCK_M, Lq)
                     active = kb * BLOCK_N < causal_key_end(m_end, n_keys, Lq, IS_CAUSAL)
@@ -894,7 +952,8 @@ def attention_bwd_dbias_kernel(
                     s, m_allowed, _ = score_tile(
                         b_q, b_kt, i_m[:, None], i_n[None, :], n_keys, Lq, scale, softcap,
                         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                        IS_CAUSAL, HAS_MASK, PER_ENTRY, HAS_SOFTCAP, DOT_PRECISION, True,
+                        win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, PER_ENTRY,
+                        HAS_SOFTCAP, DOT_PRECISION, True,
                     )  # fmt: skip
                     p = _probs(s, lse_row[:, None], lse_rem[:, None])
                     dp = dot(b_do, b_vt, DOT_PRECISION)

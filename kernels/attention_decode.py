@@ -14,6 +14,7 @@ from dmattn_ops.kernels.attention_fwd import _fwd_tile
 from dmattn_ops.kernels.common import (
     LOG2E,
     as_fp32,
+    band_key_tiles,
     causal_key_end,
     key_count,
     lse_split,
@@ -28,6 +29,7 @@ def attention_decode_kernel(
     BIAS,
     SEQUSED,
     KEYS,
+    KEY_START,
     KEY_END,
     ACC,
     M,
@@ -64,7 +66,10 @@ def attention_decode_kernel(
     bias_hdiv,
     scale,
     softcap,
+    win_left,
+    win_right,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -112,23 +117,33 @@ def attention_decode_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    start = i_s * keys_per_split
+    # The splits cover keys (list positions, COMPACT) from `base` on; under a window, base is
+    # where the band of the first query starts (rounded down to a tile), so that splits are
+    # sized by the band, not by the cache.
+    base = 0
     p_keys = KEYS
     if COMPACT:
         i_hm = (i_g * G) // mask_hdiv
         p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h
         end = tl.load(KEY_END + i_b * end_stride_b + i_hm * end_stride_h)
+        if HAS_WINDOW:
+            base = tl.load(KEY_START + i_b * end_stride_b + i_hm * end_stride_h)
+    elif HAS_WINDOW:
+        kb_lo, _, _, kb_hi = band_key_tiles(0, n_keys, Lq, win_left, win_right, Lq, BLOCK_N)
+        base = kb_lo * BLOCK_N
+        end = kb_hi * BLOCK_N
     else:
         end = causal_key_end(Lq, n_keys, Lq, IS_CAUSAL)
     # keys_per_split is a multiple of BLOCK_N: the splits' tiles never overlap.
+    start = base + i_s * keys_per_split
     end = tl.minimum(end, start + keys_per_split)
-    for kb in range(start // BLOCK_N, tl.cdiv(end, BLOCK_N)):
+    for kb in range((start - base) // BLOCK_N, tl.cdiv(end - base, BLOCK_N)):
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, b_q, i_q, kb, n_keys, Lq, D, Dv,
             scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-            BIAS, 0, 0, p_bias, stride_bm, stride_bn,
-            IS_CAUSAL, False, HAS_BIAS, HAS_SOFTCAP,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, end, COMPACT,
+            BIAS, 0, 0, p_bias, stride_bm, stride_bn, win_left, win_right,
+            IS_CAUSAL, HAS_WINDOW, False, HAS_BIAS, HAS_SOFTCAP,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, base, end, COMPACT,
         )  # fmt: skip
     row = (i_b * H + i_h) * Lq + i_q
     o_split = i_s.to(tl.int64) * n_rows

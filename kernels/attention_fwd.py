@@ -6,6 +6,7 @@ import triton.language as tl
 from dmattn_ops.kernels.common import (
     LOG2E,
     as_fp32,
+    band_key_tiles,
     causal_key_end,
     dot_acc,
     interior_key_end,
@@ -42,7 +43,10 @@ def _fwd_tile(
     p_bias,
     stride_bm,
     stride_bn,
+    win_left,
+    win_right,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -52,12 +56,14 @@ def _fwd_tile(
     DOT_PRECISION: tl.constexpr,
     BOUNDARY: tl.constexpr,
     p_keys,
+    pos0,
     n_pos,
     COMPACT: tl.constexpr,
 ):
     """One key tile of the online softmax, in natural units (so that backward recomputes the
-    very scores whose max the forward stored)."""
-    i_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    very scores whose max the forward stored). COMPACT: list positions pos0 + kb * BLOCK_N
+    onwards, those below n_pos."""
+    i_n = pos0 + kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if COMPACT:
         # Positions in the sorted list of allowed keys -> key indices; past the list: n_keys.
         if BOUNDARY:
@@ -76,8 +82,8 @@ def _fwd_tile(
     )  # [BD, BN]
     s, _, _ = score_tile(
         b_q, b_kt, i_m[:, None], i_n[None, :], n_keys, Lq, scale, softcap,
-        p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-        IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
+        p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
+        IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -109,6 +115,7 @@ def attention_fwd_kernel(
     KV_IDX,
     KV_INT,
     KEYS,
+    KEY_START,
     KEY_END,
     OUT,
     LSE,
@@ -154,7 +161,10 @@ def attention_fwd_kernel(
     bias_hdiv,
     scale,
     softcap,
+    win_left,
+    win_right,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -226,22 +236,28 @@ def attention_fwd_kernel(
         p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + k_row0
         p_end = KEY_END + i_b * table_stride_b + i_hm * table_stride_h
         n_pos = tl.load(p_end + i_mb)
-        kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, BLOCK_M, IS_CAUSAL) // BLOCK_N
+        pos0 = 0
+        kb_int = 0
+        if HAS_WINDOW:
+            # The band's listed keys start at KEY_START: every tile is a boundary tile.
+            pos0 = tl.load(KEY_START + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
+        else:
+            kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, BLOCK_M, IS_CAUSAL) // BLOCK_N
         for kb in range(0, kb_int):
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, n_pos, True,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
+                IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, 0, n_pos, True,
             )  # fmt: skip
-        for kb in range(kb_int, tl.cdiv(n_pos, BLOCK_N)):
+        for kb in range(kb_int, tl.cdiv(n_pos - pos0, BLOCK_N)):
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, n_pos, True,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
+                IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, True,
             )  # fmt: skip
     elif HAS_MASK:
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
@@ -253,43 +269,59 @@ def attention_fwd_kernel(
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
+                IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, 0, False,
             )  # fmt: skip
         for it in range(n_int, num):
             kb = tl.load(KV_IDX + row * NK + it)
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
+                IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
             )  # fmt: skip
     else:
-        # Interior key tiles first (no bounds or causal arithmetic), then the boundary ones.
+        # Interior key tiles first (no bounds or causal arithmetic), then the boundary ones;
+        # under a window, boundary tiles below the interior ones too.
         m_start = i_mb * BLOCK_M
-        m_end = tl.minimum(m_start + BLOCK_M, Lq)
-        kb_end = tl.cdiv(causal_key_end(m_end, n_keys, Lq, IS_CAUSAL), BLOCK_N)
-        kb_end = tl.where(m_start < Lq, kb_end, 0)  # varlen: past this sequence's queries
-        kb_int = tl.minimum(
-            interior_key_end(m_start, n_keys, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL), kb_end
-        )
-        for kb in range(0, kb_int):
+        if HAS_WINDOW:
+            kb_start, kb_int0, kb_int, kb_end = band_key_tiles(
+                m_start, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N
+            )
+        else:
+            m_end = tl.minimum(m_start + BLOCK_M, Lq)
+            kb_end = tl.cdiv(causal_key_end(m_end, n_keys, Lq, IS_CAUSAL), BLOCK_N)
+            kb_end = tl.where(m_start < Lq, kb_end, 0)  # varlen: past this sequence's queries
+            kb_int = tl.minimum(
+                interior_key_end(m_start, n_keys, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL), kb_end
+            )
+            kb_int0 = 0
+        if HAS_WINDOW:
+            for kb in range(kb_start, kb_int0):
+                acc, l_i, m_i = _fwd_tile(
+                    acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
+                    p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                    win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                    BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
+                )  # fmt: skip
+        for kb in range(kb_int0, kb_int):
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, False,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
+                IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, 0, False,
             )  # fmt: skip
         for kb in range(kb_int, kb_end):
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                IS_CAUSAL, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, False,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
+                IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
             )  # fmt: skip
 
     nonempty = l_i > 0.0

@@ -3,7 +3,12 @@
 import triton
 import triton.language as tl
 
-from dmattn_ops.kernels.common import causal_key_end, interior_key_end, seq_extent
+from dmattn_ops.kernels.common import (
+    band_key_tiles,
+    causal_key_end,
+    interior_key_end,
+    seq_extent,
+)
 
 
 @triton.jit
@@ -45,15 +50,24 @@ def mask_block_any_kernel(
 
 @triton.jit
 def _tile_window(
-    qb, kb, n, Lq, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr
-):
+    qb, kb, n, Lq, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
     """(inside, interior) of tile (qb, kb) for a batch with n keys: inside, the tile holds a key
-    some row may see (causality, n); interior, every row < Lq sees every key of it. The bounds
-    the attention kernels loop to (common.causal_key_end, interior_key_end), per tile."""
+    some row may see (causality or the window, n); interior, every row < Lq sees every key of
+    it. The bounds the attention kernels loop to (common.causal_key_end, interior_key_end,
+    band_key_tiles), per tile."""
     m_start = qb * BLOCK_M
-    m_end = tl.minimum(m_start + BLOCK_M, Lq)
-    inside = kb * BLOCK_N < causal_key_end(m_end, n, Lq, IS_CAUSAL)
-    interior = kb < interior_key_end(m_start, n, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    if HAS_WINDOW:
+        kb_lo, ki_lo, ki_hi, kb_hi = band_key_tiles(
+            m_start, n, Lq, win_left, win_right, BLOCK_M, BLOCK_N
+        )
+        inside = (kb >= kb_lo) & (kb < kb_hi)
+        interior = (kb >= ki_lo) & (kb < ki_hi)
+    else:
+        m_end = tl.minimum(m_start + BLOCK_M, Lq)
+        inside = kb * BLOCK_N < causal_key_end(m_end, n, Lq, IS_CAUSAL)
+        interior = kb < interior_key_end(m_start, n, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL)
     return inside, interior
 
 
@@ -73,11 +87,14 @@ def tile_rows_kernel(
     Lk,
     NQ,
     NK,
+    win_left,
+    win_right,
     HAS_SEQUSED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """One program per (table batch, mask head, query tile): its active key tiles (the mask
     allows an entry and the tile is inside the window) in ascending order, how many, and how
@@ -94,7 +111,13 @@ def tile_rows_kernel(
     any_row = tl.load(
         ANY + i_b * any_stride_b + i_h * any_stride_h + qb * any_stride_q + kb, mask=m_k, other=0
     )
-    inside, interior = _tile_window(qb, kb, n, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    inside, interior = _tile_window(
+        qb, kb, n, Lq, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW
+    )
+    if HAS_WINDOW:
+        # The attention kernels take KV_INT interior tiles first; under a window the interior
+        # ones sit between boundary tiles, so every tile is read as a boundary tile.
+        interior = kb < 0
     active = m_k & (any_row != 0) & inside
     row = i_bh.to(tl.int64) * NQ + qb
     tl.store(ACTIVE + row * NK + kb, active.to(tl.int8), mask=m_k)
@@ -117,11 +140,14 @@ def tile_cols_kernel(
     Lk,
     NQ,
     NK,
+    win_left,
+    win_right,
     HAS_SEQUSED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """One program per (table batch, mask head, key tile): its active query tiles in ascending
     order, how many, and the run [q_lo, q_hi) of them that is interior."""
@@ -135,7 +161,9 @@ def tile_cols_kernel(
         n = tl.minimum(tl.maximum(tl.load(SEQUSED + i_b), 0), Lk)
     base = i_bh.to(tl.int64) * NQ
     active = tl.load(ACTIVE + (base + qb) * NK + kb, mask=m_q, other=0) != 0
-    _, interior = _tile_window(qb, kb, n, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    _, interior = _tile_window(
+        qb, kb, n, Lq, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW
+    )
     interior = interior & m_q
     first_int = tl.min(tl.where(interior, qb, NQ), 0)
     col = i_bh.to(tl.int64) * NK + kb
@@ -155,6 +183,7 @@ def key_lists_kernel(
     CU_K,
     PREFIX,
     KEYS,
+    KEY_START,
     KEY_END,
     KEY_COUNT,
     stride_mb,
@@ -169,9 +198,12 @@ def key_lists_kernel(
     Lk,
     NQ,
     prefix_len,
+    win_left,
+    win_right,
     HAS_SEQUSED: tl.constexpr,
     VARLEN: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
@@ -183,8 +215,11 @@ def key_lists_kernel(
     sequence's own key positions of KEYS[h, :], as indices local to the sequence. KEY_COUNT[b, h]:
     how many lie below n (seqused_k[b], Lk, or the sequence's length). KEY_END[b, h, t]: how many
     query tile t may see: those below min(n, end of the tile + n - Lq) under causality, else
-    below n (0 for a tile past a sequence's queries). PREFIX (B * Hm, prefix_len) is scratch for
-    the running counts, read back by the same program after a barrier."""
+    below n (0 for a tile past a sequence's queries). HAS_WINDOW: KEY_END counts the keys
+    below the band's end for the tile's last row, KEY_START those below its start for the
+    tile's first row, so the tile's listed keys are positions [KEY_START, KEY_END). PREFIX
+    (B * Hm, prefix_len) is scratch for the running counts, read back by the same program
+    after a barrier."""
     pid = tl.program_id(0)
     i_bt = pid // Hm
     i_h = pid % Hm
@@ -220,9 +255,15 @@ def key_lists_kernel(
     for t0 in range(0, NQ, CHUNK):
         t = t0 + tl.arange(0, CHUNK)
         end = tl.zeros([CHUNK], dtype=tl.int32) + n
+        m_end = tl.minimum((t + 1) * BLOCK_M, lq)
         if IS_CAUSAL:
-            m_end = tl.minimum((t + 1) * BLOCK_M, lq)
             end = tl.maximum(tl.minimum(end, m_end + n - lq), 0)
+        if HAS_WINDOW:
+            end = tl.maximum(tl.minimum(end, m_end + n - lq + win_right), 0)
         end = tl.where(t * BLOCK_M < lq, end, 0)  # varlen: past this sequence's queries
         seen = tl.load(prefix + end - 1, mask=(t < NQ) & (end > 0), other=0)
         tl.store(KEY_END + i_bt * stride_eb + i_h * NQ + t, seen, mask=t < NQ)
+        if HAS_WINDOW:
+            start = tl.minimum(tl.maximum(t * BLOCK_M + n - lq - win_left, 0), end)
+            below = tl.load(prefix + start - 1, mask=(t < NQ) & (start > 0), other=0)
+            tl.store(KEY_START + i_bt * stride_eb + i_h * NQ + t, below, mask=t < NQ)

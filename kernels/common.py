@@ -78,7 +78,10 @@ def score_tile(
     p_bias,
     stride_bias_m,
     stride_bias_n,
+    win_left,
+    win_right,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -97,8 +100,10 @@ def score_tile(
     own predicate would make its loads scalar: the predicate is data, not a range.)
 
     BOUNDARY=False is the interior stage: the caller guarantees every row < Lq, every key
-    < n_keys and (causal) every key visible to every row, so no bounds or causal arithmetic is
-    done; `allowed` is then only defined when HAS_MASK.
+    < n_keys and (causal, window) every key visible to every row, so no bounds or band
+    arithmetic is done; `allowed` is then only defined when HAS_MASK. HAS_WINDOW: key j is
+    allowed to row i only if p - win_left <= j <= p + win_right, p = i + n_keys - Lq (the
+    launcher folds causality into win_right and passes IS_CAUSAL False).
 
     HAS_MASK / HAS_BIAS are 0 (absent), PER_KEY or PER_ENTRY (see above). A PER_KEY operand is
     loaded with the shape of r_n and broadcast: a per-entry pointer tensor would issue BLOCK_M
@@ -125,6 +130,9 @@ def score_tile(
         m_allowed = m_allowed & m_in if HAS_MASK else m_in
         if IS_CAUSAL:
             m_allowed = m_allowed & (r_n <= r_m + (n_keys - Lq))
+        if HAS_WINDOW:
+            pos = r_m + (n_keys - Lq)
+            m_allowed = m_allowed & (r_n >= pos - win_left) & (r_n <= pos + win_right)
     if HAS_BIAS:
         b_bias = load_operand(
             p_bias, o_m, o_n, stride_bias_m, stride_bias_n, r_n < n_keys, m_in, 0.0, HAS_BIAS,
@@ -223,3 +231,45 @@ def causal_key_end(m_end, n_keys, Lq, IS_CAUSAL: tl.constexpr):
     if IS_CAUSAL:
         end = tl.minimum(end, m_end + n_keys - Lq)
     return tl.maximum(end, 0)
+
+
+@triton.jit
+def band_key_tiles(m_start, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N: tl.constexpr):
+    """Key tiles of the query tile starting at m_start under a window (rows p - win_left to
+    p + win_right, p = i + n_keys - Lq): (kb_lo, ki_lo, ki_hi, kb_hi). Tiles [kb_lo, kb_hi)
+    hold a key some row sees; [ki_lo, ki_hi) within them are interior (every row exists and
+    sees every key of the tile, all below n_keys); the rest are boundary tiles. Tiles outside
+    [kb_lo, kb_hi) are never visited."""
+    off = n_keys - Lq
+    m_end = tl.minimum(m_start + BLOCK_M, Lq)
+    lo = tl.maximum(m_start + off - win_left, 0)
+    hi = tl.maximum(tl.minimum(m_end + off + win_right, n_keys), 0)
+    kb_lo = lo // BLOCK_N
+    kb_hi = tl.where(m_start < Lq, tl.maximum(tl.cdiv(hi, BLOCK_N), kb_lo), kb_lo)
+    # Keys every row sees: from the last row's lower bound to the first row's upper bound.
+    ki_lo = tl.cdiv(tl.maximum(m_start + BLOCK_M - 1 + off - win_left, 0), BLOCK_N)
+    ki_hi = tl.minimum(m_start + off + win_right + 1, n_keys) // BLOCK_N
+    ki_lo = tl.minimum(tl.maximum(ki_lo, kb_lo), kb_hi)
+    ki_hi = tl.minimum(tl.maximum(ki_hi, ki_lo), kb_hi)
+    ki_hi = tl.where(m_start + BLOCK_M <= Lq, ki_hi, ki_lo)
+    return kb_lo, ki_lo, ki_hi, kb_hi
+
+
+@triton.jit
+def band_query_tiles(
+    k_lo, k_hi, k_full, NQ, n_keys, Lq, win_left, win_right, BLOCK_M: tl.constexpr
+):
+    """Query tiles that see keys k_lo..k_hi (inclusive; a key tile or a tile of listed keys)
+    under a window: (qb_lo, qi_lo, qi_hi, qb_hi) as band_key_tiles, transposed. Row i sees key
+    j iff j - win_right <= i + off <= j + win_left. k_full: the key tile is whole (no unused
+    positions, all keys below n_keys), a condition of an interior run."""
+    off = n_keys - Lq
+    qb_lo = tl.maximum(k_lo - win_right - off, 0) // BLOCK_M
+    qb_hi = tl.minimum(tl.cdiv(tl.maximum(k_hi + win_left - off + 1, 0), BLOCK_M), NQ)
+    qb_hi = tl.maximum(qb_hi, qb_lo)
+    qi_lo = tl.cdiv(tl.maximum(k_hi - win_right - off, 0), BLOCK_M)
+    qi_hi = tl.minimum(tl.maximum(k_lo + win_left - off + 1, 0), Lq) // BLOCK_M
+    qi_hi = tl.where(k_full, qi_hi, 0)
+    qi_lo = tl.minimum(tl.maximum(qi_lo, qb_lo), qb_hi)
+    qi_hi = tl.minimum(tl.maximum(qi_hi, qi_lo), qb_hi)
+    return qb_lo, qi_lo, qi_hi, qb_hi

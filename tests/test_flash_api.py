@@ -35,6 +35,18 @@ def test_keywords_and_dma_operands():
     assert_close(out, want, F64 * want.abs().max().item(), "dma")
 
 
+def test_window_size_is_flash_attn_s_sliding_window():
+    q, k, v = _qkv(lq=9, lk=13)
+    out = dmattn_ops.flash_attn_func(q, k, v, 0.0, None, True, (4, 0))
+    want = reference.attention(q, k, v, is_causal=True, window_size=(4, 0))
+    assert_close(out, want, F64 * want.abs().max().item(), "flash_attn_func window")
+    q, k, v = (t[0] for t in _qkv(b=1, lq=12, lk=12))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out = dmattn_ops.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, window_size=(2, 1))
+    want = reference.attention_varlen(q, k, v, cu, cu, 7, 7, window_size=(2, 1))
+    assert_close(out, want, F64 * want.abs().max().item(), "flash_attn_varlen_func window")
+
+
 def test_varlen_matches_the_oracle():
     q, k, v = (t[0] for t in _qkv(b=1, lq=12, lk=12))
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
@@ -47,7 +59,7 @@ def test_varlen_matches_the_oracle():
     "kwargs, error, match",
     [
         (dict(dropout_p=0.1), ValueError, "dropout_p must be 0.0"),
-        (dict(window_size=(128, 0)), NotImplementedError, "window_size=\\(128, 0\\)"),
+        (dict(window_size=(-2, 0)), ValueError, "window_size left must be >= 0, or -1"),
         (dict(alibi_slopes=torch.ones(4)), NotImplementedError, "alibi_slopes"),
         (dict(return_attn_probs=True), NotImplementedError, "return_attn_probs"),
     ],
