@@ -23,10 +23,14 @@ def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
     is no sink, and a row with no key and a sink of -inf keeps lse -inf."""
     s = sinks.to(lse.dtype)[None, :, None]  # [1, H, 1]
     s_finite = s.clamp(min=torch.finfo(lse.dtype).min)
-    lse_new = torch.logaddexp(lse, s_finite)
-    weight = torch.exp(lse - lse_new)  # in [0, 1]; 0 for a row with no key
+    with_sink = torch.logaddexp(lse, s_finite)
+    weight = torch.exp(lse - with_sink)  # in [0, 1]; 0 for a row with no key
+    # A sink of -inf is no sink, exactly: clamped to finfo.min it would still take half of a
+    # row whose lse lies near finfo.min (a bias of finfo.min on every allowed key).
+    none = s == float("-inf")
+    lse_new = torch.where(none, lse, with_sink)
+    weight = torch.where(none, 1.0, weight)
     out_new = (out.to(weight.dtype) * weight.transpose(1, 2)[..., None]).to(out.dtype)
-    lse_new = torch.where((lse == float("-inf")) & (s == float("-inf")), float("-inf"), lse_new)
     return out_new, lse_new
 
 
