@@ -6,8 +6,10 @@
     out = model(input_ids, dma_mask=mask, dma_bias=bias)
 
 `register()` adds "dmattn" to transformers' AttentionInterface (the attention function below)
-and AttentionMaskInterface (transformers' own SDPA mask builder, which yields a boolean
-(B, 1, Lq, Lk) mask, or None when the pattern is plain causal). Every attention layer of the model
+and AttentionMaskInterface (`dmattn_mask`: transformers' own SDPA mask builder, which yields a
+boolean (B, 1, Lq, Lk) mask, or None when the pattern is plain causal; and None as well for a
+sliding-window causal layer without padding, whose window then reaches the kernels as
+``window_size``, so no O(L^2) mask is built for Mistral, Qwen2/3, Gemma 2/3 or GPT-OSS). Every attention layer of the model
 then runs `torch.ops.dmattn.attention`. Dynamic masks and learned biases travel as keyword
 arguments of the model's forward, which transformers hands to every attention call:
 
@@ -22,7 +24,8 @@ Keyword arguments transformers hands to the attention function are either used, 
 bookkeeping, or refused; nothing that changes the attention's math is dropped silently:
 
 * used: ``dma_mask``, ``dma_bias``, ``softcap`` (Gemma 2 logit soft-capping), ``sliding_window``
-  (transformers' mask builder has already applied the window to ``attention_mask``), ``s_aux``
+  (a key is visible when q - k < sliding_window: ``window_size=(sliding_window - 1, 0)`` when
+  the layer's mask was left to the kernels; else the mask builder has applied it), ``s_aux``
   (GPT-OSS attention sinks, passed as ``sinks``);
 * ignored (bookkeeping): ``IGNORED`` below (positions, cache and output flags);
 * refused with a ValueError naming it: packed-sequence arguments (``cu_seq_lens_q`` and
@@ -47,6 +50,7 @@ IGNORED = frozenset({
     "position_ids", "use_cache", "cache_position", "past_key_value", "past_key_values",
     "output_attentions", "output_hidden_states", "return_dict", "position_embeddings",
     "token_type_ids", "labels", "logits_to_keep", "num_items_in_batch", "layer_idx",
+    "output_router_logits",
 })  # fmt: skip
 REFUSED = {
     "cu_seq_lens_q": "packed sequences: call dmattn_ops.attention_varlen",
@@ -103,6 +107,11 @@ def dmattn_attention_forward(
     else:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         causal = bool(causal) and query.shape[2] > 1
+    window = (-1, -1)
+    sliding = kwargs.get("sliding_window")
+    if attention_mask is None and sliding is not None and sliding > 0:
+        # dmattn_mask left this sliding layer's mask to us: causal, bottom-right aligned.
+        window = (int(sliding) - 1, 0)
     softcap = kwargs.get("softcap") or 0.0
     sinks = kwargs.get("s_aux")
     if sinks is not None:
@@ -119,16 +128,58 @@ def dmattn_attention_forward(
         is_causal=causal,
         softcap=float(softcap),
         sinks=sinks,
+        window_size=window,
     )
     return out, None
+
+
+def dmattn_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs,
+):
+    """transformers mask builder for "dmattn": its SDPA builder's result, except for a sliding
+    window causal layer with no padding whose last query sits at the last key (no static cache
+    slack): None, and the attention function passes the window to the kernels (window_size),
+    so the band is never materialised. Anything else (padding, packed sequences, chunked
+    attention, a static cache) gets the SDPA builder's boolean mask."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    mask_function = causal_mask_function if mask_function is None else mask_function
+    config = kwargs.get("config")
+    sliding = local_size is not None and getattr(config, "sliding_window", None) == local_size
+    aligned = q_offset + q_length == kv_offset + kv_length
+    if sliding and allow_is_causal_skip and aligned and _no_padding(attention_mask):
+        return None
+    return sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+        local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs,
+    )  # fmt: skip
+
+
+def _no_padding(attention_mask: torch.Tensor | None) -> bool:
+    """No padding mask, or (outside a trace, where it can be read) one that is all ones."""
+    if attention_mask is None:
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    return bool(attention_mask.all())
 
 
 def register() -> None:
     """Make ``attn_implementation="dmattn"`` available to every transformers model."""
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:
         raise ImportError('dmattn_ops.hf needs transformers: pip install "dmattn-ops[hf]"') from e
     AttentionInterface.register(NAME, dmattn_attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, dmattn_mask)

@@ -111,3 +111,66 @@ def test_gpt_oss_sinks_are_applied():
         sinks=s_aux,
     )  # fmt: skip
     torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+
+
+def _sliding_models(name):
+    """A tiny random model of a sliding-window family, as ours and eager (same weights)."""
+    dmattn_ops.hf.register()
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  head_dim=16)  # fmt: skip
+    if name == "mistral":
+        cfg = transformers.MistralConfig(sliding_window=5, **common)
+    elif name == "gemma2":
+        cfg = transformers.Gemma2Config(sliding_window=5, attn_logit_softcapping=20.0,
+                                        query_pre_attn_scalar=16, **common)  # fmt: skip
+    else:
+        cfg = transformers.GptOssConfig(sliding_window=5, num_local_experts=4,
+                                        num_experts_per_tok=2, **common)  # fmt: skip
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(cfg), attn_implementation="dmattn"
+    )
+    eager = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(cfg), attn_implementation="eager"
+    )
+    eager.load_state_dict(ours.state_dict())
+    if name == "gpt_oss":  # random sinks of a visible size, so that dropping them would show
+        with torch.no_grad():
+            for m in ours.modules():
+                if hasattr(m, "sinks"):
+                    m.sinks.normal_(0.0, 1.0)
+        eager.load_state_dict(ours.state_dict())
+    return ours.float().eval(), eager.float().eval()
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gpt_oss"])
+def test_sliding_window_models_match_eager_without_a_mask(name, monkeypatch):
+    ours, eager = _sliding_models(name)
+    seen = []
+    forward = dmattn_ops.hf.dmattn_attention_forward
+
+    def spy(module, q, k, v, attention_mask, *args, **kwargs):
+        seen.append((attention_mask, kwargs.get("sliding_window")))
+        return forward(module, q, k, v, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AttentionInterface, "_global_mapping",
+                        {**transformers.AttentionInterface._global_mapping, "dmattn": spy})  # fmt: skip
+    ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(1))
+    logits = ours(ids).logits
+    want = eager(ids).logits
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
+    windowed = [s for m, s in seen if s is not None]
+    assert windowed, "no layer passed its sliding window"
+    assert all(m is None for m, _ in seen), "a (B, 1, L, L) mask was built"
+    # Gradients of every parameter.
+    logits.square().mean().backward()
+    want.square().mean().backward()
+    for (n, a), (_, b) in zip(ours.named_parameters(), eager.named_parameters()):
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-5, msg=n)
+    # Greedy generation, with the cache: the same tokens.
+    with torch.no_grad():
+        got = ours.generate(ids[:1, :6], max_new_tokens=8, do_sample=False)
+        exp = eager.generate(ids[:1, :6], max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, exp)
