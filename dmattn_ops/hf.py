@@ -9,9 +9,10 @@
 and AttentionMaskInterface (`dmattn_mask`: transformers' own SDPA mask builder, which yields a
 boolean (B, 1, Lq, Lk) mask, or None when the pattern is plain causal; and None as well for a
 sliding-window causal layer without padding, whose window then reaches the kernels as
-``window_size``, so no O(L^2) mask is built for Mistral, Qwen2/3, Gemma 2/3 or GPT-OSS). Every attention layer of the model
-then runs `torch.ops.dmattn.attention`. Dynamic masks and learned biases travel as keyword
-arguments of the model's forward, which transformers hands to every attention call:
+``window_size``, so no O(L^2) mask is built for Mistral, Qwen2/3, Gemma 2/3 or GPT-OSS).
+Every attention layer of the model then runs `torch.ops.dmattn.attention`. Dynamic masks and
+learned biases travel as keyword arguments of the model's forward, which transformers hands to
+every attention call:
 
 * ``dma_mask``: bool, (B|1, H|Hkv|1, Lq|1, Lk), combined (and) with the model's own mask;
 * ``dma_bias``: float, same broadcast shapes, added to the logits and differentiated.

@@ -1,0 +1,152 @@
+"""Sliding-window benchmark (issue 16): ``python -m bench.window [--quick]``.
+
+Causal sliding windows of 4096 keys at L16384 and L32768 (B1 H32 Hkv8 D128, bf16), forward +
+backward: ours with window_size, ours on full causal attention (the window's time should fall
+with the window), PyTorch SDPA with the window materialised as a boolean mask, and
+FlexAttention (compiled) with a window mask_mod. Then a GPT-OSS-shaped layer (B1 L8192 H64 Hkv8
+D64, window 128, sinks): ours against Flex with the same window (Flex has no sinks: it computes
+less). Every implementation is checked against ours on the output before it is timed. Times are
+medians of triton.testing.do_bench (ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+import dmattn_ops
+
+
+def _inputs(b, lq, h, hkv, d, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, lq, h, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, lq, hkv, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, lq, hkv, d, device="cuda", dtype=dtype, generator=g)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def _fwd_bwd(fn, tensors):
+    grad = None
+
+    def step():
+        nonlocal grad
+        out = fn(*tensors)
+        if grad is None:
+            grad = torch.randn_like(out)
+        torch.autograd.grad(out, tensors, grad)
+
+    return step
+
+
+@functools.cache
+def _flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_window(q, k, v, left, block_mask, sinks=None):
+    out = _flex()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+                  enable_gqa=q.shape[2] != k.shape[2])  # fmt: skip
+    return out.transpose(1, 2)
+
+
+def _window_block_mask(lq, left):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, qi, kj):
+        return (kj <= qi) & (kj >= qi - left)
+
+    return create_block_mask(mask_mod, 1, 1, lq, lq, device="cuda")
+
+
+def _sdpa_masked(q, k, v, band):
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=band,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )  # fmt: skip
+    return out.transpose(1, 2)
+
+
+def _time(step) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(step, warmup=5, rep=40)
+
+
+def _check(name, got, want):
+    err = (got.float() - want.float()).abs().max().item()
+    assert err < 3e-2 and got.isfinite().all(), f"{name}: max error {err:.3e} against ours"
+
+
+def window_case(lq: int, window: int, rows: list) -> None:
+    b, h, hkv, d = 1, 32, 8, 128
+    left = window - 1  # window keys including the query's own
+    q, k, v = _inputs(b, lq, h, hkv, d)
+    ours = functools.partial(dmattn_ops.attention, is_causal=True, window_size=(left, 0))
+    full = functools.partial(dmattn_ops.attention, is_causal=True)
+    with torch.no_grad():
+        ref = ours(q, k, v)
+    times = {"ours window": _time(_fwd_bwd(ours, (q, k, v)))}
+    times["ours causal"] = _time(_fwd_bwd(full, (q, k, v)))
+    block_mask = _window_block_mask(lq, left)
+    flex = functools.partial(_flex_window, left=left, block_mask=block_mask)
+    with torch.no_grad():
+        _check("flex", flex(q, k, v), ref)
+    times["flex window"] = _time(_fwd_bwd(flex, (q, k, v)))
+    i = torch.arange(lq, device="cuda")
+    band = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - left)
+    sdpa = functools.partial(_sdpa_masked, band=band)
+    try:
+        with torch.no_grad():
+            _check("sdpa", sdpa(q, k, v), ref)
+        times["sdpa masked"] = _time(_fwd_bwd(sdpa, (q, k, v)))
+    except torch.OutOfMemoryError:
+        times["sdpa masked"] = float("nan")
+    del band
+    shape = f"B{b} L{lq} H{h}/{hkv} D{d} causal window {window}"
+    for name, t in times.items():
+        rows.append((shape, name, t, t / times["ours window"]))
+    rows.append((shape, "window / causal (ours)", times["ours window"] / times["ours causal"], 0))
+
+
+def gpt_oss_case(lq: int, rows: list) -> None:
+    b, h, hkv, d, window = 1, 64, 8, 64, 128
+    left = window - 1
+    q, k, v = _inputs(b, lq, h, hkv, d, seed=1)
+    sinks = torch.randn(h, device="cuda", dtype=torch.float32).requires_grad_()
+    ours = functools.partial(dmattn_ops.attention, is_causal=True, window_size=(left, 0))
+    ours_sinks = functools.partial(ours, sinks=sinks)
+    block_mask = _window_block_mask(lq, left)
+    flex = functools.partial(_flex_window, left=left, block_mask=block_mask)
+    with torch.no_grad():
+        _check("flex", flex(q, k, v), ours(q, k, v))
+    times = {
+        "ours window + sinks": _time(_fwd_bwd(ours_sinks, (q, k, v))),
+        "ours window": _time(_fwd_bwd(ours, (q, k, v))),
+        "flex window (no sinks)": _time(_fwd_bwd(flex, (q, k, v))),
+    }
+    shape = f"GPT-OSS layer B{b} L{lq} H{h}/{hkv} D{d} window {window}"
+    for name, t in times.items():
+        rows.append((shape, name, t, t / times["ours window + sinks"]))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.window", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="L16384 only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    rows: list = []
+    for lq in (16384,) if args.quick else (16384, 32768):
+        window_case(lq, 4096, rows)
+    gpt_oss_case(8192, rows)
+    print(f"{'shape':<42} {'implementation':<24} {'fwd+bwd ms':>10} {'x ours':>7}")
+    for shape, name, t, ratio in rows:
+        print(f"{shape:<42} {name:<24} {t:>10.3f} {ratio:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
