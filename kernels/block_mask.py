@@ -264,6 +264,6 @@ def key_lists_kernel(
         seen = tl.load(prefix + end - 1, mask=(t < NQ) & (end > 0), other=0)
         tl.store(KEY_END + i_bt * stride_eb + i_h * NQ + t, seen, mask=t < NQ)
         if HAS_WINDOW:
-            start = tl.minimum(tl.maximum(t * BLOCK_M + n - lq - win_left, 0), end)
-            below = tl.load(prefix + start - 1, mask=(t < NQ) & (start > 0), other=0)
+            first = tl.minimum(tl.maximum(t * BLOCK_M + n - lq - win_left, 0), end)
+            below = tl.load(prefix + first - 1, mask=(t < NQ) & (first > 0), other=0)
             tl.store(KEY_START + i_bt * stride_eb + i_h * NQ + t, below, mask=t < NQ)

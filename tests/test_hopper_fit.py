@@ -103,6 +103,8 @@ def _arguments(kind, jit, cfg, width, ops, float_type="fp32"):
             sig[name] = "*i32" if tables else None
         elif name in ("KEYS", "KEY_END", "KEY_COUNT"):
             sig[name] = "*i32" if (compact or (kind == "decode" and ops.mask != "none")) else None
+        elif name == "KEY_START":
+            sig[name] = None  # window launches: tests/test_window.py compiles them
         elif name in ("SEQUSED", "CU_Q", "CU_K"):
             sig[name] = "*i32"
         elif name in ("scale", "softcap"):
@@ -125,7 +127,7 @@ def _arguments(kind, jit, cfg, width, ops, float_type="fp32"):
                 args[name] = 7 if kind_ == "entry" else 0
     args.update(softcap=1.0, scale=0.1)
     meta = dict(
-        IS_CAUSAL=True, BLOCK_M=cfg.block_m or 64, BLOCK_N=cfg.block_n, BLOCK_D=block,
+        IS_CAUSAL=True, HAS_WINDOW=False, BLOCK_M=cfg.block_m or 64, BLOCK_N=cfg.block_n, BLOCK_D=block,
         BLOCK_DV=block, DOT_PRECISION="ieee" if ops.itemsize == 4 else "tf32",
     )  # fmt: skip
     args.update({k: v for k, v in meta.items() if k in jit.arg_names})
@@ -275,9 +277,10 @@ from triton.compiler import ASTSource
 
 from dmattn_ops.kernels.block_mask import key_lists_kernel as k
 
-for varlen in (False, True):
+for varlen, window in ((False, False), (True, False), (False, True), (True, True)):
     sig, constexprs = {}, {}
-    values = dict(HAS_SEQUSED=not varlen, VARLEN=varlen, IS_CAUSAL=True, BLOCK_M=64, CHUNK=1024)
+    values = dict(HAS_SEQUSED=not varlen, VARLEN=varlen, IS_CAUSAL=not window,
+                  HAS_WINDOW=window, BLOCK_M=64, CHUNK=1024)
     for i, name in enumerate(k.arg_names):
         if name in values or (name == "SEQUSED" and varlen) or (
             name in ("CU_Q", "CU_K") and not varlen
@@ -288,6 +291,10 @@ for varlen in (False, True):
             sig[name] = "*u8"
         elif name in ("SEQUSED", "CU_Q", "CU_K", "PREFIX", "KEYS", "KEY_END", "KEY_COUNT"):
             sig[name] = "*i32"
+        elif name == "KEY_START":
+            sig[name] = "*i32" if window else "constexpr"
+            if not window:
+                constexprs[(i,)] = None
         else:
             sig[name] = "i32"
     src = ASTSource(fn=k, signature=sig, constexprs=constexprs)

@@ -23,6 +23,7 @@ from helpers import (
 
 import dmattn_ops
 from dmattn_ops import configs, launch, reference
+from dmattn_ops.tiles import Band
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -662,7 +663,7 @@ def test_key_lists_kernel_matches_direct_counting(bm, seq, is_causal, lq, lk, bl
     want = _key_lists_by_counting(mask, seqused_k, b, lq, lk, is_causal, block_m)
     got = launch.build_key_lists(
         mask.to(DEVICE), None if seqused_k is None else seqused_k.to(DEVICE), b, lq, lk,
-        is_causal, block_m,
+        Band.of(is_causal, (-1, -1)), block_m,
     )  # fmt: skip
     for name, g_, w in zip(("keys", "key_end", "key_count"), (got.keys, got.key_end,
                                                              got.key_count), want):  # fmt: skip
@@ -680,8 +681,9 @@ def test_varlen_key_lists_kernel_matches_direct_counting(is_causal):
     mask = torch.rand(hm, total_k, generator=torch.Generator().manual_seed(1)) < 0.3
     nq = -(-40 // block_m)
     got = launch.build_varlen_key_lists(
-        mask.to(DEVICE), cu_q.to(DEVICE), cu_k.to(DEVICE), total_q, nq, is_causal, block_m, 1300
-    )
+        mask.to(DEVICE), cu_q.to(DEVICE), cu_k.to(DEVICE), total_q, nq,
+        Band.of(is_causal, (-1, -1)), block_m, 1300,
+    )  # fmt: skip
     keys = torch.full((hm, total_k), total_k, dtype=torch.int32)
     key_end = torch.zeros((3, hm, nq), dtype=torch.int32)
     key_count = torch.zeros((3, hm), dtype=torch.int32)
