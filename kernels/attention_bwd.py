@@ -896,7 +896,7 @@ def attention_bwd_dbias_kernel(
                     o_act = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
                     active = tl.load(ACTIVE + o_act * NK + kb) != 0
                 elif HAS_WINDOW:
-                    kb_lo, _, _, kb_hi = band_key_tiles(
+                    kb_lo, _kb_int_lo, _kb_int_hi, kb_hi = band_key_tiles(
                         i_mb * BLOCK_M, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N
                     )
                     active = (kb >= kb_lo) & (kb < kb_hi)

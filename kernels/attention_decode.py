@@ -129,7 +129,9 @@ def attention_decode_kernel(
         if HAS_WINDOW:
             base = tl.load(KEY_START + i_b * end_stride_b + i_hm * end_stride_h)
     elif HAS_WINDOW:
-        kb_lo, _, _, kb_hi = band_key_tiles(0, n_keys, Lq, win_left, win_right, Lq, BLOCK_N)
+        kb_lo, _kb_int_lo, _kb_int_hi, kb_hi = band_key_tiles(
+            0, n_keys, Lq, win_left, win_right, Lq, BLOCK_N
+        )
         base = kb_lo * BLOCK_N
         end = kb_hi * BLOCK_N
     else:
