@@ -38,7 +38,9 @@ class Band(NamedTuple):
     @staticmethod
     def of(is_causal: bool, window: tuple[int, int]) -> Band:
         left, right = window
-        if left < 0 and right < 0:
+        if left < 0 and (right < 0 or is_causal):
+            # No lower bound, and no upper bound beyond causality's: the plain launch (dense
+            # causal calls keep PyTorch's fused kernels, sdpa.py).
             return Band(bool(is_causal), False, 0, 0)
         if is_causal:
             right = 0 if right < 0 else min(right, 0)

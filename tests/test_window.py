@@ -338,3 +338,11 @@ def test_invalid_windows_raise(window, error, match):
         dmattn_ops.attention_varlen(q[0], k[0], v[0], torch.tensor([0, 9], dtype=torch.int32,
                                     device=DEVICE), torch.tensor([0, 13], dtype=torch.int32,
                                     device=DEVICE), 9, 13, window_size=window)  # fmt: skip
+
+
+def test_a_window_unbounded_below_under_causality_is_plain_causal():
+    from dmattn_ops.tiles import Band
+
+    assert Band.of(True, (-1, 3)) == Band.of(True, (-1, 0)) == Band.of(True, (-1, -1))
+    assert Band.of(True, (-1, -1)) == (True, False, 0, 0)
+    assert Band.of(False, (-1, 3)).has_window and Band.of(True, (5, -1)).has_window
