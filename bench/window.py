@@ -6,7 +6,8 @@ with the window), PyTorch SDPA with the window materialised as a boolean mask, a
 FlexAttention (compiled) with a window mask_mod. Then a GPT-OSS-shaped layer (B1 L8192 H64 Hkv8
 D64, window 128, sinks): ours against Flex with the same window (Flex has no sinks: it computes
 less). Every implementation is checked against ours on the output before it is timed. Times are
-medians of triton.testing.do_bench (ms).
+medians of triton.testing.do_bench (ms). ``--profile``: then the device time of every kernel of
+ours and of Flex per forward+backward (bench/profile.py), to see which kernel is behind.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def _check(name, got, want):
     assert err < 3e-2 and got.isfinite().all(), f"{name}: max error {err:.3e} against ours"
 
 
+PROFILES: list = []  # (label, step), filled when --profile asks for kernel breakdowns
+
+
 def window_case(lq: int, window: int, rows: list) -> None:
     b, h, hkv, d = 1, 32, 8, 128
     left = window - 1  # window keys including the query's own
@@ -96,6 +100,8 @@ def window_case(lq: int, window: int, rows: list) -> None:
     with torch.no_grad():
         _check("flex", flex(q, k, v), ref)
     times["flex window"] = _time(_fwd_bwd(flex, (q, k, v)))
+    PROFILES.append((f"L{lq} window {window}: ours", _fwd_bwd(ours, (q, k, v))))
+    PROFILES.append((f"L{lq} window {window}: flex", _fwd_bwd(flex, (q, k, v))))
     i = torch.arange(lq, device="cuda")
     band = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - left)
     sdpa = functools.partial(_sdpa_masked, band=band)
@@ -128,6 +134,8 @@ def gpt_oss_case(lq: int, rows: list) -> None:
         "ours window": _time(_fwd_bwd(ours, (q, k, v))),
         "flex window (no sinks)": _time(_fwd_bwd(flex, (q, k, v))),
     }
+    PROFILES.append(("GPT-OSS: ours + sinks", _fwd_bwd(ours_sinks, (q, k, v))))
+    PROFILES.append(("GPT-OSS: flex", _fwd_bwd(flex, (q, k, v))))
     shape = f"GPT-OSS layer B{b} L{lq} H{h}/{hkv} D{d} window {window}"
     for name, t in times.items():
         rows.append((shape, name, t, t / times["ours window + sinks"]))
@@ -136,6 +144,7 @@ def gpt_oss_case(lq: int, rows: list) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.window", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="L16384 only")
+    parser.add_argument("--profile", action="store_true", help="kernel times of ours and Flex")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -146,6 +155,14 @@ def main(argv=None) -> None:
     print(f"{'shape':<42} {'implementation':<24} {'fwd+bwd ms':>10} {'x ours':>7}")
     for shape, name, t, ratio in rows:
         print(f"{shape:<42} {name:<24} {t:>10.3f} {ratio:>7.2f}")
+    if args.profile:
+        from bench.profile import kernel_times
+
+        for label, step in PROFILES:
+            kernels = kernel_times(step)
+            print(f"\n{label}: {sum(r[1] for r in kernels):.3f} ms of kernels per call")
+            for kernel, ms, n in kernels[:10]:
+                print(f"  {ms:8.3f} ms  x{n:<3d} {kernel[:90]}")
 
 
 if __name__ == "__main__":

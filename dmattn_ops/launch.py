@@ -291,7 +291,9 @@ def attention_backward(
     g = h // hkv
     dbias_mode = None
     if compute_dbias:
-        if bias.shape[2] == 1:
+        if bias.shape[2] == 1 and bias.shape[:2] == (b, hkv):
+            dbias_mode = "group"  # the dk/dv kernels sum the group's heads: dbias itself
+        elif bias.shape[2] == 1:
             dbias_mode = "cols"
         elif bias.shape[0] == b and bias.shape[1] == h:
             dbias_mode = "direct"
@@ -305,17 +307,20 @@ def attention_backward(
         lists = build_key_lists(mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m)
     elif mask is not None:
         tables, dq_tables = _backward_tables(mask, seqused_k, b, lq, lk, band, cfgs)
-    # With key lists, keys outside every list are never visited: their dk/dv must start at 0.
-    alloc = torch.zeros if lists else empty
-
     delta = _delta(out, grad_out, grad_lse)
 
+    # Every row of dk, dv and the column sums is written by the dk/dv kernels, keys outside
+    # the key lists included (their rows are zeros): no fills.
     dq = empty(query.shape, dtype=query.dtype, device=device)
-    dk = alloc(key.shape, dtype=key.dtype, device=device)
-    dvv = alloc(value.shape, dtype=value.dtype, device=device)
+    dk = empty(key.shape, dtype=key.dtype, device=device)
+    dvv = empty(value.shape, dtype=value.dtype, device=device)
     dbias_cols = dbias_direct = dbias_bcast = None
-    if dbias_mode == "cols":
-        dbias_cols = alloc((b, h, lk), dtype=torch.float32, device=device)
+    col_strides = (h * lk, lk)
+    if dbias_mode == "group":
+        dbias_cols = empty((b, hkv, 1, lk), dtype=bias.dtype, device=device)
+        col_strides = (hkv * lk, lk)
+    elif dbias_mode == "cols":
+        dbias_cols = empty((b, h, lk), dtype=torch.float32, device=device)
     elif dbias_mode == "direct":
         dbias_direct = torch.zeros((b, h, lq, lk), dtype=bias.dtype, device=device)
     elif dbias_mode == "bcast":
@@ -323,8 +328,9 @@ def attention_backward(
 
     _launch_backward(
         query, key, value, grad_out, mask, bias, seqused_k, None, None, lse, lse_rem, delta,
-        dq, dk, dvv, dbias_cols, dbias_direct, b, lq, lk, lq, lk, (h * lq, lq), (h * lk, lk),
+        dq, dk, dvv, dbias_cols, dbias_direct, b, lq, lk, lq, lk, (h * lq, lq), col_strides,
         tables, dq_tables, lists, lists, cfgs, scale, band, softcap,
+        group_cols=dbias_mode == "group",
     )  # fmt: skip
     if dbias_bcast is not None:
         nq, nk = cdiv(lq, cfg.block_m), cdiv(lk, cfg.block_n)
@@ -355,6 +361,8 @@ def attention_backward(
 
     if not compute_dbias:
         dbias = torch.empty((0,), dtype=query.dtype, device=device)
+    elif dbias_mode == "group":
+        dbias = dbias_cols
     elif dbias_cols is not None:
         dbias = _sum_to_bias(dbias_cols, bias, hkv)
     elif dbias_direct is not None:
@@ -390,12 +398,13 @@ def _meta(cfg: Config, d: int, dv: int, band: Band, dtype: torch.dtype) -> dict:
 def _launch_backward(
     query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, lse, lse_rem, delta,
     dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
-    tables, dq_tables, lists, dkdv_lists, cfgs, scale, band, softcap,
+    tables, dq_tables, lists, dkdv_lists, cfgs, scale, band, softcap, group_cols=False,
 ):  # fmt: skip
     """The dk/dv and dq kernels, over 4-D views as in _launch_forward, with their own tile
     configs (cfgs: BackwardConfigs). The grids cover span_q queries and span_k keys per batch
     (Lq, Lk; varlen: the longest sequences). dkdv_lists is lists, or None where the mask is per
-    query head under GQA (one key list per KV group is needed)."""
+    query head under GQA (one key list per KV group is needed). group_cols: dbias_cols is the
+    bias gradient (B, Hkv, 1, Lk) itself, summed over each KV group's heads by the kernels."""
     h, d = query.shape[2], query.shape[3]
     hkv, d_v = key.shape[2], value.shape[3]
     kv, qc = cfgs.dkdv, cfgs.dq
@@ -416,17 +425,22 @@ def _launch_backward(
             g, nk * b * hkv, _sm_count(query.device), b * hkv * lk * (d + d_v) * 4,
             query.numel() * query.element_size(),
         )  # fmt: skip
-    part_dk = part_dv = None
+    part_dk = part_dv = part_db = None
     if split > 1:
         part_dk = empty((split, b * hkv, lk, d), dtype=torch.float32, device=query.device)
         part_dv = empty((split, b * hkv, lk, d_v), dtype=torch.float32, device=query.device)
+        if group_cols:
+            part_db = empty((split, b * hkv, lk), dtype=torch.float32, device=query.device)
+    # Batched key lists are permutations of the keys (tiles.KeyLists): the dk/dv kernels write
+    # zeros at the keys no list holds.
+    zero_unlisted = dkdv_lists is not None and cu_q is None
     attention_bwd_dkdv_kernel[(nk, b * hkv * split)](
         query, key, value, grad_out, None if dkdv_lists else mask, bias,
         seqused_k, cu_q, cu_k, lse, lse_rem, delta,
         tables.q_num if tables else None, tables.q_idx if tables else None,
         tables.q_lo if tables else None, tables.q_hi if tables else None,
         dkdv_lists.keys if dkdv_lists else None, dkdv_lists.key_count if dkdv_lists else None,
-        dk, dv, dbias_cols, part_dk, part_dv, *strides,
+        dk, dv, dbias_cols, part_dk, part_dv, part_db, *strides,
         tables.stride_bt if tables else 0, nk,
         dkdv_lists.keys_stride_b if dkdv_lists else 0,
         dkdv_lists.keys_stride_h if dkdv_lists else 0,
@@ -434,18 +448,22 @@ def _launch_backward(
         h, hkv, g, lq, lk, d, d_v, cdiv(span_q, kv.block_m), mask_div, bias_div,
         float(scale), float(softcap), split, *band.args(),
         HAS_MASK=0 if dkdv_lists else operand_kind(mask),
-        DBIAS_COLS=dbias_cols is not None, COMPACT=dkdv_lists is not None, PARTIAL=split > 1,
+        DBIAS_COLS=dbias_cols is not None, GROUP_COLS=group_cols,
+        COMPACT=dkdv_lists is not None, ZERO_UNLISTED=zero_unlisted, PARTIAL=split > 1,
         **flags, **_meta(kv, d, d_v, band, query.dtype),
     )  # fmt: skip
     if split > 1:
         block_r = 16 if interpreter_on() else 64
         attention_bwd_dkdv_reduce_kernel[(cdiv(lk, block_r), b * hkv)](
-            part_dk, part_dv, dkdv_lists.keys if dkdv_lists else None,
+            part_dk, part_dv, part_db, dkdv_lists.keys if dkdv_lists else None,
             dkdv_lists.key_count if dkdv_lists else None, dk, dv,
+            dbias_cols if group_cols else None,
             dkdv_lists.keys_stride_b if dkdv_lists else 0,
             dkdv_lists.keys_stride_h if dkdv_lists else 0,
-            dkdv_lists.count_stride_b if dkdv_lists else 0, hkv, g, lk, d, d_v, mask_div, split,
+            dkdv_lists.count_stride_b if dkdv_lists else 0, *col_strides,
+            hkv, g, lk, d, d_v, mask_div, split,
             BLOCK_R=block_r, **_head_blocks(d, d_v), COMPACT=dkdv_lists is not None,
+            GROUP_COLS=group_cols,
             num_warps=1 if interpreter_on() else 4,
         )  # fmt: skip
     nq = cdiv(span_q, qc.block_m)

@@ -170,7 +170,8 @@ def build_tables(mask, seqused_k, b, lq, lk, band: Band, block_m, block_n, mask_
 @dataclass
 class KeyLists:
     """For a mask broadcast over queries, (B|1, H|Hkv|1, 1, Lk): the allowed keys of each
-    (batch, mask head) in ascending order, padded with Lk (keys, (Bm, Hm, Lk) int32); how many
+    (batch, mask head) in ascending order, then the others (keys, (Bm, Hm, Lk) int32, a
+    permutation of the keys; varlen: padded with total_k instead); how many
     of them each query tile may see under causality and seqused_k (key_end, (Bt, Hm, NQ)); and
     how many lie below seqused_k (key_count, (Bt, Hm)). Under a window, key_start (Bt, Hm, NQ):
     how many lie below the band of each query tile's first row (else None); the tile's keys

@@ -156,6 +156,7 @@ def attention_bwd_dkdv_kernel(
     DBIAS_COL,
     PART_DK,
     PART_DV,
+    PART_DB,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -216,18 +217,28 @@ def attention_bwd_dkdv_kernel(
     HAS_SEQUSED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DBIAS_COLS: tl.constexpr,
+    GROUP_COLS: tl.constexpr,
     COMPACT: tl.constexpr,
+    ZERO_UNLISTED: tl.constexpr,
     VARLEN: tl.constexpr,
     PARTIAL: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, KV head) and G / SPLIT query heads of its group;
-    sums dk/dv over those heads. With a bias broadcast over queries it also writes, per query
-    head, the column sums of dS into DBIAS_COL (B, H, Lk) float32 (varlen: (H, total_k)).
+    sums dk/dv over those heads. With a bias broadcast over queries it also writes the column
+    sums of dS: per query head into DBIAS_COL (B, H, Lk) float32 (varlen: (H, total_k)), or,
+    GROUP_COLS (a bias per KV head), summed over the group into DBIAS_COL (B, Hkv, Lk) in the
+    bias's dtype: the bias gradient itself.
 
     SPLIT == 1 (PARTIAL False) stores dk, dv into DK, DV. Otherwise the SPLIT programs of a key
-    tile each store their float32 sums into PART_DK / PART_DV (SPLIT, B * Hkv, Lk, D|Dv) at the
-    tile's rows (list positions with COMPACT), and attention_bwd_dkdv_reduce_kernel adds them
-    in split order: more programs for small grids, no atomics, bitwise reproducible.
+    tile each store their float32 sums into PART_DK / PART_DV (SPLIT, B * Hkv, Lk, D|Dv) and,
+    GROUP_COLS, PART_DB (SPLIT, B * Hkv, Lk) at the tile's rows (list positions with COMPACT),
+    and attention_bwd_dkdv_reduce_kernel adds them in split order: more programs for small
+    grids, no atomics, bitwise reproducible.
+
+    ZERO_UNLISTED (COMPACT, batched): the key list is a permutation of the keys, the listed
+    ones first (block_mask.py key_lists_kernel); rows at list positions past KEY_COUNT are keys
+    no query sees, and get zeros here (dk, dv and the column sums), so the launcher allocates
+    nothing with a fill.
 
     VARLEN as in the forward kernel. A mask that is not compacted is then read per tile (it is
     per key token, so there are no tile tables)."""
@@ -284,6 +295,13 @@ def attention_bwd_dkdv_kernel(
     )  # [BN, BDV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dbias_group = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Where each row is stored: its key, or with ZERO_UNLISTED, for list positions past the
+    # count, the unlisted key the permutation holds there (its rows stay 0).
+    i_out = i_n
+    if ZERO_UNLISTED:
+        i_pos = i_nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        i_out = tl.load(p_keys + i_pos, mask=i_pos < Lk, other=Lk)
 
     for hh in range(i_split * G_PART, (i_split + 1) * G_PART):
         i_h = i_g * G + hh
@@ -393,23 +411,41 @@ def attention_bwd_dkdv_kernel(
                     win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
                 )  # fmt: skip
-        if DBIAS_COLS:
-            o_col = i_b * col_stride_b + i_h * col_stride_h + k_row0 + o_n
-            tl.store(DBIAS_COL + o_col, dbias_col, mask=i_n < Lk)
+        if GROUP_COLS:
+            dbias_group += dbias_col
+        elif DBIAS_COLS:
+            if ZERO_UNLISTED:
+                dbias_col = tl.where(i_nb * BLOCK_N + tl.arange(0, BLOCK_N) < n_pos, dbias_col, 0.0)
+            o_col = i_b * col_stride_b + i_h * col_stride_h + k_row0 + i_out.to(tl.int64)
+            tl.store(DBIAS_COL + o_col, dbias_col, mask=i_out < Lk)
 
     if PARTIAL:
         i_r = i_nb * BLOCK_N + tl.arange(0, BLOCK_N)
         m_r = i_r < (n_pos if COMPACT else Lk)
         n_bg = tl.num_programs(1) // SPLIT
-        o_r = ((i_split * n_bg + i_bg).to(tl.int64) * Lk + i_r)[:, None]
+        o_p = (i_split * n_bg + i_bg).to(tl.int64) * Lk + i_r
+        o_r = o_p[:, None]
         tl.store(
             PART_DK + o_r * D + i_d[None, :], dk * scale, mask=m_r[:, None] & (i_d[None, :] < D)
         )
         tl.store(PART_DV + o_r * Dv + i_dv[None, :], dv, mask=m_r[:, None] & (i_dv[None, :] < Dv))
+        if GROUP_COLS:
+            tl.store(PART_DB + o_p, dbias_group, mask=m_r)
     else:
-        m_store = i_n < Lk
+        m_store = i_out < Lk
+        o_out = i_out.to(tl.int64)
+        if ZERO_UNLISTED:
+            # Past the count the accumulators hold exact zeros (no score was allowed there);
+            # cleared anyway, so that no product of a skipped key can reach a stored row.
+            m_pos = (i_nb * BLOCK_N + tl.arange(0, BLOCK_N)) < n_pos
+            dk = tl.where(m_pos[:, None], dk, 0.0)
+            dv = tl.where(m_pos[:, None], dv, 0.0)
+            dbias_group = tl.where(m_pos, dbias_group, 0.0)
+        if GROUP_COLS:
+            o_col = i_b * col_stride_b + i_g * col_stride_h + k_row0 + o_out
+            tl.store(DBIAS_COL + o_col, dbias_group.to(DBIAS_COL.dtype.element_ty), mask=m_store)
         # dk, dv are (B, Lk, Hkv, D|Dv) contiguous.
-        o_kv = (k_start + o_n[:, None]) * Hkv + i_g
+        o_kv = (k_start + o_out[:, None]) * Hkv + i_g
         o_dk = o_kv * D + i_d[None, :]
         tl.store(
             DK + o_dk,
@@ -426,13 +462,17 @@ def attention_bwd_dkdv_kernel(
 def attention_bwd_dkdv_reduce_kernel(
     PART_DK,
     PART_DV,
+    PART_DB,
     KEYS,
     KEY_COUNT,
     DK,
     DV,
+    DBIAS,
     keys_stride_b,
     keys_stride_h,
     count_stride_b,
+    dbias_stride_b,
+    dbias_stride_h,
     Hkv,
     G,
     Lk,
@@ -444,10 +484,13 @@ def attention_bwd_dkdv_reduce_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     COMPACT: tl.constexpr,
+    GROUP_COLS: tl.constexpr,
 ):
-    """dk, dv = the sums of attention_bwd_dkdv_kernel's SPLIT float32 parts, in split order, for
-    BLOCK_R rows of one (batch, KV head), cast and stored at their keys (with COMPACT, the
-    listed keys of those list positions; other keys keep the launcher's zeros)."""
+    """dk, dv (and, GROUP_COLS, the bias gradient (B, Hkv, Lk) in DBIAS's dtype) = the sums of
+    attention_bwd_dkdv_kernel's SPLIT float32 parts, in split order, for BLOCK_R rows of one
+    (batch, KV head), cast and stored at their keys. With COMPACT the rows are list positions
+    of a key permutation (the dkdv kernel's ZERO_UNLISTED): those past the count are keys no
+    query sees, stored as zeros."""
     i_rb = tl.program_id(0)
     i_bg = tl.program_id(1)
     n_bg = tl.num_programs(1)
@@ -456,24 +499,44 @@ def attention_bwd_dkdv_reduce_kernel(
     i_r = i_rb * BLOCK_R + tl.arange(0, BLOCK_R)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
+    m_r = i_r < Lk
+    m_sum = m_r
+    i_n = i_r
     if COMPACT:
         i_hm = (i_g * G) // mask_hdiv
-        m_r = i_r < tl.load(KEY_COUNT + i_b * count_stride_b + i_hm)
+        m_sum = i_r < tl.load(KEY_COUNT + i_b * count_stride_b + i_hm)
         i_n = tl.load(KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + i_r, mask=m_r, other=0)
-    else:
-        m_r = i_r < Lk
-        i_n = i_r
-    m_k = m_r[:, None] & (i_d[None, :] < D)
-    m_v = m_r[:, None] & (i_dv[None, :] < Dv)
     dk = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
+    db = tl.zeros([BLOCK_R], dtype=tl.float32)
     for i_split in range(0, SPLIT):
-        o_r = ((i_split * n_bg + i_bg).to(tl.int64) * Lk + i_r)[:, None]
-        dk += tl.load(PART_DK + o_r * D + i_d[None, :], mask=m_k, other=0.0)
-        dv += tl.load(PART_DV + o_r * Dv + i_dv[None, :], mask=m_v, other=0.0)
-    o_kv = ((i_b * Lk + i_n.to(tl.int64)) * Hkv + i_g)[:, None]
-    tl.store(DK + o_kv * D + i_d[None, :], dk.to(DK.dtype.element_ty), mask=m_k)
-    tl.store(DV + o_kv * Dv + i_dv[None, :], dv.to(DV.dtype.element_ty), mask=m_v)
+        o_p = (i_split * n_bg + i_bg).to(tl.int64) * Lk + i_r
+        o_r = o_p[:, None]
+        dk += tl.load(
+            PART_DK + o_r * D + i_d[None, :], mask=m_sum[:, None] & (i_d[None, :] < D), other=0.0
+        )
+        dv += tl.load(
+            PART_DV + o_r * Dv + i_dv[None, :],
+            mask=m_sum[:, None] & (i_dv[None, :] < Dv),
+            other=0.0,
+        )
+        if GROUP_COLS:
+            db += tl.load(PART_DB + o_p, mask=m_sum, other=0.0)
+    o_n = i_n.to(tl.int64)
+    o_kv = ((i_b * Lk + o_n) * Hkv + i_g)[:, None]
+    tl.store(
+        DK + o_kv * D + i_d[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=m_r[:, None] & (i_d[None, :] < D),
+    )
+    tl.store(
+        DV + o_kv * Dv + i_dv[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=m_r[:, None] & (i_dv[None, :] < Dv),
+    )
+    if GROUP_COLS:
+        o_db = i_b * dbias_stride_b + i_g * dbias_stride_h + o_n
+        tl.store(DBIAS + o_db, db.to(DBIAS.dtype.element_ty), mask=m_r)
 
 
 @triton.jit

@@ -210,9 +210,10 @@ def key_lists_kernel(
     """Key lists of a mask shared by all queries (tiles.py KeyLists), one program per (batch or
     sequence b, mask head h), in one pass over the mask row:
 
-    KEYS: the allowed keys in ascending order, padded with Lk; batched, KEYS[b, h, :] (written by
-    the programs of b = 0 when the mask broadcasts over the batch, stride_kb = 0); varlen, at the
-    sequence's own key positions of KEYS[h, :], as indices local to the sequence. KEY_COUNT[b, h]:
+    KEYS: the allowed keys in ascending order; batched, KEYS[b, h, :] (written by the programs
+    of b = 0 when the mask broadcasts over the batch, stride_kb = 0), followed by the other keys
+    in descending order (a permutation of 0..Lk-1); varlen, at the sequence's own key positions
+    of KEYS[h, :], as indices local to the sequence, padded with Lk. KEY_COUNT[b, h]:
     how many lie below n (seqused_k[b], Lk, or the sequence's length). KEY_END[b, h, t]: how many
     query tile t may see: those below min(n, end of the tile + n - Lq) under causality, else
     below n (0 for a tile past a sequence's queries). HAS_WINDOW: KEY_END counts the keys
@@ -245,11 +246,16 @@ def key_lists_kernel(
         inclusive = total + tl.cumsum(a, 0)
         tl.store(prefix + j, inclusive, mask=j < lk)
         tl.store(keys + inclusive - 1, j, mask=(a * writes) != 0)
+        if not VARLEN:
+            # The keys left out, from the end backwards: KEYS[b, h] is a permutation of the
+            # keys (the dk/dv kernels store zeros at those past the count).
+            tl.store(keys + lk - (j + 1 - inclusive), j, mask=((1 - a) * writes != 0) & (j < lk))
         below_n += tl.sum(tl.where(j < n, a, 0), 0)
         total += tl.sum(a, 0)
-    for start in range(0, lk, CHUNK):
-        j = start + tl.arange(0, CHUNK)
-        tl.store(keys + j, Lk, mask=(j >= total) & (j < lk * writes))
+    if VARLEN:
+        for start in range(0, lk, CHUNK):
+            j = start + tl.arange(0, CHUNK)
+            tl.store(keys + j, Lk, mask=(j >= total) & (j < lk * writes))
     tl.store(KEY_COUNT + i_bt * stride_cb + i_h, below_n)
     tl.debug_barrier()  # the PREFIX stores above are read back by other threads of the program
     for t0 in range(0, NQ, CHUNK):

@@ -75,6 +75,10 @@ def _flags(kind, jit, args, ops) -> dict:
         DBIAS_COLS=args.get("DBIAS_COL") is not None,
         DBIAS_DIRECT=args.get("DBIAS") is not None,
         PARTIAL=args.get("PART_DK") is not None,
+        # The DMA launch: a bias per KV group summed in the kernel, unlisted keys zeroed (the
+        # launcher zeroes them only in batched calls; compiled here with the varlen code).
+        GROUP_COLS=args.get("PART_DB") is not None and args.get("DBIAS_COL") is not None,
+        ZERO_UNLISTED=args.get("KEYS") is not None,
     )  # fmt: skip
     return {name: value for name, value in flags.items() if name in jit.arg_names}
 
@@ -95,7 +99,7 @@ def _arguments(kind, jit, cfg, width, ops, float_type="fp32"):
             sig[name] = "*i1" if tables else None
         elif name in ("LSE", "LSE_REM", "DELTA", "ACC", "M", "L", "DBIAS_COL"):
             sig[name] = "*fp32"
-        elif name in ("PART_DK", "PART_DV"):
+        elif name in ("PART_DK", "PART_DV", "PART_DB"):
             # Key lists take the split (float32 parts) where the grid is small: compile that
             # store path with them, the direct one with the other operand kinds.
             sig[name] = "*fp32" if compact else None

@@ -620,8 +620,9 @@ def test_head_dim_sweep_every_operand_kind(d, mask_kind, bias_kind, dtype):
 
 
 def _key_lists_by_counting(mask, seqused_k, b, lq, lk, is_causal, block_m):
-    """KeyLists' contents written out directly: sorted allowed keys, and counts below each
-    query tile's causal end and below seqused_k."""
+    """KeyLists' contents written out directly: sorted allowed keys then the others in
+    descending order (a permutation), and counts below each query tile's causal end and below
+    seqused_k."""
     bm, hm = mask.shape[:2]
     bt = b if seqused_k is not None else bm
     nq = -(-lq // block_m)
@@ -632,7 +633,8 @@ def _key_lists_by_counting(mask, seqused_k, b, lq, lk, is_causal, block_m):
         n = lk if seqused_k is None else min(max(int(seqused_k[i]), 0), lk)
         for h in range(hm):
             allowed = torch.nonzero(mask[i if bm > 1 else 0, h, 0].cpu()).flatten()
-            keys[i if bm > 1 else 0, h, : allowed.numel()] = allowed.to(torch.int32)
+            others = torch.nonzero(~mask[i if bm > 1 else 0, h, 0].cpu()).flatten().flip(0)
+            keys[i if bm > 1 else 0, h] = torch.cat((allowed, others)).to(torch.int32)
             key_count[i, h] = int((allowed < n).sum())
             for t in range(nq):
                 end = n
