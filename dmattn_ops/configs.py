@@ -72,15 +72,32 @@ def block(dim: int) -> int:
     return max(16, 1 << max(0, dim - 1).bit_length())
 
 
-def _table(kind: str, width: int, masked: bool, itemsize: int, lq: int | None) -> Config:
+def _table(kind: str, width: int, ops: Operands, lq: int | None) -> Config:
     """The measured configurations (H100, bf16/fp16); fp32 tiles take twice the memory and get
     narrower key tiles. Decode-sized query tiles shrink to the query length."""
+    itemsize, masked = ops.itemsize, ops.mask != "none"
+    # Dense tiles (no mask; causal, a window band or none) against masked ones: the causal
+    # window of 4096 at L16384 (B1 H32/8 D128) ran its dk/dv kernel in 4.37 ms at (64, 64, 4,
+    # 2) against 4.63 at (32, 64, 4, 3), its dq kernel in 2.59 ms at (128, 64, 8, 3) against
+    # 2.81 at (64, 64, 4, 2); key lists (case M) prefer (32, 128, 8, 3) for dk/dv, 0.262 ms
+    # against 0.277 (bench/NOTES.md 37).
+    dense = not masked and ops.bias != "entry" and itemsize <= 2
     if kind == "decode":
         return Config(0, 64, 4, 2 if itemsize > 2 else 3)
     if kind == "dkdv":
-        cfg = Config(32, 64, 4, 3) if width <= 128 else Config(32, 32, 4, 1)
+        if width > 128:
+            cfg = Config(32, 32, 4, 1)
+        elif dense:
+            cfg = Config(64, 64, 4, 2)
+        elif ops.mask == "key" and itemsize <= 2:
+            cfg = Config(32, 128, 8, 3)
+        else:
+            cfg = Config(32, 64, 4, 3)
     elif kind == "dq":
-        cfg = Config(64, 64, 4, 2) if width <= 128 else Config(32, 32, 4, 1)
+        if width > 128:
+            cfg = Config(32, 32, 4, 1)
+        else:
+            cfg = Config(128, 64, 8, 3) if dense else Config(64, 64, 4, 2)
     elif width <= 64:
         cfg = Config(128, 64, 4, 3)
     elif width <= 128:
@@ -165,7 +182,7 @@ def config(
         return OVERRIDE[kind]
     if interpreter:
         return INTERPRETER_CONFIG if kind != "decode" else Config(0, 16, 1, 1)
-    cfg = _table(kind, max(d, dv), ops.mask != "none", ops.itemsize, lq)
+    cfg = _table(kind, max(d, dv), ops, lq)
     if limit is None:
         return cfg
     sized = cfg if kind != "decode" else Config(64, cfg.block_n, cfg.num_warps, cfg.num_stages)
