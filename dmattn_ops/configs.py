@@ -79,8 +79,8 @@ def _table(kind: str, width: int, ops: Operands, lq: int | None) -> Config:
     # Dense tiles (no mask; causal, a window band or none) against masked ones: the causal
     # window of 4096 at L16384 (B1 H32/8 D128) ran its dk/dv kernel in 4.37 ms at (64, 64, 4,
     # 2) against 4.63 at (32, 64, 4, 3), its dq kernel in 2.59 ms at (128, 64, 8, 3) against
-    # 2.81 at (64, 64, 4, 2); key lists (case M) prefer (32, 128, 8, 3) for dk/dv, 0.262 ms
-    # against 0.277 (bench/NOTES.md 37).
+    # 2.81 at (64, 64, 4, 2). Key lists keep (32, 64, 4, 3): (32, 128, 8, 3) won on case M
+    # (0.262 against 0.277 ms) but lost on case C (1.282 against 1.137; bench/NOTES.md 37).
     dense = not masked and ops.bias != "entry" and itemsize <= 2
     if kind == "decode":
         return Config(0, 64, 4, 2 if itemsize > 2 else 3)
@@ -89,8 +89,6 @@ def _table(kind: str, width: int, ops: Operands, lq: int | None) -> Config:
             cfg = Config(32, 32, 4, 1)
         elif dense:
             cfg = Config(64, 64, 4, 2)
-        elif ops.mask == "key" and itemsize <= 2:
-            cfg = Config(32, 128, 8, 3)
         else:
             cfg = Config(32, 64, 4, 3)
     elif kind == "dq":
