@@ -19,9 +19,9 @@ from dmattn_ops.kernels.common import (
     band_key_tiles,
     band_query_tiles,
     causal_key_end,
+    dense_key_tiles,
     dot,
     dot_acc,
-    interior_key_end,
     key_count,
     listed_interior_count,
     score_tile,
@@ -816,11 +816,11 @@ def attention_bwd_dq_kernel(
                 BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
             )  # fmt: skip
     else:
-        m_start = i_mb * BLOCK_M
+        kb_start, kb_int0, kb_int, kb_end = dense_key_tiles(
+            i_mb * BLOCK_M, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL,
+            HAS_WINDOW,
+        )  # fmt: skip
         if HAS_WINDOW:
-            kb_start, kb_int0, kb_int, kb_end = band_key_tiles(
-                m_start, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N
-            )
             for kb in range(kb_start, kb_int0):
                 dq = _dq_tile(
                     dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
@@ -830,14 +830,6 @@ def attention_bwd_dq_kernel(
                     DBIAS_DIRECT,
                     BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
                 )  # fmt: skip
-        else:
-            m_end = tl.minimum(m_start + BLOCK_M, Lq)
-            kb_end = tl.cdiv(causal_key_end(m_end, n_keys, Lq, IS_CAUSAL), BLOCK_N)
-            kb_end = tl.where(m_start < Lq, kb_end, 0)  # varlen: past this sequence's queries
-            kb_int = tl.minimum(
-                interior_key_end(m_start, n_keys, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL), kb_end
-            )
-            kb_int0 = 0
         for kb in range(kb_int0, kb_int):
             dq = _dq_tile(
                 dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,

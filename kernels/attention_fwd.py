@@ -6,10 +6,8 @@ import triton.language as tl
 from dmattn_ops.kernels.common import (
     LOG2E,
     as_fp32,
-    band_key_tiles,
-    causal_key_end,
+    dense_key_tiles,
     dot_acc,
-    interior_key_end,
     listed_interior_count,
     lse_split,
     score_tile,
@@ -285,19 +283,10 @@ def attention_fwd_kernel(
     else:
         # Interior key tiles first (no bounds or causal arithmetic), then the boundary ones;
         # under a window, boundary tiles below the interior ones too.
-        m_start = i_mb * BLOCK_M
-        if HAS_WINDOW:
-            kb_start, kb_int0, kb_int, kb_end = band_key_tiles(
-                m_start, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N
-            )
-        else:
-            m_end = tl.minimum(m_start + BLOCK_M, Lq)
-            kb_end = tl.cdiv(causal_key_end(m_end, n_keys, Lq, IS_CAUSAL), BLOCK_N)
-            kb_end = tl.where(m_start < Lq, kb_end, 0)  # varlen: past this sequence's queries
-            kb_int = tl.minimum(
-                interior_key_end(m_start, n_keys, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL), kb_end
-            )
-            kb_int0 = 0
+        kb_start, kb_int0, kb_int, kb_end = dense_key_tiles(
+            i_mb * BLOCK_M, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL,
+            HAS_WINDOW,
+        )  # fmt: skip
         if HAS_WINDOW:
             for kb in range(kb_start, kb_int0):
                 acc, l_i, m_i = _fwd_tile(

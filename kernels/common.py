@@ -256,6 +256,38 @@ def band_key_tiles(m_start, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N: t
 
 
 @triton.jit
+def dense_key_tiles(
+    m_start,
+    n_keys,
+    Lq,
+    win_left,
+    win_right,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
+    """(kb_lo, ki_lo, ki_hi, kb_hi) of the query tile starting at m_start over all keys (no
+    mask): boundary tiles [kb_lo, ki_lo), interior ones [ki_lo, ki_hi), boundary ones
+    [ki_hi, kb_hi). Under a window as band_key_tiles; otherwise kb_lo = ki_lo = 0 and the end
+    comes from causality (0 for a tile past a varlen sequence's queries)."""
+    if HAS_WINDOW:
+        kb_lo, ki_lo, ki_hi, kb_hi = band_key_tiles(
+            m_start, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N
+        )
+    else:
+        m_end = tl.minimum(m_start + BLOCK_M, Lq)
+        kb_hi = tl.cdiv(causal_key_end(m_end, n_keys, Lq, IS_CAUSAL), BLOCK_N)
+        kb_hi = tl.where(m_start < Lq, kb_hi, 0)
+        ki_hi = tl.minimum(
+            interior_key_end(m_start, n_keys, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL), kb_hi
+        )
+        kb_lo = 0
+        ki_lo = 0
+    return kb_lo, ki_lo, ki_hi, kb_hi
+
+
+@triton.jit
 def band_query_tiles(
     k_lo, k_hi, k_full, NQ, n_keys, Lq, win_left, win_right, BLOCK_M: tl.constexpr
 ):

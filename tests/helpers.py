@@ -119,6 +119,17 @@ def float64_grad_bound(ref_grad: torch.Tensor, lse_ref: torch.Tensor) -> float:
     return 16 * LSE_ROUNDING * lse_max * g_max
 
 
+def assert_grads_close(names, grads, ref_grads, ref_lp_grads, ref_lse, dtype) -> None:
+    """Each gradient against the float64 oracle's: float64 within float64_grad_bound, lower
+    precisions within low_precision_bound of PyTorch's own error in that precision
+    (ref_lp_grads: the oracle run in `dtype`)."""
+    for name, g, w, wl in zip(names, grads, ref_grads, ref_lp_grads):
+        if dtype == torch.float64:
+            assert_close(g, w, float64_grad_bound(w, ref_lse), name)
+        else:
+            assert_close(g, w, low_precision_bound(w, wl, dtype), name)
+
+
 def reference_grads(inputs, kwargs, grad_out, mask=None):
     """Float64 oracle output, lse and gradients of <out, grad_out> w.r.t. the inputs given."""
     q, k, v, bias = inputs
