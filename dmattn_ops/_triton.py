@@ -59,6 +59,11 @@ def tracing():
         _TRACING -= 1
 
 
+def tracing_on() -> bool:
+    """Whether launches are being traced into a compiled graph (inside `tracing()`)."""
+    return _TRACING > 0
+
+
 class LazyKernel:
     """A kernel of dmattn_ops.kernels, imported at its first use: `kernel[grid](...)` and
     attribute access behave as on the @triton.jit function itself (inside `tracing()`, as on

@@ -7,8 +7,8 @@ graphs) that host time is paid on every call and leaves the GPU idle (bench/NOTE
 
 Under torch.compile, AOTAutograd traces the graph under ``FunctionalTensorMode``. For CUDA
 tensors the rules below replace the kernel-carrying ops (``attention_forward``,
-``attention_backward`` and their varlen pair) by their own CUDA kernels (ops.py: validation,
-then the launcher), traced: the allocations become graph
+``attention_backward``, their varlen pair, and ``topk_select``) by their own CUDA kernels
+(ops.py: validation, then the launcher; masks.topk_select), traced: the allocations become graph
 buffers and every Triton launch goes through ``torch.library.wrap_triton`` (_triton.tracing),
 so Inductor compiles the kernels into the graph and launches them from its generated code,
 with the grids and arguments computed there.
@@ -25,17 +25,27 @@ that option on unless the user set it (in code or through its environment variab
 TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS); kernels the static launcher cannot
 take fall back to Triton's launcher by Inductor's own rule. At import, not when a graph first
 takes our kernels: a graph loaded from Inductor's caches is never traced again, and the option
-is read when its kernels load.
+is read when its kernels load. Both the option and its environment variable: Inductor compiles
+kernels in worker processes, which are told `use_static_triton_launcher` but not this option
+(torch 2.11, _inductor/async_compile.py) and read it from the environment they inherit; with
+the option set only in the parent, every kernel of ours compiled in a worker came back with
+Triton's launcher (bench/NOTES.md 39). Workers started before `import dmattn_ops` keep their
+setting. To opt out, set the variable to 0 or the option to False before the import: Inductor
+reads that variable as a forced value, so setting the option in code after the import has no
+effect.
 
 The ops stay whole (one node each) in graphs with symbolic sizes (see _symbolic); for
 torch.export, which keeps them serialisable as triton_op does; for CPU tensors (Triton's
 interpreter cannot run on fake tensors, and the chunked PyTorch path gains nothing); and where
 DMATTN_INDUCTOR_KERNELS=0 (see enabled()).
 
-``dmattn::topk_select`` stays one node: traced into a graph whose mask then feeds
-FlexAttention (``DynamicMaskAttention(backend="flex")`` compiled), the attention came out
-all zeros on the H100 (torch 2.11, Triton 3.6), though the traced mask itself equals the eager
-one (bench/NOTES.md 32; tests/test_flex.py holds it).
+``dmattn::topk_select`` is traced the same way. Its kernel writes bytes and the traced body
+returns ``bytes != 0``, not the bool buffer itself: Inductor inlines a buffer allocated by
+torch.empty and written only by a user-defined kernel as its constant fill value (False) when
+FlexAttention's mask_mod captures it, because the mask_mod's subgraph lowering keeps its own
+empty set of mutated buffers (torch 2.11, torch/_inductor/ir.py ComputedBuffer.make_loader);
+a compiled ``DynamicMaskAttention(backend="flex")`` then attended to nothing (bench/NOTES.md
+34, 39; tests/test_flex.py holds it). ``!= 0`` is an ordinary kernel that reads the buffer.
 """
 
 from __future__ import annotations
@@ -46,10 +56,11 @@ import os
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from dmattn_ops import _triton, launch, ops
+from dmattn_ops import _triton, launch, masks, ops
 
 log = logging.getLogger(__name__)
 _STATIC = "static_launch_user_defined_triton_kernels"
+_SET_AT_IMPORT = False  # whether _launch_statically turned the option on
 
 
 def enabled() -> bool:
@@ -67,7 +78,10 @@ def _launch_statically() -> None:
         return
     if not getattr(config, "_is_default", lambda name: False)(_STATIC):
         return
+    global _SET_AT_IMPORT
     setattr(config, _STATIC, True)
+    _SET_AT_IMPORT = True
+    os.environ["TORCHINDUCTOR_" + _STATIC.upper()] = "1"  # for Inductor's compile workers
     log.info("dmattn_ops: torch._inductor.config.%s = True (see dmattn_ops/inductor.py)", _STATIC)
 
 
@@ -133,5 +147,6 @@ def register() -> None:
         ("dmattn::attention_backward", ops._backward_impl, 2),
         ("dmattn::attention_varlen_forward", ops._varlen_forward_impl, 0),
         ("dmattn::attention_varlen_backward", ops._varlen_backward_impl, 2),
+        ("dmattn::topk_select", masks.topk_select, 0),
     ):
         torch.library.register_torch_dispatch(name, FunctionalTensorMode, _rule(body, tensor_arg))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops import launch
+from dmattn_ops import _triton, launch
 from dmattn_ops._triton import LazyKernel, next_power_of_2
 
 topk_mask_kernel = LazyKernel("topk_mask", "topk_mask_kernel")
@@ -179,8 +179,8 @@ def topk_select(
 ) -> torch.Tensor:
     """The k largest of every row of bias among the allowed keys (4-D, broadcast together), as
     a bool mask of their broadcast shape, block-smoothed when smooth > 0 (a power of two).
-    Registered as the op dmattn::topk_select (below), which compiled graphs keep as one node
-    (inductor.py says why). Where Triton cannot run, torch.topk."""
+    Registered as the op dmattn::topk_select (below); compiled graphs trace its kernel launch
+    (inductor.py). Where Triton cannot run, torch.topk."""
     if not launch.triton_runs_on(bias) or bias.dtype not in launch.TRITON_DTYPES:
         shape = _broadcast(bias, allowed)
         score = bias.expand(shape)
@@ -188,9 +188,14 @@ def topk_select(
         return _smooth(selected, allowed, smooth).contiguous() if smooth else selected
     shape = _broadcast(bias, allowed)
     b, h, lq, lk = shape
-    out = torch.empty(shape, dtype=torch.bool, device=bias.device)
+    # Traced into a compiled graph (inductor.py), the kernel writes bytes and the mask is
+    # `bytes != 0`: Inductor would read a bool buffer that comes from torch.empty and is
+    # written only by a user kernel as its fill value (all False) where FlexAttention's
+    # mask_mod captures it (bench/NOTES.md 39).
+    traced = _triton.tracing_on()
+    out = torch.empty(shape, dtype=torch.uint8 if traced else torch.bool, device=bias.device)
     if out.numel() == 0:
-        return out
+        return out != 0 if traced else out
     bias_e = bias.expand(shape)
     mask_e = allowed.expand(shape) if allowed is not None else None
     block = max(next_power_of_2(lk), smooth)
@@ -200,7 +205,7 @@ def topk_select(
         *launch.operand_strides(mask_e), h, lq, lk, k,
         BLOCK=block, SMOOTH=smooth, HAS_MASK=mask_e is not None, num_warps=warps,
     )  # fmt: skip
-    return out
+    return out != 0 if traced else out
 
 
 _fused_topk = torch.library.custom_op("dmattn::topk_select", topk_select, mutates_args=())

@@ -234,14 +234,20 @@ def test_dma_layer_with_flex_compiles_fullgraph_forward_and_backward():
         (r * torch.cos(r)).sum().backward()
         return [r.detach(), xr.grad] + [p.grad.clone() for p in layer.parameters()]
 
-    # Compiling the model must not add error to flex's own: the bound is twice the error of the
-    # uncompiled flex layer (fp32) against the float64 oracle, plus rounding. (Flex's own
-    # accuracy is checked against the oracle's fp32 error elsewhere; its bias gradient is
-    # accumulated with atomics, which the A and dt_proj gradients sum over.)
+    # Compiling the model must not add error beyond fp32's own: the bound is twice the larger
+    # error of two uncompiled fp32 layers against the float64 oracle (flex's, and the oracle's
+    # own math in fp32), plus rounding. One sample of flex's error alone is not a bound: the
+    # compiled graph runs other matmul and flex tile choices, and flex accumulates the bias
+    # gradient (which the A and dt_proj gradients sum over) with atomics; its q_proj gradient
+    # came out 1.6x over twice the eager sample in one of three H100 runs.
     eager = run_eager(torch.float32, "flex")
+    fp32 = run_eager(torch.float32, "reference")
     want = run_eager(torch.float64, "reference")
-    for i, (a, w, e) in enumerate(zip(got, want, eager)):
-        assert_close(a.double(), w, low_precision_bound(w, e, torch.float32), f"layer[{i}]")
+    for i, (a, w, e, r) in enumerate(zip(got, want, eager, fp32)):
+        bound = max(
+            low_precision_bound(w, e, torch.float32), low_precision_bound(w, r, torch.float32)
+        )
+        assert_close(a.double(), w, bound, f"layer[{i}]")
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

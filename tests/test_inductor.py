@@ -8,7 +8,7 @@ exactly the eager results."""
 
 import pytest
 import torch
-from helpers import Case, make_bias, make_mask, make_qkv
+from helpers import Case, assert_close, low_precision_bound, make_bias, make_mask, make_qkv
 
 import dmattn_ops
 from dmattn_ops import inductor, reference
@@ -68,6 +68,38 @@ def test_traced_graphs_hold_the_launchers_not_the_ops(monkeypatch):
         torch.testing.assert_close(g, r)
 
 
+@gpu
+def test_traced_topk_writes_bytes_and_compares(inductor_kernels):
+    """topk_select is traced like the attention ops; its graph reads the kernel's bytes through
+    `!= 0` (inductor.py: Inductor would inline a bool buffer from torch.empty that only a user
+    kernel writes as False where FlexAttention's mask_mod captures it). Triton's interpreter
+    cannot run on fake tensors, so this needs the GPU."""
+    bias = make_bias((2, 3, 1, 50), dtype=torch.float32, device="cuda")
+    allowed = make_mask((2, 1, 1, 50), 0.8, "cuda")
+    got, graphs = _graphs_of(lambda b, m: topk_mask(b, 12, m), bias, allowed)
+    assert _dmattn_nodes(graphs) == []
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert any("triton_kernel_wrapper" in t for t in targets)
+    assert "aten.ne.Scalar" in targets
+    assert got.dtype == torch.bool and torch.equal(got, topk_mask(bias, 12, allowed))
+
+    # The case that came out all False: the traced mask captured by FlexAttention's mask_mod.
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(2, 40, h, 32, device="cuda") for h in (6, 3, 3))
+    mask_bias = torch.randn(2, 3, 1, 40, device="cuda")
+
+    def f(q, k, v, b):
+        return dmattn_ops.attention(q, k, v, topk_mask(b, 9), b, backend="flex", is_causal=True)
+
+    mask = topk_mask(mask_bias, 9)
+    want = reference.attention(
+        *(t.double() for t in (q, k, v)), mask, mask_bias.double(), is_causal=True
+    )
+    fp32 = reference.attention(q, k, v, mask, mask_bias, is_causal=True)
+    got = torch.compile(f, fullgraph=True)(q, k, v, mask_bias)
+    assert_close(got.double(), want, low_precision_bound(want, fp32, torch.float32), "flex")
+
+
 def test_cpu_graphs_keep_the_ops():
     q, k, v, bias, mask = _cpu_inputs()
     loss, graphs = _graphs_of(_attention_loss, q, k, v, bias, mask)
@@ -81,24 +113,36 @@ def test_on_by_default(monkeypatch):
     assert inductor.enabled()
 
 
-def test_import_turns_the_static_launcher_on_unless_the_user_chose(monkeypatch):
-    import contextvars
+def _python(code: str, var: str, value: str | None) -> str:
+    """stdout of `python -c code` in a fresh process, with environment variable `var` set to
+    value (None: unset)."""
     import os
+    import subprocess
+    import sys
 
-    from torch._inductor import config
+    env = {k: v for k, v in os.environ.items() if k != var}
+    if value is not None:
+        env[var] = value
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.strip()
 
-    name = inductor._STATIC
-    if "TORCHINDUCTOR_" + name.upper() not in os.environ:
-        assert getattr(config, name) is True  # `import dmattn_ops` did it
 
-    def launch_statically(**patch):
-        with config.patch(patch):
-            inductor._launch_statically()
-            return getattr(config, name)
-
-    # The user's choice stands; a copied context: the override (a ContextVar) does not outlive
-    # the check.
-    assert contextvars.copy_context().run(launch_statically, **{name: False}) is False
+def test_import_turns_the_static_launcher_on_unless_the_user_chose():
+    """In fresh processes: `import dmattn_ops` turns the option on, in its environment too, so
+    a process started after it (as Inductor's compile workers are) has it on; a choice made
+    before the import, in code or in the environment, stands."""
+    name, var = inductor._STATIC, "TORCHINDUCTOR_" + inductor._STATIC.upper()
+    read = f"import torch._inductor.config as c; print(c.{name})"
+    spawn = (
+        "import subprocess, sys; import dmattn_ops; import torch._inductor.config as c; "
+        f"w = subprocess.run([sys.executable, '-c', {read!r}], capture_output=True, text=True); "
+        f"print(c.{name}, w.stdout.strip())"
+    )
+    assert _python(spawn, var, None) == "True True"
+    in_code = f"import torch._inductor.config as c; c.{name} = False; import dmattn_ops, os; "
+    assert _python(in_code + f"print(c.{name}, os.environ.get({var!r}))", var, None) == "False None"
+    assert _python(f"import dmattn_ops; {read}", var, "0") == "False"
 
 
 def test_switch_keeps_the_ops(monkeypatch):
