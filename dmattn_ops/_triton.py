@@ -78,7 +78,7 @@ class LazyKernel:
         return getattr(module, self._name)
 
     def __getitem__(self, grid):
-        if _TRACING:
+        if tracing_on():
             return torch_wrap_triton(self.fn)[grid]
         return self.fn[grid]
 

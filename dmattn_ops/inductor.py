@@ -60,7 +60,6 @@ from dmattn_ops import _triton, launch, masks, ops
 
 log = logging.getLogger(__name__)
 _STATIC = "static_launch_user_defined_triton_kernels"
-_SET_AT_IMPORT = False  # whether _launch_statically turned the option on
 
 
 def enabled() -> bool:
@@ -78,9 +77,7 @@ def _launch_statically() -> None:
         return
     if not getattr(config, "_is_default", lambda name: False)(_STATIC):
         return
-    global _SET_AT_IMPORT
     setattr(config, _STATIC, True)
-    _SET_AT_IMPORT = True
     os.environ["TORCHINDUCTOR_" + _STATIC.upper()] = "1"  # for Inductor's compile workers
     log.info("dmattn_ops: torch._inductor.config.%s = True (see dmattn_ops/inductor.py)", _STATIC)
 
