@@ -6,7 +6,8 @@ forced through configs.OVERRIDE and the kernel's own device time is read from th
 own grid). The dkdv sweep also reports the dq kernel's time, which a shared mask pass affects.
 The split sweep forces how many programs share a KV group's query heads in the dk/dv kernel
 (configs.SPLIT_OVERRIDE; 0 leaves it to configs.dkdv_split), with the dk/dv tile config given,
-and reports the dk/dv kernel plus the reduce kernel that sums its parts.
+and reports the dk/dv kernel plus the reduce kernel that sums its parts. Besides bench's own
+cases it takes M-L32768 (the model's DMA call at B1 L32768), too long for `python -m bench`.
 """
 
 from __future__ import annotations
@@ -16,16 +17,26 @@ import sys
 
 import torch
 
-from bench.__main__ import CASES, build, impl_ours
+from bench.__main__ import CASES, Case, build, impl_ours
 from bench.profile import kernel_times
 from dmattn_ops import configs
 
+# Cases only the sweep takes (too long for `python -m bench`, whose other impls would
+# materialise their masks): the model's DMA call at its longest shape.
+TUNE_CASES = {
+    **CASES,
+    "M-L32768": Case("M-L32768", "the model's DMA call at B1 L32768: H16 Hkv4, bias (B,Hkv,1,L), "
+                     "top-8192 per key", 1, 16, 4, 32768, 32768, 128, "gqa", keep=8192),
+}  # fmt: skip
+
 CANDIDATES = {
     "fwd": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
-            (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4)],
+            (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2),
+            (128, 64, 4, 2), (64, 32, 4, 3)],
     "dkdv": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 8, 2),
              (64, 128, 8, 3), (32, 64, 4, 3), (16, 128, 4, 4), (32, 128, 8, 3), (64, 64, 4, 4),
-             (64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 8, 3)],
+             (64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 8, 3), (32, 64, 8, 3), (32, 64, 8, 2),
+             (64, 64, 8, 2), (64, 64, 8, 3), (16, 64, 4, 3)],
     "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 2),
            (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 4)],
     # (split, dk/dv config); split 0 is configs.dkdv_split's own choice.
@@ -42,7 +53,7 @@ KERNELS = {
 
 
 def _sweep(name: str, kind: str) -> None:
-    x = build(CASES[name], "cuda", torch.bfloat16)
+    x = build(TUNE_CASES[name], "cuda", torch.bfloat16)
     q, k, v = (t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v))
     bias = x.bias.detach().clone().requires_grad_() if x.bias is not None else None
     grad = torch.randn_like(x.q)
@@ -87,13 +98,15 @@ def main(cases: list[str], kinds: list[str]) -> int:
 
 def parse(argv=None) -> tuple[list[str], list[str]]:
     p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__.splitlines()[0])
-    p.add_argument("cases", nargs="?", default="A,B", help=f"comma-separated, of {list(CASES)}")
+    p.add_argument(
+        "cases", nargs="?", default="A,B", help=f"comma-separated, of {list(TUNE_CASES)}"
+    )
     p.add_argument("kinds", nargs="?", default="fwd,dkdv,dq", help="of fwd, dkdv, dq, split")
     args = p.parse_args(argv)
     cases, kinds = args.cases.split(","), args.kinds.split(",")
     for c in cases:
-        if c not in CASES:
-            p.error(f"unknown case {c!r}; the cases are {', '.join(CASES)}")
+        if c not in TUNE_CASES:
+            p.error(f"unknown case {c!r}; the cases are {', '.join(TUNE_CASES)}")
     for k in kinds:
         if k not in CANDIDATES:
             p.error(f"unknown kernel kind {k!r}; the kinds are {', '.join(CANDIDATES)}")

@@ -38,6 +38,15 @@ def test_argument_errors_are_clear():
         assert "Traceback" not in res.stderr
 
 
+def test_tune_parses_its_own_cases():
+    from bench import tune
+
+    assert tune.parse(["M-L32768,M", "dkdv"]) == (["M-L32768", "M"], ["dkdv"])
+    case = tune.TUNE_CASES["M-L32768"]
+    assert (case.b, case.h, case.hkv, case.lq, case.keep) == (1, 16, 4, 32768, 8192)
+    assert "M-L32768" not in tune.CASES  # not one of `python -m bench`'s cases
+
+
 def test_context_parallel_bench_smoke():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
