@@ -198,20 +198,27 @@ SPLIT_PROGRAMS_PER_SM = 4
 SPLIT_SCRATCH_RATIO = 4
 
 
-def dkdv_split(g: int, programs: int, sms: int, bytes_per_split: int, query_bytes: int) -> int:
+def dkdv_split(
+    g: int, programs: int, sms: int, bytes_per_split: int, query_bytes: int, *, listed=False
+) -> int:
     """How many programs share the G query heads of one KV group in the dk/dv kernel (a divisor
     of G): 1 when its grid of `programs` key tiles x (batch, KV head) already holds
     SPLIT_PROGRAMS_PER_SM programs per SM, else the smallest split that reaches it, or the
     largest whose float32 parts (`bytes_per_split` each) stay within SPLIT_SCRATCH_RATIO times
-    the query's bytes. A key-list call counts every key tile of Lk, listed or not (the list
-    lengths are on the GPU), so it may split less than its active tiles would want."""
+    the query's bytes.
+
+    `listed`: a key-list call, whose active tiles are unknown on the host (the list lengths
+    are on the GPU) and usually a fraction of `programs` (a top-k mask); the programs of
+    unlisted tiles only store zeros. It takes the largest split the scratch allows: at the
+    model's B1 L32768 call (top-8192, 512 listed tiles of 2048) split 4 ran dk/dv in 6.03 ms
+    against 7.79 unsplit, which counting all tiles chose (bench/NOTES.md 48)."""
     if SPLIT_OVERRIDE is not None:
         if g % SPLIT_OVERRIDE:
             raise ValueError(f"SPLIT_OVERRIDE={SPLIT_OVERRIDE} must divide G={g}")
         return SPLIT_OVERRIDE
     split = 1
     for s in range(2, g + 1):
-        if programs * split >= SPLIT_PROGRAMS_PER_SM * sms:
+        if not listed and programs * split >= SPLIT_PROGRAMS_PER_SM * sms:
             break
         if g % s == 0 and s * bytes_per_split <= SPLIT_SCRATCH_RATIO * query_bytes:
             split = s

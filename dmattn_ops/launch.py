@@ -423,7 +423,7 @@ def _launch_backward(
     if cu_q is None:
         split = configs.dkdv_split(
             g, nk * b * hkv, _sm_count(query.device), b * hkv * lk * (d + d_v) * 4,
-            query.numel() * query.element_size(),
+            query.numel() * query.element_size(), listed=dkdv_lists is not None,
         )  # fmt: skip
     part_dk = part_dv = part_db = None
     if split > 1:

@@ -388,6 +388,11 @@ def test_dkdv_split_choice():
     assert configs.dkdv_split(1, 10, 132, 1, 1) == 1
     assert configs.dkdv_split(6, 100, 132, 1, 100) == 6
     assert configs.dkdv_split(6, 300, 132, 1, 100) == 2
+    # Key lists split as far as the scratch allows, whatever the grid (its tiles may be unlisted).
+    assert configs.dkdv_split(4, 2048, 132, 128 * mib, 128 * mib, listed=True) == 4
+    assert configs.dkdv_split(4, 2048, 132, 200 * mib, 128 * mib, listed=True) == 2
+    assert configs.dkdv_split(4, 2048, 132, 600 * mib, 128 * mib, listed=True) == 1
+    assert configs.dkdv_split(6, 2048, 132, 1, 100, listed=True) == 6
 
 
 # GPU only: sizes the interpreter cannot reach.
