@@ -199,7 +199,7 @@ SPLIT_SCRATCH_RATIO = 4
 
 
 def dkdv_split(
-    g: int, programs: int, sms: int, bytes_per_split: int, query_bytes: int, *, listed=False
+    g: int, programs: int, sms: int, bytes_per_split: int, query_bytes: int, *, listed: bool = False
 ) -> int:
     """How many programs share the G query heads of one KV group in the dk/dv kernel (a divisor
     of G): 1 when its grid of `programs` key tiles x (batch, KV head) already holds
