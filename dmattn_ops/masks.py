@@ -194,17 +194,16 @@ def topk_select(
     # mask_mod captures it (bench/NOTES.md 39).
     traced = _triton.tracing_on()
     out = torch.empty(shape, dtype=torch.uint8 if traced else torch.bool, device=bias.device)
-    if out.numel() == 0:
-        return out != 0 if traced else out
-    bias_e = bias.expand(shape)
-    mask_e = allowed.expand(shape) if allowed is not None else None
-    block = max(next_power_of_2(lk), smooth)
-    warps = 1 if launch.interpreter_on() else min(16, max(4, block // 512))
-    topk_mask_kernel[(b * h * lq,)](
-        bias_e, mask_e, out, *launch.operand_strides(bias_e),
-        *launch.operand_strides(mask_e), h, lq, lk, k,
-        BLOCK=block, SMOOTH=smooth, HAS_MASK=mask_e is not None, num_warps=warps,
-    )  # fmt: skip
+    if out.numel() > 0:
+        bias_e = bias.expand(shape)
+        mask_e = allowed.expand(shape) if allowed is not None else None
+        block = max(next_power_of_2(lk), smooth)
+        warps = 1 if launch.interpreter_on() else min(16, max(4, block // 512))
+        topk_mask_kernel[(b * h * lq,)](
+            bias_e, mask_e, out, *launch.operand_strides(bias_e),
+            *launch.operand_strides(mask_e), h, lq, lk, k,
+            BLOCK=block, SMOOTH=smooth, HAS_MASK=mask_e is not None, num_warps=warps,
+        )  # fmt: skip
     return out != 0 if traced else out
 
 
