@@ -39,7 +39,9 @@ class Config:
 @dataclass(frozen=True)
 class Operands:
     """What the kernel loads besides Q/K/V: mask and bias kinds ("none", "key" for one value per
-    key broadcast over queries, "entry" for a value per score) and their element sizes."""
+    key broadcast over queries, "entry" for a value per score) and their element sizes. A mask
+    "packed" is a "key" mask whose call reads packed keys (launch.pack_keys): contiguous K, V
+    and bias rows in the forward and dq kernels."""
 
     mask: str = "none"
     bias: str = "none"
@@ -47,9 +49,9 @@ class Operands:
     bias_itemsize: int = 2
 
     @staticmethod
-    def of(query: torch.Tensor, mask, bias) -> Operands:
+    def of(query: torch.Tensor, mask, bias, packed: bool = False) -> Operands:
         return Operands(
-            _kind(mask),
+            "packed" if packed else _kind(mask),
             _kind(bias),
             query.element_size(),
             bias.element_size() if bias is not None else 2,
@@ -99,8 +101,14 @@ def _table(kind: str, width: int, ops: Operands, lq: int | None) -> Config:
     elif width <= 64:
         cfg = Config(128, 64, 4, 3)
     elif width <= 128:
-        # With a mask, wider key tiles amortise the table lookup and the mask loads.
-        cfg = Config(128, 128, 8, 2) if masked else Config(128, 128, 8, 3)
+        # With a mask, wider key tiles amortise the table lookup and the mask loads. Packed
+        # keys read contiguous rows: case M 0.096-0.101 ms at (64, 64, 4, 2) against 0.131 at
+        # (128, 128, 8, 2), C 0.443 against 0.465, D 0.901 against 1.004, B1 L32768 top-8192
+        # 3.009 against 3.003 (bench/NOTES.md 49).
+        if ops.mask == "packed":
+            cfg = Config(64, 64, 4, 2)
+        else:
+            cfg = Config(128, 128, 8, 2) if masked else Config(128, 128, 8, 3)
     else:
         cfg = Config(64, 32, 4, 1)
     if itemsize > 2:

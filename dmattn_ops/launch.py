@@ -42,6 +42,7 @@ attention_bwd_dkdv_reduce_kernel = LazyKernel("attention_bwd", "attention_bwd_dk
 attention_bwd_dq_kernel = LazyKernel("attention_bwd", "attention_bwd_dq_kernel")
 attention_decode_kernel = LazyKernel("attention_decode", "attention_decode_kernel")
 decode_combine_kernel = LazyKernel("attention_decode", "decode_combine_kernel")
+pack_keys_kernel = LazyKernel("pack_keys", "pack_keys_kernel")
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -65,19 +66,21 @@ class BackwardConfigs:
     dq: Config
 
 
-def _config(kind: str, query, value, mask, bias, lq: int | None = None) -> Config:
+def _config(kind: str, query, value, mask, bias, lq: int | None = None, packed=False) -> Config:
     """The tile config of kernel `kind` for these operands, fitted to the device's shared memory
-    (configs.py); every config the launcher uses comes from here."""
+    (configs.py); every config the launcher uses comes from here. packed: the call reads
+    packed keys (pack_keys)."""
     d, dv = query.shape[-1], value.shape[-1]
-    ops = configs.Operands.of(query, mask, bias)
+    ops = configs.Operands.of(query, mask, bias, packed)
     interpreted = interpreter_on()
     limit = configs.shared_limit(query.device) if query.is_cuda and not interpreted else None
     return configs.config(kind, d, dv, ops, lq=lq, limit=limit, interpreter=interpreted)
 
 
-def _backward_configs(query, value, mask, bias, lq: int) -> BackwardConfigs:
+def _backward_configs(query, value, mask, bias, lq: int, packed=False) -> BackwardConfigs:
     return BackwardConfigs(
-        _config("dkdv", query, value, mask, bias, lq), _config("dq", query, value, mask, bias, lq)
+        _config("dkdv", query, value, mask, bias, lq, packed),
+        _config("dq", query, value, mask, bias, lq, packed),
     )
 
 
@@ -177,7 +180,8 @@ def attention_forward(
         return sdpa.forward(query, key, value, scale, is_causal, fused)
     if decode_applies(lq, h, hkv, lk, mask):
         return decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k)
-    cfg = _config("fwd", query, value, mask, bias, lq)
+    packed = packs(mask, bias, h, hkv)
+    cfg = _config("fwd", query, value, mask, bias, lq, packed)
     nq = cdiv(lq, cfg.block_m)
     tables = lists = None
     if compactable(mask, h, hkv):
@@ -187,11 +191,64 @@ def attention_forward(
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
     lse_rem = empty((b, h, lq), dtype=torch.float32, device=query.device)
+    packed = pack_keys(key, value, mask, bias, lists, h) if packed else None
     _launch_forward(
         query, key, value, mask, bias, seqused_k, None, None, out, lse, lse_rem,
-        b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, band, softcap,
+        b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, band, softcap, packed,
     )  # fmt: skip
     return out, lse, lse_rem
+
+
+# The forward and dq kernels' COMPACT values (kernels/common.py).
+LISTED, PACKED = 1, 2
+# Whether batched key-list calls pack K, V and a per-key bias (pack_keys) for the forward and dq
+# kernels; False keeps them on gathers through the list (bench A/B, tests of that path).
+PACK_KEYS = True
+
+
+@dataclass(frozen=True)
+class Packed:
+    """K, V and the per-key bias rows of a key-list call in list order (pack_keys): what the
+    forward and dq kernels read in place of key, value and bias."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    bias: torch.Tensor | None
+    bias_div: int  # query head h reads packed bias head h // bias_div
+
+
+def packs(mask, bias, h: int, hkv: int) -> bool:
+    """Whether a batched call reads packed keys: it takes key lists (compactable) and a bias, if
+    any, is per key (a bias with query rows is read per score at the keys' own columns)."""
+    return PACK_KEYS and compactable(mask, h, hkv) and operand_kind(bias) != PER_ENTRY
+
+
+def pack_keys(key, value, mask, bias, lists, h: int) -> Packed:
+    """The listed rows of key, value (B, Lk, Hkv, D|Dv) and of a per-key bias, copied in list
+    order into buffers of key's and value's own sizes (one kernel, no host sync; positions
+    past each list's count are left unwritten and never read). The bias is packed per KV
+    group, or per query head when it has H heads: (B, Hkv | H, 1, Lk) in its dtype."""
+    b, lk, hkv, d = key.shape
+    dv = value.shape[3]
+    g = h // hkv
+    device = key.device
+    k_out = empty((b, lk, hkv, d), dtype=key.dtype, device=device)
+    v_out = empty((b, lk, hkv, dv), dtype=value.dtype, device=device)
+    bias_heads = g if bias is not None and bias.shape[1] == h else 1
+    b_out = None
+    if bias is not None:
+        b_out = empty((b, hkv * bias_heads, 1, lk), dtype=bias.dtype, device=device)
+    sb, sh, _, sn = operand_strides(bias)
+    block_r = 16 if interpreter_on() else 64
+    pack_keys_kernel[(cdiv(lk, block_r), b * hkv)](
+        key, value, bias, lists.keys, lists.key_count, k_out, v_out, b_out,
+        *_strides(key), *_strides(value), sb, sh, sn,
+        lists.keys_stride_b, lists.keys_stride_h, lists.count_stride_b,
+        hkv, g, lk, d, dv, _head_div(mask, h, hkv), _head_div(bias, h, hkv), bias_heads,
+        BLOCK_R=block_r, **_head_blocks(d, dv), HAS_BIAS=bias is not None,
+        num_warps=1 if interpreter_on() else 4,
+    )  # fmt: skip
+    return Packed(k_out, v_out, b_out, g // bias_heads)
 
 
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -201,12 +258,18 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
 
 def _launch_forward(
     query, key, value, mask, bias, seqused_k, cu_q, cu_k, out, lse, lse_rem,
-    b, lq, lk, nq, lse_strides, tables, lists, cfg, scale, band, softcap,
+    b, lq, lk, nq, lse_strides, tables, lists, cfg, scale, band, softcap, packed=None,
 ):  # fmt: skip
     """query/key/value/out 4-D, mask/bias 4-D broadcast operands. Varlen: (1, total, H, D)
-    views, Lq/Lk the totals, cu_q/cu_k the cu_seqlens, and nq tiles of the longest sequence."""
+    views, Lq/Lk the totals, cu_q/cu_k the cu_seqlens, and nq tiles of the longest sequence.
+    packed (key lists only): the kernel reads its K, V and bias instead (PACKED)."""
     h, d = query.shape[2], query.shape[3]
     hkv, dv = key.shape[2], value.shape[3]
+    bias_div = _head_div(bias, h, hkv)
+    compact = 0 if lists is None else LISTED
+    if packed is not None:
+        key, value, bias, bias_div = packed.key, packed.value, packed.bias, packed.bias_div
+        compact = PACKED
     attention_fwd_kernel[(nq, b * h)](
         query, key, value, None if lists else mask, bias, seqused_k, cu_q, cu_k,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
@@ -218,11 +281,11 @@ def _launch_forward(
         tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
         h, h // hkv, lq, lk, d, dv, cdiv(lk, cfg.block_n),
-        _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
+        _head_div(mask, h, hkv), bias_div, float(scale), float(softcap),
         *band.args(), **band.flags(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(query.dtype),
         HAS_MASK=0 if lists else operand_kind(mask), HAS_BIAS=operand_kind(bias),
-        HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0, COMPACT=lists is not None,
+        HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0, COMPACT=compact,
         VARLEN=cu_q is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -301,7 +364,8 @@ def attention_backward(
             dbias_mode = "bcast"  # its kernel reads the tile tables
     tables = dq_tables = lists = None
     compact = compactable(mask, h, hkv) and dbias_mode != "bcast"
-    cfgs = _backward_configs(query, value, mask, bias, lq)
+    packed = compact and dbias_mode != "direct" and packs(mask, bias, h, hkv)
+    cfgs = _backward_configs(query, value, mask, bias, lq, packed)
     cfg = cfgs.dkdv
     if compact:
         lists = build_key_lists(mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m)
@@ -326,11 +390,12 @@ def attention_backward(
     elif dbias_mode == "bcast":
         dbias_bcast = empty(bias.shape, dtype=bias.dtype, device=device)
 
+    packed = pack_keys(key, value, mask, bias, lists, h) if packed else None
     _launch_backward(
         query, key, value, grad_out, mask, bias, seqused_k, None, None, lse, lse_rem, delta,
         dq, dk, dvv, dbias_cols, dbias_direct, b, lq, lk, lq, lk, (h * lq, lq), col_strides,
         tables, dq_tables, lists, lists, cfgs, scale, band, softcap,
-        group_cols=dbias_mode == "group",
+        group_cols=dbias_mode == "group", packed=packed,
     )  # fmt: skip
     if dbias_bcast is not None:
         nq, nk = cdiv(lq, cfg.block_m), cdiv(lk, cfg.block_n)
@@ -399,12 +464,15 @@ def _launch_backward(
     query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, lse, lse_rem, delta,
     dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
     tables, dq_tables, lists, dkdv_lists, cfgs, scale, band, softcap, group_cols=False,
+    packed=None,
 ):  # fmt: skip
     """The dk/dv and dq kernels, over 4-D views as in _launch_forward, with their own tile
     configs (cfgs: BackwardConfigs). The grids cover span_q queries and span_k keys per batch
     (Lq, Lk; varlen: the longest sequences). dkdv_lists is lists, or None where the mask is per
     query head under GQA (one key list per KV group is needed). group_cols: dbias_cols is the
-    bias gradient (B, Hkv, 1, Lk) itself, summed over each KV group's heads by the kernels."""
+    bias gradient (B, Hkv, 1, Lk) itself, summed over each KV group's heads by the kernels.
+    packed (key lists, no DBIAS_DIRECT): the dq kernel reads its K, V and bias (PACKED); the
+    dk/dv kernels read key, value and bias through the lists."""
     h, d = query.shape[2], query.shape[3]
     hkv, d_v = key.shape[2], value.shape[3]
     kv, qc = cfgs.dkdv, cfgs.dq
@@ -467,6 +535,14 @@ def _launch_backward(
             num_warps=1 if interpreter_on() else 4,
         )  # fmt: skip
     nq = cdiv(span_q, qc.block_m)
+    compact = 0 if lists is None else LISTED
+    if packed is not None:
+        key, value, bias, bias_div = packed.key, packed.value, packed.bias, packed.bias_div
+        strides = (
+            *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
+            *operand_strides(mask), *operand_strides(bias),
+        )  # fmt: skip
+        compact = PACKED
     attention_bwd_dq_kernel[(nq, b * h)](
         query, key, value, grad_out, None if lists else mask, bias,
         seqused_k, cu_q, cu_k, lse, lse_rem, delta,
@@ -478,7 +554,7 @@ def _launch_backward(
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
         h, h // hkv, lq, lk, d, d_v, cdiv(span_k, qc.block_n), mask_div, bias_div,
         float(scale), float(softcap), *band.args(), HAS_MASK=0 if lists else operand_kind(mask),
-        DBIAS_DIRECT=dbias_direct is not None, COMPACT=lists is not None, **flags,
+        DBIAS_DIRECT=dbias_direct is not None, COMPACT=compact, **flags,
         **_meta(qc, d, d_v, band, query.dtype),
     )  # fmt: skip
 
@@ -647,7 +723,7 @@ def decode_forward(query, key, value, mask, bias, scale, band: Band, softcap, se
         DOT_PRECISION=_dot_precision(query.dtype),
         # Per-row bias pointers (the rows span the G heads of a group): PER_ENTRY loads.
         HAS_BIAS=PER_ENTRY if bias is not None else 0,
-        HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0, COMPACT=lists is not None,
+        HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0, COMPACT=LISTED if lists else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     out = empty((b, lq, h, dv), dtype=query.dtype, device=device)

@@ -24,6 +24,7 @@ from dmattn_ops.kernels.common import (
     dot_acc,
     key_count,
     listed_interior_count,
+    listed_keys,
     score_tile,
     seq_extent,
 )
@@ -113,7 +114,7 @@ def _dkdv_tile(
     )  # [BM, BDV]
     lse_row, lse_rem, delta = _row_stats(LSE, LSE_REM, DELTA, row_base + o_m, m_m)
     s, m_allowed, t = score_tile(
-        b_k, b_qt, i_m[None, :], i_n[:, None], n_keys, Lq, scale, softcap,
+        b_k, b_qt, i_m[None, :], i_n[:, None], i_n[:, None], n_keys, Lq, scale, softcap,
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
         IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
@@ -587,16 +588,11 @@ def _dq_tile(
     n_pos,
     COMPACT: tl.constexpr,
 ):
-    i_n = pos0 + kb * BLOCK_N + tl.arange(0, BLOCK_N)
-    if COMPACT:
-        if BOUNDARY:
-            i_n = tl.load(p_keys + i_n, mask=i_n < n_pos, other=n_keys)
-        else:
-            i_n = tl.load(p_keys + i_n)
+    i_n, i_r = listed_keys(kb, pos0, n_pos, n_keys, p_keys, BLOCK_N, BOUNDARY, COMPACT)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_n = i_n < n_keys
-    o_n = i_n.to(tl.int64)
+    o_n = i_r.to(tl.int64)
     b_kt = tl.load(
         p_k + o_n[None, :] * stride_kn + i_d[:, None] * stride_kd,
         mask=m_n[None, :] & (i_d[:, None] < D),
@@ -608,7 +604,7 @@ def _dq_tile(
         other=0.0,
     )  # [BDV, BN]
     s, m_allowed, t = score_tile(
-        b_q, b_kt, i_m[:, None], i_n[None, :], n_keys, Lq, scale, softcap,
+        b_q, b_kt, i_m[:, None], i_n[None, :], i_r[None, :], n_keys, Lq, scale, softcap,
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
         IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
@@ -780,7 +776,7 @@ def attention_bwd_dq_kernel(
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
                 DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, 0, n_pos, True,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, 0, n_pos, COMPACT,
             )  # fmt: skip
         for kb in range(kb_int, tl.cdiv(n_pos - pos0, BLOCK_N)):
             dq = _dq_tile(
@@ -789,7 +785,7 @@ def attention_bwd_dq_kernel(
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
                 win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
                 DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, True,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, COMPACT,
             )  # fmt: skip
     elif HAS_MASK:
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
@@ -1005,8 +1001,8 @@ def attention_bwd_dbias_kernel(
                         LSE, LSE_REM, DELTA, (i_b * H + i_h) * Lq + o_m, m_m
                     )
                     s, m_allowed, _ = score_tile(
-                        b_q, b_kt, i_m[:, None], i_n[None, :], n_keys, Lq, scale, softcap,
-                        p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
+                        b_q, b_kt, i_m[:, None], i_n[None, :], i_n[None, :], n_keys, Lq, scale,
+                        softcap, p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
                         win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, PER_ENTRY,
                         HAS_SOFTCAP, DOT_PRECISION, True,
                     )  # fmt: skip

@@ -9,6 +9,7 @@ from dmattn_ops.kernels.common import (
     dense_key_tiles,
     dot_acc,
     listed_interior_count,
+    listed_keys,
     lse_split,
     score_tile,
     seq_extent,
@@ -61,17 +62,11 @@ def _fwd_tile(
     """One key tile of the online softmax, in natural units (so that backward recomputes the
     very scores whose max the forward stored). COMPACT: list positions pos0 + kb * BLOCK_N
     onwards, those below n_pos."""
-    i_n = pos0 + kb * BLOCK_N + tl.arange(0, BLOCK_N)
-    if COMPACT:
-        # Positions in the sorted list of allowed keys -> key indices; past the list: n_keys.
-        if BOUNDARY:
-            i_n = tl.load(p_keys + i_n, mask=i_n < n_pos, other=n_keys)
-        else:
-            i_n = tl.load(p_keys + i_n)
+    i_n, i_r = listed_keys(kb, pos0, n_pos, n_keys, p_keys, BLOCK_N, BOUNDARY, COMPACT)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_n = i_n < n_keys
-    o_n = i_n.to(tl.int64)
+    o_n = i_r.to(tl.int64)
     # Keys at or beyond n are never loaded: other=0 keeps 0 * NaN out of the products.
     b_kt = tl.load(
         p_k + o_n[None, :] * stride_kn + i_d[:, None] * stride_kd,
@@ -79,7 +74,7 @@ def _fwd_tile(
         other=0.0,
     )  # [BD, BN]
     s, _, _ = score_tile(
-        b_q, b_kt, i_m[:, None], i_n[None, :], n_keys, Lq, scale, softcap,
+        b_q, b_kt, i_m[:, None], i_n[None, :], i_r[None, :], n_keys, Lq, scale, softcap,
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
         IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DOT_PRECISION, BOUNDARY,
     )  # fmt: skip
@@ -247,7 +242,7 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
                 IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, 0, n_pos, True,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, 0, n_pos, COMPACT,
             )  # fmt: skip
         for kb in range(kb_int, tl.cdiv(n_pos - pos0, BLOCK_N)):
             acc, l_i, m_i = _fwd_tile(
@@ -255,7 +250,7 @@ def attention_fwd_kernel(
                 p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
                 IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, True,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, COMPACT,
             )  # fmt: skip
     elif HAS_MASK:
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb

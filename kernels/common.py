@@ -14,6 +14,15 @@ LN2 = tl.constexpr(0.6931471805599453)
 PER_KEY = tl.constexpr(1)
 PER_ENTRY = tl.constexpr(2)
 
+# What the forward and dq kernels' COMPACT constexpr holds for a mask shared by all queries
+# (0, dense or tile tables, is falsy). LISTED: K, V and a per-key bias are read at the keys a
+# sorted list of allowed keys names (a gather in every step). PACKED: the launcher copied the
+# listed rows of K, V and the per-key bias into buffers in list order (launch.pack_keys), so
+# a step reads contiguous rows; the list itself is read only where causality, the window or
+# the list's end cut a tile.
+LISTED = tl.constexpr(1)
+PACKED = tl.constexpr(2)
+
 
 @triton.jit
 def as_fp32(x):
@@ -68,6 +77,7 @@ def score_tile(
     b,
     r_m,
     r_n,
+    c_n,
     n_keys,
     Lq,
     scale,
@@ -92,7 +102,8 @@ def score_tile(
 
     r_m and r_n are the query and key indices as broadcastable 2-D tensors: ([BM, 1], [1, BN])
     for a [BM, BN] tile (a = Q, b = K^T), or ([1, BM], [BN, 1]) for the transposed tile the
-    dk/dv kernel computes (a = K, b = Q^T).
+    dk/dv kernel computes (a = K, b = Q^T). c_n, shaped as r_n, is the column the mask and bias
+    are read at: r_n itself, or the list positions of packed keys (PACKED).
 
     s is exactly -inf where the key is not allowed. The mask and the bias are read only inside
     the tensors' bounds; a disallowed score is then replaced by -inf with a select, so NaN/Inf
@@ -115,7 +126,7 @@ def score_tile(
         t = tanh(x / softcap)
         x = softcap * t
     o_m = r_m.to(tl.int64)
-    o_n = r_n.to(tl.int64)
+    o_n = c_n.to(tl.int64)
     m_allowed = 0
     m_in = 0
     if BOUNDARY:
@@ -161,6 +172,30 @@ def load_operand(
     if BOUNDARY:
         return tl.load(ptr, mask=inside, other=other)
     return tl.load(ptr)
+
+
+@triton.jit
+def listed_keys(
+    kb, pos0, n_pos, n_keys, p_keys, BLOCK_N: tl.constexpr, BOUNDARY: tl.constexpr,
+    COMPACT: tl.constexpr,
+):  # fmt: skip
+    """(i_n, i_r) of key tile kb: the key indices (for causality, the window and the bounds)
+    and the rows K, V and a per-key bias are read at. Without COMPACT both are the keys
+    kb * BLOCK_N onwards. With COMPACT the tile holds list positions pos0 + kb * BLOCK_N
+    onwards: i_n = the listed keys (n_keys past position n_pos), i_r = i_n (LISTED) or the
+    positions themselves (PACKED). A PACKED interior tile reads no list entry (i_n is then the
+    positions: interior tiles test no key index)."""
+    i_p = pos0 + kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    i_n = i_p
+    if COMPACT:
+        if BOUNDARY:
+            i_n = tl.load(p_keys + i_p, mask=i_p < n_pos, other=n_keys)
+        elif COMPACT == LISTED:
+            i_n = tl.load(p_keys + i_p)
+    i_r = i_n
+    if COMPACT == PACKED:
+        i_r = i_p
+    return i_n, i_r
 
 
 @triton.jit

@@ -51,7 +51,7 @@ WIDTHS = (64, 128, 256)  # head-dim buckets of the table (72..128 share 128's bl
 OPERANDS = [
     configs.Operands(mask, bias, itemsize, bias_itemsize)
     for mask, bias in (("none", "none"), ("none", "key"), ("none", "entry"), ("key", "key"),
-                       ("entry", "entry"), ("key", "entry"))
+                       ("entry", "entry"), ("key", "entry"), ("packed", "key"), ("packed", "none"))
     for itemsize, bias_itemsize in ((2, 2), (2, 4), (4, 4))
 ]  # fmt: skip
 QUERY_LENGTHS = (None, 1, 16)  # full tiles and decode-sized ones
@@ -70,7 +70,10 @@ def _flags(kind, jit, args, ops) -> dict:
         else 0,
         HAS_SEQUSED=args.get("SEQUSED") is not None,
         HAS_SOFTCAP=args["softcap"] > 0,
-        COMPACT=args.get("KEYS") is not None,
+        # Packed keys in the forward and dq kernels; the dk/dv kernels read through the lists.
+        COMPACT=(2 if ops.mask == "packed" and kind in ("fwd", "dq") else 1)
+        if args.get("KEYS") is not None
+        else 0,
         VARLEN=args.get("CU_Q") is not None,
         DBIAS_COLS=args.get("DBIAS_COL") is not None,
         DBIAS_DIRECT=args.get("DBIAS") is not None,
@@ -87,7 +90,7 @@ def _arguments(kind, jit, cfg, width, ops, float_type="fp32"):
     """Launch arguments of one kernel as the launcher passes them, for one config."""
     block = configs.block(width)
     pointer = f"*{_DTYPES[ops.itemsize]}"
-    compact = ops.mask == "key" and kind != "decode"
+    compact = ops.mask in ("key", "packed") and kind != "decode"
     tables = ops.mask == "entry"
     args, sig = {}, {}
     for name in jit.arg_names:
@@ -179,7 +182,11 @@ def test_every_config_fits_by_the_model(target):
 
 HEAVIEST = [configs.Operands("entry", "entry", 2, 4), configs.Operands("entry", "entry", 4, 4)]
 # Tables of their own: dense tiles (no mask, a per-key bias) and key lists, 16-bit.
-OWN_TABLES = [configs.Operands("none", "key", 2, 2), configs.Operands("key", "key", 2, 2)]
+OWN_TABLES = [
+    configs.Operands("none", "key", 2, 2),
+    configs.Operands("key", "key", 2, 2),
+    configs.Operands("packed", "key", 2, 2),
+]
 COMPILED_FROM = 0.6
 
 

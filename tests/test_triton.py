@@ -494,11 +494,28 @@ def test_cuda_graph_capture_forward_backward():
     assert torch.isfinite(bias.grad).all() and bias.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("bias_pattern", ["BGq", "BHQ", "bhq"])
-def test_key_lists_never_load_unlisted_keys(bias_pattern):
+@pytest.fixture(params=[True, False], ids=["packed", "gathered"])
+def pack_spy(request, monkeypatch):
+    """Runs a test with launch.PACK_KEYS on and off; counts the pack_keys calls."""
+    monkeypatch.setattr(launch, "PACK_KEYS", request.param)
+    calls = []
+    real = launch.pack_keys
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(launch, "pack_keys", spy)
+    return request.param, calls
+
+
+@pytest.mark.parametrize("bias_pattern", ["BGq", "BHq", "BHQ", "bhq"])
+def test_key_lists_never_load_unlisted_keys(bias_pattern, pack_spy):
     # A mask broadcast over queries is run over the sorted list of its allowed keys. K/V hold
     # NaN at every key outside the list (and past seqused_k): any load of them into a product
     # would show up as NaN, so a finite result equal to the oracle's shows they never were.
+    # Packed keys (a per-key bias, or none) leave NaN in the packed buffers past each list
+    # (conftest poisons fresh allocations): they must not be read either.
     c = Case(2, 40, 90, 4, 2, 16, 16)
     assert launch.compactable(torch.ones(c.b, c.hkv, 1, c.lk, dtype=torch.bool), c.h, c.hkv)
     mask = make_mask((c.b, c.hkv, 1, c.lk), density=0.3, device=DEVICE)
@@ -532,6 +549,9 @@ def test_key_lists_never_load_unlisted_keys(bias_pattern):
     assert_close(dk, rdk, 1e-4, "dk")
     assert_close(dv, rdv, 1e-4, "dv")
     assert (dk[unlisted.expand_as(dk)] == 0).all()
+    pack, calls = pack_spy
+    # Forward and backward pack (twice per pass above) unless the bias has query rows.
+    assert len(calls) == (4 if pack and bias_pattern != "BHQ" else 0)
 
 
 # Split-K decoding (Lq <= 16 against a long cache).
@@ -545,7 +565,7 @@ DECODE = [
 
 @pytest.mark.parametrize("lq,lk", [(96, 96), (70, 100)], ids=["Lq=Lk", "Lq<Lk"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_key_lists_interior_and_boundary_tiles(lq, lk, is_causal):
+def test_key_lists_interior_and_boundary_tiles(lq, lk, is_causal, pack_spy):
     """Per-key masks dense enough that the listed keys fill interior tiles (every row of the
     query tile sees them: no bounds or causal arithmetic) as well as boundary ones, with
     seqused_k cutting one batch's list short."""
@@ -560,6 +580,8 @@ def test_key_lists_interior_and_boundary_tiles(lq, lk, is_causal):
         is_causal=is_causal,
         seqused=torch.tensor([lk, lk - 9], dtype=torch.int32),
     )
+    pack, calls = pack_spy
+    assert bool(calls) == pack
 
 
 @pytest.fixture
