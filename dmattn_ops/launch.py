@@ -202,8 +202,11 @@ def attention_forward(
 # The forward and dq kernels' COMPACT values (kernels/common.py).
 LISTED, PACKED = 1, 2
 # Whether batched key-list calls pack K, V and a per-key bias (pack_keys) for the forward and dq
-# kernels; False keeps them on gathers through the list (bench A/B, tests of that path).
+# kernels; False keeps them on gathers through the list (bench A/B, tests of that path). Calls
+# with fewer than PACK_MIN_KEYS keys do not pack: at the model's B4 L2048 and B16 L512 steps the
+# two packing launches per layer cost more than the kernels gain (bench/NOTES.md 49).
 PACK_KEYS = True
+PACK_MIN_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,12 @@ class Packed:
 def packs(mask, bias, h: int, hkv: int) -> bool:
     """Whether a batched call reads packed keys: it takes key lists (compactable) and a bias, if
     any, is per key (a bias with query rows is read per score at the keys' own columns)."""
-    return PACK_KEYS and compactable(mask, h, hkv) and operand_kind(bias) != PER_ENTRY
+    return (
+        PACK_KEYS
+        and compactable(mask, h, hkv)
+        and mask.shape[-1] >= PACK_MIN_KEYS
+        and operand_kind(bias) != PER_ENTRY
+    )
 
 
 def pack_keys(key, value, mask, bias, lists, h: int) -> Packed:
