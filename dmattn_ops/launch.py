@@ -180,8 +180,8 @@ def attention_forward(
         return sdpa.forward(query, key, value, scale, is_causal, fused)
     if decode_applies(lq, h, hkv, lk, mask):
         return decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k)
-    packed = packs(mask, bias, h, hkv)
-    cfg = _config("fwd", query, value, mask, bias, lq, packed)
+    pack = packs(mask, bias, h, hkv)
+    cfg = _config("fwd", query, value, mask, bias, lq, pack)
     nq = cdiv(lq, cfg.block_m)
     tables = lists = None
     if compactable(mask, h, hkv):
@@ -191,7 +191,7 @@ def attention_forward(
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
     lse_rem = empty((b, h, lq), dtype=torch.float32, device=query.device)
-    packed = pack_keys(key, value, mask, bias, lists, h) if packed else None
+    packed = pack_keys(key, value, mask, bias, lists, h) if pack else None
     _launch_forward(
         query, key, value, mask, bias, seqused_k, None, None, out, lse, lse_rem,
         b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, band, softcap, packed,
@@ -372,8 +372,8 @@ def attention_backward(
             dbias_mode = "bcast"  # its kernel reads the tile tables
     tables = dq_tables = lists = None
     compact = compactable(mask, h, hkv) and dbias_mode != "bcast"
-    packed = compact and dbias_mode != "direct" and packs(mask, bias, h, hkv)
-    cfgs = _backward_configs(query, value, mask, bias, lq, packed)
+    pack = compact and dbias_mode != "direct" and packs(mask, bias, h, hkv)
+    cfgs = _backward_configs(query, value, mask, bias, lq, pack)
     cfg = cfgs.dkdv
     if compact:
         lists = build_key_lists(mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m)
@@ -398,7 +398,7 @@ def attention_backward(
     elif dbias_mode == "bcast":
         dbias_bcast = empty(bias.shape, dtype=bias.dtype, device=device)
 
-    packed = pack_keys(key, value, mask, bias, lists, h) if packed else None
+    packed = pack_keys(key, value, mask, bias, lists, h) if pack else None
     _launch_backward(
         query, key, value, grad_out, mask, bias, seqused_k, None, None, lse, lse_rem, delta,
         dq, dk, dvv, dbias_cols, dbias_direct, b, lq, lk, lq, lk, (h * lq, lq), col_strides,
