@@ -494,19 +494,24 @@ def test_cuda_graph_capture_forward_backward():
     assert torch.isfinite(bias.grad).all() and bias.grad.abs().sum() > 0
 
 
-@pytest.fixture(params=[True, False], ids=["packed", "gathered"])
-def pack_spy(request, monkeypatch):
-    """Runs a test with launch.PACK_KEYS on and off; counts the pack_keys calls."""
-    monkeypatch.setattr(launch, "PACK_KEYS", request.param)
+def spy_on(monkeypatch, name: str) -> list:
+    """Wraps launch.<name>; returns the list of its calls' first-argument shapes."""
     calls = []
-    real = launch.pack_keys
+    real = getattr(launch, name)
 
     def spy(*args):
         calls.append(args[0].shape)
         return real(*args)
 
-    monkeypatch.setattr(launch, "pack_keys", spy)
-    return request.param, calls
+    monkeypatch.setattr(launch, name, spy)
+    return calls
+
+
+@pytest.fixture(params=[True, False], ids=["packed", "gathered"])
+def pack_spy(request, monkeypatch):
+    """Runs a test with launch.PACK_KEYS on and off; counts the pack_keys calls."""
+    monkeypatch.setattr(launch, "PACK_KEYS", request.param)
+    return request.param, spy_on(monkeypatch, "pack_keys")
 
 
 @pytest.mark.parametrize("bias_pattern", ["BGq", "BHq", "BHQ", "bhq"])
@@ -587,15 +592,7 @@ def test_key_lists_interior_and_boundary_tiles(lq, lk, is_causal, pack_spy):
 @pytest.fixture
 def decode_spy(monkeypatch):
     """Counts calls of the split-K forward, to show the tests below run it."""
-    calls = []
-    real = launch.decode_forward
-
-    def spy(*args):
-        calls.append(args[0].shape)
-        return real(*args)
-
-    monkeypatch.setattr(launch, "decode_forward", spy)
-    return calls
+    return spy_on(monkeypatch, "decode_forward")
 
 
 @pytest.mark.parametrize("case", DECODE)
