@@ -216,8 +216,7 @@ class Packed:
 
     key: torch.Tensor
     value: torch.Tensor
-    bias: torch.Tensor | None
-    bias_div: int  # query head h reads packed bias head h // bias_div
+    bias: torch.Tensor | None  # (B, Hkv | H, 1, Lk): read through _head_div like any bias
 
 
 def packs(mask, bias, h: int, hkv: int) -> bool:
@@ -256,7 +255,15 @@ def pack_keys(key, value, mask, bias, lists, h: int) -> Packed:
         BLOCK_R=block_r, **_head_blocks(d, dv), HAS_BIAS=bias is not None,
         num_warps=1 if interpreter_on() else 4,
     )  # fmt: skip
-    return Packed(k_out, v_out, b_out, g // bias_heads)
+    return Packed(k_out, v_out, b_out)
+
+
+def _key_operands(key, value, bias, lists, packed: Packed | None):
+    """(key, value, bias, COMPACT) the forward and dq kernels read: the packed rows, or the
+    caller's tensors (through the key lists, if any)."""
+    if packed is not None:
+        return packed.key, packed.value, packed.bias, PACKED
+    return key, value, bias, 0 if lists is None else LISTED
 
 
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -273,11 +280,7 @@ def _launch_forward(
     packed (key lists only): the kernel reads its K, V and bias instead (PACKED)."""
     h, d = query.shape[2], query.shape[3]
     hkv, dv = key.shape[2], value.shape[3]
-    bias_div = _head_div(bias, h, hkv)
-    compact = 0 if lists is None else LISTED
-    if packed is not None:
-        key, value, bias, bias_div = packed.key, packed.value, packed.bias, packed.bias_div
-        compact = PACKED
+    key, value, bias, compact = _key_operands(key, value, bias, lists, packed)
     attention_fwd_kernel[(nq, b * h)](
         query, key, value, None if lists else mask, bias, seqused_k, cu_q, cu_k,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
@@ -289,7 +292,7 @@ def _launch_forward(
         tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
         h, h // hkv, lq, lk, d, dv, cdiv(lk, cfg.block_n),
-        _head_div(mask, h, hkv), bias_div, float(scale), float(softcap),
+        _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
         *band.args(), **band.flags(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(query.dtype),
         HAS_MASK=0 if lists else operand_kind(mask), HAS_BIAS=operand_kind(bias),
@@ -372,7 +375,8 @@ def attention_backward(
             dbias_mode = "bcast"  # its kernel reads the tile tables
     tables = dq_tables = lists = None
     compact = compactable(mask, h, hkv) and dbias_mode != "bcast"
-    pack = compact and dbias_mode != "direct" and packs(mask, bias, h, hkv)
+    # A dbias written per entry needs each score's key index: no packing.
+    pack = packs(mask, bias, h, hkv) and dbias_mode not in ("bcast", "direct")
     cfgs = _backward_configs(query, value, mask, bias, lq, pack)
     cfg = cfgs.dkdv
     if compact:
@@ -484,10 +488,14 @@ def _launch_backward(
     h, d = query.shape[2], query.shape[3]
     hkv, d_v = key.shape[2], value.shape[3]
     kv, qc = cfgs.dkdv, cfgs.dq
-    strides = (
-        *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
-        *operand_strides(mask), *operand_strides(bias),
-    )  # fmt: skip
+
+    def strides_with(key, value, bias):
+        return (
+            *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
+            *operand_strides(mask), *operand_strides(bias),
+        )  # fmt: skip
+
+    strides = strides_with(key, value, bias)
     mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
     flags = dict(
         HAS_BIAS=operand_kind(bias), HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0,
@@ -543,25 +551,19 @@ def _launch_backward(
             num_warps=1 if interpreter_on() else 4,
         )  # fmt: skip
     nq = cdiv(span_q, qc.block_m)
-    compact = 0 if lists is None else LISTED
-    if packed is not None:
-        key, value, bias, bias_div = packed.key, packed.value, packed.bias, packed.bias_div
-        strides = (
-            *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
-            *operand_strides(mask), *operand_strides(bias),
-        )  # fmt: skip
-        compact = PACKED
+    key, value, bias, compact = _key_operands(key, value, bias, lists, packed)
     attention_bwd_dq_kernel[(nq, b * h)](
         query, key, value, grad_out, None if lists else mask, bias,
         seqused_k, cu_q, cu_k, lse, lse_rem, delta,
         dq_tables.kv_num if dq_tables else None, dq_tables.kv_idx if dq_tables else None,
         dq_tables.kv_int if dq_tables else None,
         lists.keys if lists else None, lists.key_start if lists else None,
-        lists.key_end if lists else None, dq, dbias_direct, *strides,
+        lists.key_end if lists else None, dq, dbias_direct, *strides_with(key, value, bias),
         dq_tables.stride_b if dq_tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
-        h, h // hkv, lq, lk, d, d_v, cdiv(span_k, qc.block_n), mask_div, bias_div,
-        float(scale), float(softcap), *band.args(), HAS_MASK=0 if lists else operand_kind(mask),
+        h, h // hkv, lq, lk, d, d_v, cdiv(span_k, qc.block_n), mask_div,
+        _head_div(bias, h, hkv), float(scale), float(softcap), *band.args(),
+        HAS_MASK=0 if lists else operand_kind(mask),
         DBIAS_DIRECT=dbias_direct is not None, COMPACT=compact, **flags,
         **_meta(qc, d, d_v, band, query.dtype),
     )  # fmt: skip
