@@ -123,7 +123,9 @@ def attention(
     )  # fmt: skip
     window = check_window(window_size, "dmattn.attention")
     query, key, value, bias = ops.autocast_inputs(query, key, value, bias)
-    if sinks is not None:
+    if sinks is not None and backend in ("reference", "flex"):
+        # The registered ops take sinks themselves (their forward kernel starts each row's
+        # softmax from its sink); Flex has none, so it gets them joined to its (out, lse).
         if isinstance(query, torch.Tensor) and query.dim() == 4:
             check_sinks(sinks, query, "dmattn.attention")
         with ops.autocast_off(query):
@@ -156,6 +158,9 @@ def attention(
         # Only a window that bounds something is passed: graphs of windowless calls stay as
         # they were.
         extra = (window,) if has_window(window) else ()
+        if sinks is not None:
+            check_sinks(sinks, query, "dmattn.attention")
+            extra = (window, sinks)
         if return_lse:
             scale = ops.default_scale(query) if scale is None else scale
             out, lse, _ = torch.ops.dmattn.attention_forward(
@@ -254,6 +259,9 @@ def attention_varlen(
         if backend == "triton":
             _check_triton_can_run(query, fn)
         extra = (window,) if has_window(window) else ()
+        if sinks is not None:
+            check_sinks(sinks, query, "dmattn.attention")
+            extra = (window, sinks)
         if return_lse:
             scale = ops.default_scale(query) if scale is None else scale
             out, lse, _ = torch.ops.dmattn.attention_varlen_forward(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from dmattn_ops import chunked
 from dmattn_ops.validate import NO_WINDOW
 
 # Dense ops: the vmapped dim is folded into the batch dim B, one launch for all of it.
@@ -46,14 +47,26 @@ def _batch_size(t: torch.Tensor, dim) -> int:
     return t.shape[0] if dim is None else t.movedim(dim, 0).shape[1]
 
 
+def _unbatched_sinks(sinks, dim, op: str):
+    """Sinks are per head and shared by the batch a vmapped call folds them into: a sink per
+    sample cannot be folded (dsinks per sample, by contrast, is computed below)."""
+    if sinks is not None and dim is not None:
+        raise NotImplementedError(
+            f"{op}: vmap over sinks (a different sinks tensor per sample) is not supported; "
+            "vmap over the other inputs with sinks shared (in_dims None), or loop over samples"
+        )
+    return sinks
+
+
 def _fold_forward_args(info, in_dims, args):
-    """The 11 arguments of attention / attention_forward with the vmapped dim folded into B,
+    """The 12 arguments of attention / attention_forward with the vmapped dim folded into B,
     and (n, b) to unfold the results. Trailing arguments the dispatcher dropped (left at their
     defaults) come back as None and are restored to those defaults."""
-    in_dims = _pad_dims(in_dims, 11)
-    args = _pad_dims(args, 11)
+    in_dims = _pad_dims(in_dims, 12)
+    args = _pad_dims(args, 12)
     query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic = args[:10]
     window_size = NO_WINDOW if args[10] is None else args[10]
+    sinks = _unbatched_sinks(args[11], in_dims[11], "dmattn.attention")
     n, b = info.batch_size, _batch_size(query, in_dims[0])
     folded = (
         _fold(query, in_dims[0], n, b),
@@ -67,6 +80,7 @@ def _fold_forward_args(info, in_dims, args):
         _fold(seqused_k, in_dims[8], n, b),
         bool(deterministic),
         window_size,
+        sinks,
     )
     return folded, n, b
 
@@ -105,14 +119,17 @@ def _backward_vmap(
     deterministic,
     compute_dbias,
     window_size=NO_WINDOW,
+    sinks=None,
 ):
     n, b = info.batch_size, _batch_size(query, in_dims[2])
+    in_dims = _pad_dims(in_dims, 18)
+    sinks = _unbatched_sinks(sinks, in_dims[17], "dmattn.attention (backward)")
     compute_dbias = compute_dbias and bias is not None
     # Each vmapped sample needs its own dbias, so a bias shared over the batch is expanded here
     # and its batch dim summed back below.
     tensors = (grad_out, grad_lse, query, key, value, out, lse, lse_rem)
     folded = [_fold(t, d, n, b) for t, d in zip(tensors, in_dims)]
-    dq, dk, dv, dbias = torch.ops.dmattn.attention_backward(
+    dq, dk, dv, dbias, dsinks = torch.ops.dmattn.attention_backward(
         *folded,
         _fold(mask, in_dims[8], n, b, keep_broadcast=True),
         _fold(bias, in_dims[9], n, b, keep_broadcast=not compute_dbias),
@@ -123,14 +140,22 @@ def _backward_vmap(
         deterministic,
         compute_dbias,
         window_size,
+        sinks,
     )
     grads = (_unfold(dq, n, b), _unfold(dk, n, b), _unfold(dv, n, b))
+    if sinks is not None:
+        # The op summed dsinks over all samples; each sample's own sum, from its statistics.
+        g_out, g_lse, o, stat, stat_rem = (
+            None if t is None else _unfold(t, n, b) for t in (*folded[:2], *folded[5:])
+        )
+        dsinks = chunked.sinks_grad(sinks, stat, stat_rem, chunked.row_delta(o, g_out, g_lse))
+    dsinks_dim = None if sinks is None else 0
     if not compute_dbias:
-        return (*grads, dbias), (0, 0, 0, None)
+        return (*grads, dbias, dsinks), (0, 0, 0, None, dsinks_dim)
     dbias = _unfold(dbias, n, b)
     if _batch_size(bias, in_dims[9]) == 1 and b != 1:
         dbias = dbias.float().sum(dim=1, keepdim=True).to(bias.dtype)
-    return (*grads, dbias), (0, 0, 0, 0)
+    return (*grads, dbias, dsinks), (0, 0, 0, 0, dsinks_dim)
 
 
 # vmap of the varlen ops: the N vmapped samples become one packed batch of N * B sequences.

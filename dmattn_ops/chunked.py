@@ -177,6 +177,48 @@ def forward(
     return out, lse, lse_rem
 
 
+def row_delta(out, grad_out, grad_lse) -> torch.Tensor:
+    """rowsum(dO * O) - grad_lse, (..., H, Lq) from (..., Lq, H, Dv) tensors, in the compute
+    dtype of out's (float32, float64 for float64)."""
+    ct = compute_dtype(out.dtype)
+    d = (grad_out.to(ct) * out.to(ct)).sum(dim=-1).transpose(-1, -2)
+    return d if grad_lse is None else d - grad_lse.to(ct)
+
+
+def join_sinks(out, lse, lse_rem, sinks):
+    """(out, lse, lse_rem) of attention without sinks -> with sinks (H,) in each row's
+    denominator: lse' = log(exp(lse + lse_rem) + exp(sinks[h])) split as lse_split does, and
+    out' = out * exp(lse - lse'). No autograd (the ops' impls call it: CPU, decode and empty
+    calls; the forward kernel starts from the sink instead). A sink of -inf is no sink."""
+    if sinks is None:
+        return out, lse, lse_rem
+    s = sinks.to(lse.dtype)[:, None]  # [H, 1] against (..., H, Lq)
+    m = torch.maximum(lse, s)
+    log_l = torch.log(torch.exp((lse - m) + lse_rem) + torch.exp(s - m))
+    new_lse, new_rem = lse_split(m, log_l, torch.ones_like(lse, dtype=torch.bool))
+    # exp(-inf) = 0 for a row with no key; the exponent is <= 0 in exact arithmetic.
+    weight = torch.exp(((lse - new_lse) + (lse_rem - new_rem)).clamp(max=0))
+    none = s == float("-inf")
+    weight = torch.where(none, 1.0, weight)
+    out = (out.to(weight.dtype) * weight.transpose(-1, -2)[..., None]).to(out.dtype)
+    return out, torch.where(none, lse, new_lse), torch.where(none, lse_rem, new_rem)
+
+
+def sink_share(sinks, lse, lse_rem) -> torch.Tensor:
+    """exp(sinks[h] - lse) (..., H, Lq): the share of each row's softmax its sink takes, from
+    the lse that includes the sinks; 0 for a sink of -inf."""
+    s = sinks.to(lse.dtype)[:, None]
+    share = torch.exp(((s - lse) - lse_rem).clamp(max=0))
+    return torch.where(s == float("-inf"), 0.0, share)
+
+
+def sinks_grad(sinks, lse, lse_rem, delta) -> torch.Tensor:
+    """dsinks[h] = -sum over rows of exp(sinks[h] - lse) * delta, in sinks' dtype, from
+    (..., B, H, Lq) statistics (a vmapped call's leading sample dim is kept)."""
+    share = sink_share(sinks, lse, lse_rem)
+    return -(share * delta.to(lse.dtype)).sum(-1).sum(-2).to(sinks.dtype)
+
+
 def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     dims = tuple(d for d, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
     return x.sum(dim=dims, keepdim=True) if dims else x
@@ -210,10 +252,7 @@ def backward(
     b, lq, h, lk, hkv, g, d, dv, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.d, pb.dv, pb.ct
     dev = query.device
     do = grad_out.permute(0, 2, 1, 3).unflatten(1, (hkv, g))  # [B, Hkv, G, Lq, Dv]
-    delta = (grad_out.to(ct) * out.to(ct)).sum(dim=-1).transpose(1, 2)  # [B, H, Lq]
-    if grad_lse is not None:
-        delta = delta - grad_lse.to(ct)
-    delta = delta.unflatten(1, (hkv, g))  # [B, Hkv, G, Lq]
+    delta = row_delta(out, grad_out, grad_lse).unflatten(1, (hkv, g))  # [B, Hkv, G, Lq]
     lse5 = lse.unflatten(1, (hkv, g)).to(ct)
     lse_rem5 = lse_rem.unflatten(1, (hkv, g)).to(ct)
     lse5 = torch.where(lse5 == float("-inf"), 0, lse5)

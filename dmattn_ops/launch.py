@@ -159,27 +159,32 @@ def collapse_broadcast(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def attention_forward(
-    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window=NO_WINDOW
-):
-    """Returns out (B, Lq, H, Dv), lse and lse_rem, both float32 (B, H, Lq)."""
-    seqused_k = _dense(seqused_k)
+    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window=NO_WINDOW,
+    sinks=None,
+):  # fmt: skip
+    """Returns out (B, Lq, H, Dv), lse and lse_rem, both float32 (B, H, Lq). sinks (H,) or None:
+    the forward kernel starts each row's softmax from its head's sink; the other paths (PyTorch
+    on CPU, decode, an empty call) join it to their result (chunked.join_sinks)."""
+    seqused_k, sinks = _dense(seqused_k), _dense(sinks)
     mask, bias = collapse_broadcast(mask), collapse_broadcast(bias)
     b, lq, h, _ = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     if b * lq * h == 0 or lk == 0:
-        return _empty_forward(query, value)
+        return chunked.join_sinks(*_empty_forward(query, value), sinks)
     if not use_triton(query):
-        return chunked.forward(
+        result = chunked.forward(
             query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window=window
         )
+        return chunked.join_sinks(*result, sinks)
     band = Band.of(is_causal, window)
     fused = None
-    if not band.has_window:
+    if not band.has_window and sinks is None:
         fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
     if fused:
         return sdpa.forward(query, key, value, scale, is_causal, fused)
     if decode_applies(lq, h, hkv, lk, mask):
-        return decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k)
+        result = decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k)
+        return chunked.join_sinks(*result, sinks)
     pack = packs(mask, bias, h, hkv)
     cfg = _config("fwd", query, value, mask, bias, lq, pack)
     nq = cdiv(lq, cfg.block_m)
@@ -194,7 +199,7 @@ def attention_forward(
     packed = pack_keys(key, value, mask, bias, lists, h) if pack else None
     _launch_forward(
         query, key, value, mask, bias, seqused_k, None, None, out, lse, lse_rem,
-        b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, band, softcap, packed,
+        b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, band, softcap, packed, sinks,
     )  # fmt: skip
     return out, lse, lse_rem
 
@@ -274,6 +279,7 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
 def _launch_forward(
     query, key, value, mask, bias, seqused_k, cu_q, cu_k, out, lse, lse_rem,
     b, lq, lk, nq, lse_strides, tables, lists, cfg, scale, band, softcap, packed=None,
+    sinks=None,
 ):  # fmt: skip
     """query/key/value/out 4-D, mask/bias 4-D broadcast operands. Varlen: (1, total, H, D)
     views, Lq/Lk the totals, cu_q/cu_k the cu_seqlens, and nq tiles of the longest sequence.
@@ -286,7 +292,7 @@ def _launch_forward(
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
         tables.kv_int if tables else None,
         lists.keys if lists else None, lists.key_start if lists else None,
-        lists.key_end if lists else None, out, lse, lse_rem,
+        lists.key_end if lists else None, out, lse, lse_rem, sinks,
         *_strides(query), *_strides(key), *_strides(value),
         *operand_strides(mask), *operand_strides(bias), *_strides(out),
         tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
@@ -297,7 +303,8 @@ def _launch_forward(
         **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(query.dtype),
         HAS_MASK=0 if lists else operand_kind(mask), HAS_BIAS=operand_kind(bias),
         HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0, COMPACT=compact,
-        VARLEN=cu_q is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        VARLEN=cu_q is not None, HAS_SINKS=sinks is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
@@ -330,11 +337,15 @@ def attention_backward(
     deterministic,
     compute_dbias,
     window=NO_WINDOW,
+    sinks=None,
 ):
-    """Returns dq, dk, dv in their inputs' layouts and dtypes and dbias in bias's shape and dtype
-    (an empty (0,) tensor when compute_dbias is False). Our kernels use no atomics, so every
-    path but PyTorch's fused backwards (dense calls, sdpa.py) is deterministic; deterministic=True
-    keeps dense calls on our kernels."""
+    """Returns dq, dk, dv in their inputs' layouts and dtypes, dbias in bias's shape and dtype
+    (an empty (0,) tensor when compute_dbias is False) and dsinks in sinks' (empty without
+    sinks). Sinks change nothing else: with lse and out of the forward that joined them,
+    P = exp(s - lse) and delta = rowsum(dO * O) - grad_lse are the sinks' softmax already, and
+    dsinks[h] = -sum exp(sinks[h] - lse) * delta (chunked.sinks_grad). Our kernels use no
+    atomics, so every path but PyTorch's fused backwards (dense calls, sdpa.py) is
+    deterministic; deterministic=True keeps dense calls on our kernels."""
     seqused_k, lse, lse_rem = _dense(seqused_k), _dense(lse), _dense(lse_rem)
     mask = collapse_broadcast(mask)
     if not compute_dbias:
@@ -342,26 +353,34 @@ def attention_backward(
     b, lq, h, d = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     device = query.device
+    no_sinks = torch.empty((0,), dtype=query.dtype, device=device)
     if b * lq * h == 0 or lk == 0:
         dbias = (
             torch.zeros(bias.shape, dtype=bias.dtype, device=device)
             if compute_dbias
             else torch.empty((0,), dtype=query.dtype, device=device)
         )
-        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dbias
+        dsinks = no_sinks if sinks is None else torch.zeros_like(sinks)
+        return (
+            torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dbias, dsinks
+        )  # fmt: skip
     if not use_triton(query):
-        return chunked.backward(
+        grads = chunked.backward(
             grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias,
             scale, is_causal, softcap, seqused_k, compute_dbias, window=window,
         )  # fmt: skip
+        if sinks is None:
+            return (*grads, no_sinks)
+        delta = chunked.row_delta(out, grad_out, grad_lse)
+        return (*grads, chunked.sinks_grad(sinks, lse, lse_rem, delta))
     band = Band.of(is_causal, window)
     fused = None
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    if grad_lse is None and not deterministic and not band.has_window:
+    if grad_lse is None and not deterministic and not band.has_window and sinks is None:
         fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
     if fused:
         dq, dk, dvv = sdpa.backward(grad_out, query, key, value, out, lse, scale, is_causal, fused)
-        return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device)
+        return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device), no_sinks
     g = h // hkv
     dbias_mode = None
     if compute_dbias:
@@ -446,7 +465,8 @@ def attention_backward(
         dbias = dbias_direct.view(bias.shape)
     else:
         dbias = dbias_bcast
-    return dq, dk, dvv, dbias
+    dsinks = no_sinks if sinks is None else chunked.sinks_grad(sinks, lse, lse_rem, delta)
+    return dq, dk, dvv, dbias, dsinks
 
 
 def _delta(out, grad_out, grad_lse) -> torch.Tensor:

@@ -40,6 +40,7 @@ from dmattn_ops.validate import (
     check_cu_seqlens_values,
     check_inputs,
     check_seqused_k_values,
+    check_sinks,
     check_varlen_inputs,
     check_window,
 )
@@ -47,20 +48,22 @@ from dmattn_ops.validate import (
 ATTENTION_SCHEMA = (
     "attention(Tensor query, Tensor key, Tensor value, Tensor? mask=None, Tensor? bias=None, "
     "float? scale=None, bool is_causal=False, float softcap=0.0, Tensor? seqused_k=None, "
-    "bool deterministic=False, int[2] window_size=[-1, -1]) -> Tensor"
+    "bool deterministic=False, int[2] window_size=[-1, -1], Tensor? sinks=None) -> Tensor"
 )
 FORWARD_SCHEMA = (
     "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? bias, "
     "float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic=False"
-    ", int[2] window_size=[-1, -1]) -> (Tensor out, Tensor lse, Tensor lse_rem)"
+    ", int[2] window_size=[-1, -1], Tensor? sinks=None) -> (Tensor out, Tensor lse, "
+    "Tensor lse_rem)"
 )
 BACKWARD_SCHEMA = (
     "attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, "
     "Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor? mask, Tensor? bias, "
     "float scale, "
     "bool is_causal, float softcap, Tensor? seqused_k, bool deterministic, bool compute_dbias"
-    ", int[2] window_size=[-1, -1]) "
-    "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)"
+    ", int[2] window_size=[-1, -1], Tensor? sinks=None) "
+    "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias, "
+    "Tensor grad_sinks)"
 )
 
 _lib = torch.library.Library("dmattn", "DEF")
@@ -125,14 +128,15 @@ class Options:
 
 def _forward_impl(
     query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic=False,
-    window_size=NO_WINDOW,
+    window_size=NO_WINDOW, sinks=None,
 ):  # fmt: skip
     fn = "dmattn::attention"
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn=fn)
     check_seqused_k_values(seqused_k, key.shape[1], fn)
+    check_sinks(sinks, query, fn)
     window = check_window(window_size, fn)
     return launch.attention_forward(
-        query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window
+        query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window, sinks
     )
 
 
@@ -154,6 +158,7 @@ def _backward_impl(
     deterministic,
     compute_dbias,
     window_size=NO_WINDOW,
+    sinks=None,
 ):
     return launch.attention_backward(
         grad_out,
@@ -173,6 +178,7 @@ def _backward_impl(
         deterministic,
         compute_dbias and bias is not None,
         tuple(window_size),
+        sinks,
     )
 
 
@@ -193,11 +199,12 @@ def _attention_impl(
     seqused_k=None,
     deterministic=False,
     window_size=NO_WINDOW,
+    sinks=None,
 ):
     scale = default_scale(query) if scale is None else scale
     out, _, _ = torch.ops.dmattn.attention_forward(
         query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic,
-        window_size,
+        window_size, sinks,
     )  # fmt: skip
     return out
 
@@ -211,9 +218,10 @@ _lib.impl("attention", _attention_impl, "CompositeExplicitAutograd")
 @torch.library.register_fake("dmattn::attention_forward")
 def _forward_fake(
     query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic=False,
-    window_size=NO_WINDOW,
+    window_size=NO_WINDOW, sinks=None,
 ):  # fmt: skip
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn::attention")
+    check_sinks(sinks, query, "dmattn::attention")
     check_window(window_size, "dmattn::attention")
     b, lq, h, _ = query.shape
     out = query.new_empty((b, lq, h, value.shape[-1]))
@@ -241,6 +249,7 @@ def _backward_fake(
     deterministic,
     compute_dbias,
     window_size=NO_WINDOW,
+    sinks=None,
 ):
     dq = query.new_empty(query.shape)
     dk = key.new_empty(key.shape)
@@ -249,7 +258,8 @@ def _backward_fake(
         dbias = bias.new_empty(bias.shape)
     else:
         dbias = query.new_empty((0,))
-    return dq, dk, dv, dbias
+    dsinks = query.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
+    return dq, dk, dv, dbias, dsinks
 
 
 # Autograd.
@@ -291,10 +301,10 @@ def _needs_grad(*tensors) -> bool:
 
 
 class AttentionFunction(torch.autograd.Function):
-    """(query, key, value, mask, bias, seqused_k, Options) -> (out, lse, lse_rem)."""
+    """(query, key, value, mask, bias, seqused_k, sinks, Options) -> (out, lse, lse_rem)."""
 
     @staticmethod
-    def forward(query, key, value, mask, bias, seqused_k, options: Options):
+    def forward(query, key, value, mask, bias, seqused_k, sinks, options: Options):
         return torch.ops.dmattn.attention_forward(
             query,
             key,
@@ -307,38 +317,46 @@ class AttentionFunction(torch.autograd.Function):
             seqused_k,
             options.deterministic,
             options.window,
+            sinks,
         )
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        query, key, value, mask, bias, seqused_k, options = inputs
+        query, key, value, mask, bias, seqused_k, sinks, options = inputs
         out, lse, lse_rem = output
-        ctx.save_for_backward(query, key, value, mask, bias, seqused_k, out, lse, lse_rem)
-        ctx.save_for_forward(query, key, value, mask, bias, seqused_k, out, lse, lse_rem)
+        saved = (query, key, value, mask, bias, seqused_k, sinks, out, lse, lse_rem)
+        ctx.save_for_backward(*saved)
+        ctx.save_for_forward(*saved)
         ctx.mark_non_differentiable(lse_rem)
         ctx.options = options
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def jvp(ctx, t_query, t_key, t_value, _t_mask, t_bias, _t_seqused_k, _t_options):
-        query, key, value, mask, bias, seqused_k, _, lse, lse_rem = ctx.saved_tensors
+    def jvp(ctx, t_query, t_key, t_value, _t_mask, t_bias, _t_seqused_k, t_sinks, _t_options):
+        query, key, value, mask, bias, seqused_k, sinks, out, lse, lse_rem = ctx.saved_tensors
         o = ctx.options
         out_t, lse_t = chunked.jvp(
             query, key, value, mask, bias, (t_query, t_key, t_value, t_bias), lse, lse_rem,
             o.scale, o.is_causal, o.softcap, seqused_k, window=o.window,
         )  # fmt: skip
+        if t_sinks is not None:
+            # The sink's share w = exp(sinks[h] - lse) of each row: lse' gains w * sinks', and
+            # out' loses w * sinks' * out (chunked.jvp's P already sums to 1 - w).
+            w = chunked.sink_share(sinks, lse, lse_rem) * t_sinks.to(lse.dtype)[:, None]
+            lse_t = lse_t + w.to(lse_t.dtype)
+            out_t = out_t - (out.to(w.dtype) * w.transpose(1, 2)[..., None]).to(out_t.dtype)
         return out_t, lse_t, None
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, _grad_lse_rem):
-        query, key, value, mask, bias, seqused_k, out, lse, lse_rem = ctx.saved_tensors
+        query, key, value, mask, bias, seqused_k, sinks, out, lse, lse_rem = ctx.saved_tensors
         if grad_out is None and grad_lse is None:
-            return (None,) * 7
+            return (None,) * 8
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         o = ctx.options
         compute_dbias = bias is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, dbias = torch.ops.dmattn.attention_backward(
+        dq, dk, dv, dbias, dsinks = torch.ops.dmattn.attention_backward(
             grad_out,
             grad_lse,
             query,
@@ -356,8 +374,10 @@ class AttentionFunction(torch.autograd.Function):
             o.deterministic,
             compute_dbias,
             o.window,
+            sinks,
         )
-        return dq, dk, dv, None, (dbias if compute_dbias else None), None, None
+        dsinks = dsinks if sinks is not None and ctx.needs_input_grad[6] else None
+        return dq, dk, dv, None, (dbias if compute_dbias else None), None, dsinks, None
 
 
 DOUBLE_BACKWARD_ERROR = (
@@ -402,12 +422,15 @@ def _attention_autograd(
     seqused_k=None,
     deterministic=False,
     window_size=NO_WINDOW,
+    sinks=None,
 ):
-    if _needs_grad(query, key, value, bias):
+    if _needs_grad(query, key, value, bias, sinks):
         scale = default_scale(query) if scale is None else scale
         window = check_window(window_size, "dmattn::attention")
         options = Options(scale, is_causal, softcap, deterministic, window)
-        out, _, _ = _apply(AttentionFunction, query, key, value, mask, bias, seqused_k, options)
+        out, _, _ = _apply(
+            AttentionFunction, query, key, value, mask, bias, seqused_k, sinks, options
+        )
         return out
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.dmattn.attention.default.redispatch(
@@ -423,17 +446,18 @@ def _attention_autograd(
             seqused_k,
             deterministic,
             window_size,
+            sinks,
         )
 
 
 def _forward_autograd(
     keyset, query, key, value, mask, bias, scale, is_causal, softcap, seqused_k,
-    deterministic=False, window_size=NO_WINDOW,
+    deterministic=False, window_size=NO_WINDOW, sinks=None,
 ):  # fmt: skip
-    if _needs_grad(query, key, value, bias):
+    if _needs_grad(query, key, value, bias, sinks):
         window = check_window(window_size, "dmattn::attention")
         options = Options(scale, is_causal, softcap, deterministic, window)
-        return _apply(AttentionFunction, query, key, value, mask, bias, seqused_k, options)
+        return _apply(AttentionFunction, query, key, value, mask, bias, seqused_k, sinks, options)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.dmattn.attention_forward.default.redispatch(
             keyset & torch._C._after_autograd_keyset,
@@ -448,6 +472,7 @@ def _forward_autograd(
             seqused_k,
             deterministic,
             window_size,
+            sinks,
         )
 
 

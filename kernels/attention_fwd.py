@@ -113,6 +113,7 @@ def attention_fwd_kernel(
     OUT,
     LSE,
     LSE_REM,
+    SINKS,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -169,8 +170,13 @@ def attention_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     COMPACT: tl.constexpr,
     VARLEN: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """One program: BLOCK_M queries of one (batch, head). Writes out, lse and lse_rem.
+
+    HAS_SINKS: SINKS (H,) holds a logit per query head that joins every row's denominator as
+    a key whose value is 0: the online softmax starts from it (max = sink, sum = 1) instead of
+    from nothing, and a sink of -inf starts it from nothing, exactly as without one.
 
     With a mask, KV_NUM / KV_IDX list the key tiles of this query tile that hold any allowed key
     (KV_INT of them, first in the list, interior)
@@ -221,6 +227,10 @@ def attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + i_h).to(tl.float32)
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
+        l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
     if COMPACT:
         # The mask is the same for every query: iterate over tiles of its sorted allowed keys,
         # up to the last one this query tile may see (KEY_END, from causality and seqused_k),

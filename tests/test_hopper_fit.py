@@ -75,6 +75,7 @@ def _flags(kind, jit, args, ops) -> dict:
         if args.get("KEYS") is not None
         else 0,
         VARLEN=args.get("CU_Q") is not None,
+        HAS_SINKS=args.get("SINKS") is not None,
         DBIAS_COLS=args.get("DBIAS_COL") is not None,
         DBIAS_DIRECT=args.get("DBIAS") is not None,
         PARTIAL=args.get("PART_DK") is not None,
@@ -114,6 +115,9 @@ def _arguments(kind, jit, cfg, width, ops, float_type="fp32"):
             sig[name] = None  # window launches: tests/test_window.py compiles them
         elif name in ("SEQUSED", "CU_Q", "CU_K"):
             sig[name] = "*i32"
+        elif name == "SINKS":
+            # The forward kernel with sinks where a bias is given, without them otherwise.
+            sig[name] = None if ops.bias == "none" else "*fp32"
         elif name in ("scale", "softcap"):
             sig[name] = float_type
         elif jit.params[jit.arg_names.index(name)].is_constexpr:

@@ -157,3 +157,65 @@ def test_varlen_sinks_against_the_oracle(dtype):
     names = ("dq", "dk", "dv", "dbias", "dsinks")
     for name, a, w, wl in zip(names, leaves, ref_grads, ref_lp_grads):
         assert_close(a.grad, w, bound(w, wl), name)
+
+
+@pytest.mark.parametrize(
+    "lq, lk", [(1, 70), (2, 70), (5, 0)], ids=["decode", "decode-2", "no-keys"]
+)
+def test_decode_and_empty_calls_with_sinks(lq, lk, monkeypatch):
+    """The paths that join the sinks to their result (chunked.join_sinks) rather than start the
+    softmax from them: split-key decode, and a call with no keys (out 0, lse = sinks)."""
+    if not TRITON:
+        pytest.skip("needs CUDA or the interpreter")
+    q, k, v, bias, _, sinks = _inputs(torch.float32, b=2, lq=lq, lk=lk)
+    mask = torch.rand(2, 2, 1, lk, generator=torch.Generator().manual_seed(5)) < 0.7
+    mask = mask.to(DEVICE)
+    if lk:
+        # The cache past seqused_k holds NaN, as an uninitialised KV cache would.
+        k[:, 60:], v[:, 60:] = float("nan"), float("nan")
+    seq = torch.tensor([60, 33], dtype=torch.int32, device=DEVICE) if lk else None
+    calls = []
+    if lk:
+        decode = launch.decode_forward
+        monkeypatch.setattr(launch, "decode_forward", lambda *a: calls.append(1) or decode(*a))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias, sinks)]
+    out, lse = dmattn_ops.attention(*leaves[:3], mask, leaves[3], sinks=leaves[4],
+                                    seqused_k=seq, return_lse=True, backend="triton")  # fmt: skip
+    assert calls == ([1] if lk else [])
+    up = [t.detach().double().requires_grad_() for t in leaves]
+    low = [t.detach().clone().requires_grad_() for t in leaves]
+    ref, ref_lse = reference.attention(*up[:3], mask, up[3], sinks=up[4], seqused_k=seq,
+                                       return_lse=True)  # fmt: skip
+    ref_lp = reference.attention(*low[:3], mask, low[3], sinks=low[4], seqused_k=seq)
+    assert_close(out, ref, low_precision_bound(ref, ref_lp, torch.float32), "out")
+    assert_close(lse, ref_lse, 1e-5 * max(1.0, ref_lse.abs().max().item()), "lse")
+    weights = torch.cos(torch.arange(out.numel(), device=DEVICE)).view(out.shape)
+    (out * weights).sum().backward()
+    (ref * weights.double()).sum().backward()
+    (ref_lp * weights).sum().backward()
+    for name, a, w, wl in zip(("dq", "dk", "dv", "dbias", "dsinks"), leaves, up, low):
+        assert torch.isfinite(a.grad).all(), name
+        assert_close(a.grad, w.grad, low_precision_bound(w.grad, wl.grad, torch.float32), name)
+    if not lk:
+        assert (out == 0).all()
+        assert_close(lse, sinks.float()[None, :, None].expand_as(lse), 0.0, "lse = sink")
+
+
+def test_the_registered_ops_take_the_sinks(monkeypatch):
+    """backend auto/triton passes sinks to dmattn::attention (the forward kernel starts from
+    them); only Flex joins them to its result in PyTorch (api.add_sinks)."""
+    from dmattn_ops import api
+
+    q, k, v, bias, mask, sinks = _inputs(torch.float32)
+    monkeypatch.setattr(api, "add_sinks", None)  # a call would raise TypeError
+    seen = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.dmattn.attention.default:
+                seen.append(args[11] if len(args) > 11 else None)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, sinks=sinks)
+    assert len(seen) == 1 and seen[0] is not None and torch.equal(seen[0], sinks)

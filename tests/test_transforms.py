@@ -33,13 +33,14 @@ REFUSED = "derivative of a derivative of attention"
 
 
 class Problem:
-    """One op's callable over its differentiable inputs (query, key, value, bias), the same
-    function of the oracle, and the inputs; `extra` holds the other tensors (mask, seqused_k
-    for the dense op) that vmap may batch."""
+    """One op's callable over its differentiable inputs (query, key, value, bias, and sinks for
+    an op named "...+sinks"), the same function of the oracle, and the inputs; `extra` holds
+    the other tensors (mask, seqused_k for the dense op) that vmap may batch."""
 
     def __init__(self, op: str, dtype: torch.dtype):
         g = torch.Generator().manual_seed(11)
         rand = functools.partial(torch.randn, generator=g, dtype=torch.float64)
+        op, _, with_sinks = op.partition("+")
         self.op, self.dtype = op, dtype
         h, hkv, d = 2, 1, 4
         if op.startswith("attention_varlen"):
@@ -55,23 +56,34 @@ class Problem:
             mask = torch.rand(1, hkv, 1, 6, generator=g) < 0.6
             mask[..., 0] = True
             self.extra = (mask, torch.tensor([5], dtype=torch.int32))
+            if with_sinks:
+                inputs = (*inputs, torch.tensor([0.3, -0.7], dtype=torch.float64))
         if op.startswith("attention_varlen"):
             self.cu_q, self.cu_k = self.cu_q.to(DEVICE), self.cu_k.to(DEVICE)
         self.extra = tuple(t.to(DEVICE) for t in self.extra)
         self.inputs64 = tuple(t.to(DEVICE) for t in inputs)
         self.inputs = tuple(t.to(dtype) for t in self.inputs64)
 
-    def ours(self, q, k, v, bias, *extra):
-        extra = extra or self.extra
+    def _split(self, args):
+        """(q, k, v, bias), sinks or None, and the extra tensors (self.extra unless given)."""
+        n = len(self.inputs)
+        return args[:4], (args[4] if n == 5 else None), (args[n:] or self.extra)
+
+    def ours(self, *args):
+        (q, k, v, bias), sinks, extra = self._split(args)
         ops = torch.ops.dmattn
         if self.op == "attention":
             mask, seq = extra
-            return ops.attention(q, k, v, mask, bias, None, True, SOFTCAP, seq)
+            if sinks is None:
+                return ops.attention(q, k, v, mask, bias, None, True, SOFTCAP, seq)
+            return ops.attention(q, k, v, mask, bias, None, True, SOFTCAP, seq, False, [-1, -1],
+                                 sinks)  # fmt: skip
         if self.op == "attention_forward":
             mask, seq = extra
             out, lse, _ = ops.attention_forward(
-                q, k, v, mask, bias, q.shape[-1] ** -0.5, True, SOFTCAP, seq
-            )
+                q, k, v, mask, bias, q.shape[-1] ** -0.5, True, SOFTCAP, seq,
+                *(() if sinks is None else (False, [-1, -1], sinks)),
+            )  # fmt: skip
             return out, lse
         (mask,) = extra
         args = (q, k, v, self.cu_q, self.cu_k, 3, 6, mask, bias)
@@ -80,10 +92,12 @@ class Problem:
         out, lse, _ = ops.attention_varlen_forward(*args, q.shape[-1] ** -0.5, True, SOFTCAP)
         return out, lse
 
-    def oracle(self, q, k, v, bias, *extra):
-        extra = extra or self.extra
+    def oracle(self, *args):
+        (q, k, v, bias), sinks, extra = self._split(args)
         fn = getattr(reference, self.op)
         kw = dict(is_causal=True, softcap=SOFTCAP)
+        if sinks is not None:
+            kw["sinks"] = sinks
         if self.op.startswith("attention_varlen"):
             (mask,) = extra
             return fn(q, k, v, self.cu_q, self.cu_k, 3, 6, mask, bias, **kw)
@@ -91,7 +105,10 @@ class Problem:
         return fn(q, k, v, mask, bias, seqused_k=seq, **kw)
 
 
-OPS = ("attention", "attention_forward", "attention_varlen", "attention_varlen_forward")
+OPS = (
+    "attention", "attention_forward", "attention_varlen", "attention_varlen_forward",
+    "attention+sinks", "attention_forward+sinks",
+)  # fmt: skip
 
 
 def _leaves(x):
@@ -136,7 +153,7 @@ def _scalar(f):
 
 
 def grad(f, x):
-    return torch.func.grad(_scalar(f), argnums=(0, 1, 2, 3))(*x)
+    return torch.func.grad(_scalar(f), argnums=tuple(range(len(x))))(*x)
 
 
 def vjp(f, x):
@@ -150,15 +167,15 @@ def jvp(f, x):
 
 
 def jacrev(f, x):
-    return torch.func.jacrev(f, argnums=(0, 1, 2, 3))(*x)
+    return torch.func.jacrev(f, argnums=tuple(range(len(x))))(*x)
 
 
 def jacfwd(f, x):
-    return torch.func.jacfwd(f, argnums=(0, 1, 2, 3))(*x)
+    return torch.func.jacfwd(f, argnums=tuple(range(len(x))))(*x)
 
 
 def compile_grad(f, x):
-    g = torch.func.grad(_scalar(f), argnums=(0, 3))
+    g = torch.func.grad(_scalar(f), argnums=(0, 3, *range(4, len(x))))
     if f.__name__ == "oracle":  # the varlen oracle reads cu_seqlens on the host
         return g(*x)
     torch._dynamo.reset()
@@ -168,8 +185,8 @@ def compile_grad(f, x):
 def vmap_of_grad(f, x):
     """Per-sample gradients: vmap over a stacked query of grad."""
     q = torch.stack([x[0], x[0].flip(-1)])
-    g = torch.func.grad(_scalar(f), argnums=(0, 3))
-    return torch.vmap(g, in_dims=(0, None, None, None))(q, *x[1:])
+    g = torch.func.grad(_scalar(f), argnums=(0, 3, *range(4, len(x))))  # dsinks per sample
+    return torch.vmap(g, in_dims=(0, *[None] * (len(x) - 1)))(q, *x[1:])
 
 
 def jvp_under_vmap(f, x):
@@ -202,7 +219,8 @@ def _batched(t: torch.Tensor, n: int, seed: int) -> torch.Tensor:
 
 def _arg_names(op: str) -> tuple[str, ...]:
     extra = ("mask",) if "varlen" in op else ("mask", "seqused_k")
-    return ("query", "key", "value", "bias", *extra)
+    sinks = ("sinks",) if op.endswith("+sinks") else ()
+    return ("query", "key", "value", "bias", *sinks, *extra)
 
 
 @pytest.mark.parametrize("path", list(PATHS.values()), ids=list(PATHS))
@@ -214,7 +232,8 @@ def test_vmap(op, batched, path):
         pytest.skip(f"{op} has no {batched}")
     p = Problem(op, path)
     n = 2
-    pick = [batched in ("all", name) for name in names]
+    # Sinks are shared by the folded batch: batched alone they are refused (test below).
+    pick = [batched == name or (batched == "all" and name != "sinks") for name in names]
     args = (*p.inputs, *p.extra)
     args64 = (*p.inputs64, *p.extra)
     b_args = [_batched(a, n, i) if on else a for i, (a, on) in enumerate(zip(args, pick))]
@@ -235,6 +254,16 @@ def test_vmap(op, batched, path):
     want64 = per_sample(p.oracle, b_args64)
     want_lowp = want64 if path == torch.float64 else per_sample(p.oracle, b_args)
     _compare(p, got, want64, want_lowp, f"vmap[{batched}]")
+
+
+@pytest.mark.parametrize("path", list(PATHS.values()), ids=list(PATHS))
+def test_vmap_over_sinks_is_refused(path):
+    p = Problem("attention+sinks", path)
+    q, k, v, bias, sinks = p.inputs
+    with pytest.raises(NotImplementedError, match="vmap over sinks"):
+        torch.vmap(p.ours, in_dims=(None, None, None, None, 0))(
+            q, k, v, bias, torch.stack([sinks, -sinks])
+        )
 
 
 # Refused: every derivative of a derivative, named in the error.
