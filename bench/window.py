@@ -4,10 +4,11 @@ Causal sliding windows of 4096 keys at L16384 and L32768 (B1 H32 Hkv8 D128, bf16
 backward: ours with window_size, ours on full causal attention (the window's time should fall
 with the window), PyTorch SDPA with the window materialised as a boolean mask, and
 FlexAttention (compiled) with a window mask_mod. Then a GPT-OSS-shaped layer (B1 L8192 H64 Hkv8
-D64, window 128, sinks): ours against Flex with the same window (Flex has no sinks: it computes
-less). Every implementation is checked against ours on the output before it is timed. Times are
-medians of triton.testing.do_bench (ms). ``--profile``: then the device time of every kernel of
-ours and of Flex per forward+backward (bench/profile.py), to see which kernel is behind.
+D64, window 128, sinks): ours, eager and compiled, against Flex (compiled) with the same window
+(Flex has no sinks: it computes less). Every implementation is checked against ours on the
+output before it is timed. Times are medians of triton.testing.do_bench (ms). ``--profile``:
+then the device time of every kernel of ours and of Flex per forward+backward
+(bench/profile.py), to see which kernel is behind.
 """
 
 from __future__ import annotations
@@ -129,9 +130,18 @@ def gpt_oss_case(lq: int, rows: list) -> None:
     flex = functools.partial(_flex_window, left=left, block_mask=block_mask)
     with torch.no_grad():
         _check("flex", flex(q, k, v), ours(q, k, v))
+    # Compiled like Flex (fullgraph): Inductor then launches our kernels itself, without the
+    # eager launcher's host time, which this short call is bound by.
+    compiled_sinks = torch.compile(lambda q, k, v: ours_sinks(q, k, v), fullgraph=True)
+    compiled = torch.compile(lambda q, k, v: ours(q, k, v), fullgraph=True)
+    with torch.no_grad():
+        _check("ours compiled", compiled(q, k, v), ours(q, k, v))
+        _check("ours + sinks compiled", compiled_sinks(q, k, v), ours_sinks(q, k, v))
     times = {
         "ours window + sinks": _time(_fwd_bwd(ours_sinks, (q, k, v))),
         "ours window": _time(_fwd_bwd(ours, (q, k, v))),
+        "ours + sinks, compiled": _time(_fwd_bwd(compiled_sinks, (q, k, v))),
+        "ours, compiled": _time(_fwd_bwd(compiled, (q, k, v))),
         "flex window (no sinks)": _time(_fwd_bwd(flex, (q, k, v))),
     }
     PROFILES.append(("GPT-OSS: ours + sinks", _fwd_bwd(ours_sinks, (q, k, v))))
