@@ -37,6 +37,7 @@ from dmattn_ops.validate import NO_WINDOW
 attention_fwd_kernel = LazyKernel("attention_fwd", "attention_fwd_kernel")
 attention_bwd_dbias_kernel = LazyKernel("attention_bwd", "attention_bwd_dbias_kernel")
 attention_bwd_delta_kernel = LazyKernel("attention_bwd", "attention_bwd_delta_kernel")
+attention_bwd_sinks_kernel = LazyKernel("attention_bwd", "attention_bwd_sinks_kernel")
 attention_bwd_dkdv_kernel = LazyKernel("attention_bwd", "attention_bwd_dkdv_kernel")
 attention_bwd_dkdv_reduce_kernel = LazyKernel("attention_bwd", "attention_bwd_dkdv_reduce_kernel")
 attention_bwd_dq_kernel = LazyKernel("attention_bwd", "attention_bwd_dq_kernel")
@@ -465,8 +466,20 @@ def attention_backward(
         dbias = dbias_direct.view(bias.shape)
     else:
         dbias = dbias_bcast
-    dsinks = no_sinks if sinks is None else chunked.sinks_grad(sinks, lse, lse_rem, delta)
+    dsinks = no_sinks if sinks is None else _sinks_grad(sinks, lse, lse_rem, delta)
     return dq, dk, dvv, dbias, dsinks
+
+
+def _sinks_grad(sinks, lse, lse_rem, delta) -> torch.Tensor:
+    """chunked.sinks_grad in one launch (a dozen small PyTorch ops eagerly): one program per
+    head over the (B, H, Lq) statistics, deterministic."""
+    b, h, lq = lse.shape
+    dsinks = empty((h,), dtype=sinks.dtype, device=sinks.device)
+    attention_bwd_sinks_kernel[(h,)](
+        _dense(sinks), lse, lse_rem, delta, dsinks, b, h, lq,
+        BLOCK=64 if interpreter_on() else 1024, num_warps=1 if interpreter_on() else 4,
+    )  # fmt: skip
+    return dsinks
 
 
 def _delta(out, grad_out, grad_lse) -> torch.Tensor:

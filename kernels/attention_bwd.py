@@ -1068,3 +1068,38 @@ def attention_bwd_delta_kernel(
             GRAD_LSE + i_b * stride_gb + i_h * stride_gh + o_m * stride_gm, mask=m_m, other=0.0
         )
     tl.store(DELTA + i_bh.to(tl.int64) * Lq + o_m, delta, mask=m_m)
+
+
+@triton.jit
+def attention_bwd_sinks_kernel(
+    SINKS,
+    LSE,
+    LSE_REM,
+    DELTA,
+    DSINKS,
+    B,
+    H,
+    Lq,
+    BLOCK: tl.constexpr,
+):
+    """dsinks[h] = -sum over (b, i) of exp(sinks[h] - lse) * delta, one program per head over
+    the (B, H, Lq) contiguous statistics of the forward that joined the sinks, in a fixed order
+    (deterministic), stored in sinks' dtype. A sink of -inf gets 0 (its share is 0, also in rows
+    with no key, whose lse is then -inf too)."""
+    i_h = tl.program_id(0).to(tl.int64)
+    sink = tl.load(SINKS + i_h).to(tl.float32)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i_b in range(0, B):
+        row0 = (i_b * H + i_h) * Lq
+        for m0 in range(0, Lq, BLOCK):
+            i_m = m0 + tl.arange(0, BLOCK)
+            m_m = i_m < Lq
+            lse = tl.load(LSE + row0 + i_m, mask=m_m, other=0.0)
+            lse_rem = tl.load(LSE_REM + row0 + i_m, mask=m_m, other=0.0)
+            delta = tl.load(DELTA + row0 + i_m, mask=m_m, other=0.0)
+            # lse includes the sink, so the exponent is <= 0 in exact arithmetic.
+            share = tl.exp2(tl.minimum((sink - lse) - lse_rem, 0.0) * LOG2E)
+            acc += tl.where(m_m, share * delta, 0.0)
+    # A sink of -inf: NaN shares (-inf - -inf) in rows with no key are dropped here.
+    dsink = tl.where(sink > float("-inf"), -tl.sum(acc, 0), 0.0)
+    tl.store(DSINKS + i_h, dsink.to(DSINKS.dtype.element_ty))
