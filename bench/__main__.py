@@ -40,6 +40,7 @@ class Inputs:
     # Varlen: q (total_q, H, D), k/v (total_k, Hkv, D), mask/bias per key token (H, total_k).
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+    window: int = 0  # Case.window
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Case:
     keep: int = 0
     is_causal: bool = True
     tags: list = field(default_factory=list)
+    window: int = 0  # a causal sliding window of this many keys (ours only; bench.tune's)
 
     def shrink(self) -> Case:
         """The CPU smoke version: same structure, tiny sizes."""
@@ -151,7 +153,7 @@ def build(c: Case, device: str, dtype: torch.dtype) -> Inputs:
         bias = randn(c.b, c.hkv, 1, c.lk)
         seqused = torch.randint(c.lk // 4, c.lk + 1, (c.b,), device=device, generator=g)
         seqused = seqused.to(torch.int32)
-    return Inputs(q, k, v, mask, bias, c.is_causal, seqused)
+    return Inputs(q, k, v, mask, bias, c.is_causal, seqused, window=c.window)
 
 
 def allowed_entries(x: Inputs) -> int:
@@ -227,9 +229,19 @@ def impl_ours(x: Inputs):
     if x.cu_seqlens is not None:
         return _varlen(dmattn_ops.attention_varlen, x, backend="triton")
 
+    window = (x.window - 1, 0) if x.window else (-1, -1)
+
     def f(q, k, v, bias):
         return dmattn_ops.attention(
-            q, k, v, x.mask, bias, is_causal=x.is_causal, seqused_k=x.seqused_k, backend="triton"
+            q,
+            k,
+            v,
+            x.mask,
+            bias,
+            is_causal=x.is_causal,
+            seqused_k=x.seqused_k,
+            backend="triton",
+            window_size=window,
         )
 
     return f  # fmt: skip
