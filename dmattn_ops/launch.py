@@ -67,21 +67,26 @@ class BackwardConfigs:
     dq: Config
 
 
-def _config(kind: str, query, value, mask, bias, lq: int | None = None, packed=False) -> Config:
+def _config(
+    kind: str, query, value, mask, bias, lq: int | None = None, packed=False, band=None
+) -> Config:
     """The tile config of kernel `kind` for these operands, fitted to the device's shared memory
     (configs.py); every config the launcher uses comes from here. packed: the call reads
-    packed keys (pack_keys)."""
+    packed keys (pack_keys); band: its window, if any (a narrow band takes smaller tiles)."""
     d, dv = query.shape[-1], value.shape[-1]
     ops = configs.Operands.of(query, mask, bias, packed)
     interpreted = interpreter_on()
     limit = configs.shared_limit(query.device) if query.is_cuda and not interpreted else None
-    return configs.config(kind, d, dv, ops, lq=lq, limit=limit, interpreter=interpreted)
+    window = band.width() if band is not None else None
+    return configs.config(
+        kind, d, dv, ops, lq=lq, limit=limit, interpreter=interpreted, window=window
+    )
 
 
-def _backward_configs(query, value, mask, bias, lq: int, packed=False) -> BackwardConfigs:
+def _backward_configs(query, value, mask, bias, lq: int, packed=False, band=None):
     return BackwardConfigs(
-        _config("dkdv", query, value, mask, bias, lq, packed),
-        _config("dq", query, value, mask, bias, lq, packed),
+        _config("dkdv", query, value, mask, bias, lq, packed, band),
+        _config("dq", query, value, mask, bias, lq, packed, band),
     )
 
 
@@ -187,7 +192,7 @@ def attention_forward(
         result = decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k)
         return chunked.join_sinks(*result, sinks)
     pack = packs(mask, bias, h, hkv)
-    cfg = _config("fwd", query, value, mask, bias, lq, pack)
+    cfg = _config("fwd", query, value, mask, bias, lq, pack, band)
     nq = cdiv(lq, cfg.block_m)
     tables = lists = None
     if compactable(mask, h, hkv):
@@ -397,7 +402,7 @@ def attention_backward(
     compact = compactable(mask, h, hkv) and dbias_mode != "bcast"
     # A dbias written per entry needs each score's key index: no packing.
     pack = packs(mask, bias, h, hkv) and dbias_mode not in ("bcast", "direct")
-    cfgs = _backward_configs(query, value, mask, bias, lq, pack)
+    cfgs = _backward_configs(query, value, mask, bias, lq, pack, band)
     cfg = cfgs.dkdv
     if compact:
         lists = build_key_lists(mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m)

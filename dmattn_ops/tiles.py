@@ -53,6 +53,12 @@ class Band(NamedTuple):
     def flags(self) -> dict:
         return dict(IS_CAUSAL=self.is_causal, HAS_WINDOW=self.has_window)
 
+    def width(self) -> int | None:
+        """Keys a query may see at most (left + right + 1) when both sides are bounded."""
+        if not self.has_window or UNBOUNDED in (self.left, self.right):
+            return None
+        return self.left + self.right + 1
+
 
 def _block(dim: int) -> int:
     return max(16, next_power_of_2(dim))

@@ -198,7 +198,7 @@ def test_outputs_are_contiguous_as_the_fake_kernels_say(dispatch_on):
     args = (q, k, v, None, None, 0.125, True, 0.0, None, False)
     out, lse, lse_rem = torch.ops.dmattn.attention_forward(*args)
     g = torch.randn_like(out)
-    dq, dk, dv, _ = torch.ops.dmattn.attention_backward(
+    dq, dk, dv, _, _ = torch.ops.dmattn.attention_backward(
         g, None, q, k, v, out, lse, lse_rem, None, None, 0.125, True, 0.0, None, False, False
     )
     for t in (out, dq, dk, dv):
