@@ -259,9 +259,6 @@ def attention_varlen(
         if backend == "triton":
             _check_triton_can_run(query, fn)
         extra = (window,) if has_window(window) else ()
-        if sinks is not None:
-            check_sinks(sinks, query, "dmattn.attention")
-            extra = (window, sinks)
         if return_lse:
             scale = ops.default_scale(query) if scale is None else scale
             out, lse, _ = torch.ops.dmattn.attention_varlen_forward(
