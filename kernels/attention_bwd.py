@@ -1097,9 +1097,8 @@ def attention_bwd_sinks_kernel(
             lse = tl.load(LSE + row0 + i_m, mask=m_m, other=0.0)
             lse_rem = tl.load(LSE_REM + row0 + i_m, mask=m_m, other=0.0)
             delta = tl.load(DELTA + row0 + i_m, mask=m_m, other=0.0)
-            # lse includes the sink, so the exponent is <= 0 in exact arithmetic.
-            share = tl.exp2(tl.minimum((sink - lse) - lse_rem, 0.0) * LOG2E)
-            acc += tl.where(m_m, share * delta, 0.0)
+            # The sink's probability: it is a key whose score is the sink.
+            acc += tl.where(m_m, _probs(sink, lse, lse_rem) * delta, 0.0)
     # A sink of -inf: NaN shares (-inf - -inf) in rows with no key are dropped here.
     dsink = tl.where(sink > float("-inf"), -tl.sum(acc, 0), 0.0)
     tl.store(DSINKS + i_h, dsink.to(DSINKS.dtype.element_ty))

@@ -5,6 +5,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _copy_rows(src, stride_n, stride_d, dst, dst_stride_r, o_n, o_r, m_r, D, BLOCK_D: tl.constexpr):
+    """Rows o_n of src (strided) to rows o_r of dst (contiguous along D), where m_r."""
+    i_d = tl.arange(0, BLOCK_D)
+    m = m_r[:, None] & (i_d[None, :] < D)
+    rows = tl.load(src + o_n[:, None] * stride_n + i_d[None, :] * stride_d, mask=m)
+    tl.store(dst + o_r[:, None] * dst_stride_r + i_d[None, :], rows, mask=m)
+
+
+@triton.jit
 def pack_keys_kernel(
     K,
     V,
@@ -58,22 +67,15 @@ def pack_keys_kernel(
     keys = tl.load(KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + i_r, mask=m_r, other=0)
     o_n = keys.to(tl.int64)
     o_r = i_r.to(tl.int64)
-    i_d = tl.arange(0, BLOCK_D)
-    i_dv = tl.arange(0, BLOCK_DV)
-    m_k = m_r[:, None] & (i_d[None, :] < D)
-    b_k = tl.load(
-        K + i_b * stride_kb + i_g * stride_kh + o_n[:, None] * stride_kn
-        + i_d[None, :] * stride_kd,
-        mask=m_k,
+    # K_OUT / V_OUT rows: (b, position, g) of contiguous (B, Lk, Hkv, D|Dv).
+    _copy_rows(
+        K + i_b * stride_kb + i_g * stride_kh, stride_kn, stride_kd,
+        K_OUT + (i_b * Lk * Hkv + i_g) * D, Hkv * D, o_n, o_r, m_r, D, BLOCK_D,
     )  # fmt: skip
-    tl.store(K_OUT + ((i_b * Lk + o_r[:, None]) * Hkv + i_g) * D + i_d[None, :], b_k, mask=m_k)
-    m_v = m_r[:, None] & (i_dv[None, :] < Dv)
-    b_v = tl.load(
-        V + i_b * stride_vb + i_g * stride_vh + o_n[:, None] * stride_vn
-        + i_dv[None, :] * stride_vd,
-        mask=m_v,
+    _copy_rows(
+        V + i_b * stride_vb + i_g * stride_vh, stride_vn, stride_vd,
+        V_OUT + (i_b * Lk * Hkv + i_g) * Dv, Hkv * Dv, o_n, o_r, m_r, Dv, BLOCK_DV,
     )  # fmt: skip
-    tl.store(V_OUT + ((i_b * Lk + o_r[:, None]) * Hkv + i_g) * Dv + i_dv[None, :], b_v, mask=m_v)
     if HAS_BIAS:
         for j in range(0, BIAS_HEADS):
             i_h = i_g * G + j  # a query head the bias row serves (the group's first if shared)
