@@ -408,7 +408,7 @@ def attention_backward(
         lists = build_key_lists(mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m)
     elif mask is not None:
         tables, dq_tables = _backward_tables(mask, seqused_k, b, lq, lk, band, cfgs)
-    delta = _delta(out, grad_out, grad_lse)
+    stats = _row_stats(out, grad_out, grad_lse, lse, lse_rem)
 
     # Every row of dk, dv and the column sums is written by the dk/dv kernels, keys outside
     # the key lists included (their rows are zeros): no fills.
@@ -429,7 +429,7 @@ def attention_backward(
 
     packed = pack_keys(key, value, mask, bias, lists, h) if pack else None
     _launch_backward(
-        query, key, value, grad_out, mask, bias, seqused_k, None, None, lse, lse_rem, delta,
+        query, key, value, grad_out, mask, bias, seqused_k, None, None, stats,
         dq, dk, dvv, dbias_cols, dbias_direct, b, lq, lk, lq, lk, (h * lq, lq), col_strides,
         tables, dq_tables, lists, lists, cfgs, scale, band, softcap,
         group_cols=dbias_mode == "group", packed=packed,
@@ -452,7 +452,7 @@ def attention_backward(
         else:
             n_head, head_mul = h, 0
         attention_bwd_dbias_kernel[(nq, bb * hb)](
-            query, key, value, grad_out, mask_arg, bias, seqused_k, lse, lse_rem, delta,
+            query, key, value, grad_out, mask_arg, bias, seqused_k, stats,
             tables.active if tables else None, dbias_bcast, *strides,
             tables.stride_b if tables else 0, nq,
             h, g, hb, lq, lk, d, dv, nq, nk, n_batch, batch_mul, n_head, head_mul,
@@ -471,35 +471,37 @@ def attention_backward(
         dbias = dbias_direct.view(bias.shape)
     else:
         dbias = dbias_bcast
-    dsinks = no_sinks if sinks is None else _sinks_grad(sinks, lse, lse_rem, delta)
+    dsinks = no_sinks if sinks is None else _sinks_grad(sinks, stats)
     return dq, dk, dvv, dbias, dsinks
 
 
-def _sinks_grad(sinks, lse, lse_rem, delta) -> torch.Tensor:
+def _sinks_grad(sinks, stats) -> torch.Tensor:
     """chunked.sinks_grad in one launch (a dozen small PyTorch ops eagerly): one program per
-    head over the (B, H, Lq) statistics, deterministic."""
-    b, h, lq = lse.shape
+    head over the (B, H, Lq) row statistics, deterministic."""
+    b, h, lq, _ = stats.shape
     dsinks = empty((h,), dtype=sinks.dtype, device=sinks.device)
     attention_bwd_sinks_kernel[(h,)](
-        _dense(sinks), lse, lse_rem, delta, dsinks, b, h, lq,
+        _dense(sinks), stats, dsinks, b, h, lq,
         BLOCK=64 if interpreter_on() else 1024, num_warps=1 if interpreter_on() else 4,
     )  # fmt: skip
     return dsinks
 
 
-def _delta(out, grad_out, grad_lse) -> torch.Tensor:
-    """delta = rowsum(dO * O) - grad_lse, (B, H, Lq) float32, from (B, Lq, H, Dv) tensors of any
-    strides in one kernel (in PyTorch it took four: two casts, a product and a sum)."""
+def _row_stats(out, grad_out, grad_lse, lse, lse_rem) -> torch.Tensor:
+    """The backward kernels' row statistics, (B, H, Lq, 4) float32 rows [lse, lse_rem, delta,
+    0] with delta = rowsum(dO * O) - grad_lse and lse 0 where it is -inf, in one kernel from
+    (B, Lq, H, Dv) tensors of any strides and the forward's contiguous (B, H, Lq) lse and
+    lse_rem. The kernels read a row's three values in one 16-byte load (bench/NOTES.md 54)."""
     b, lq, h, dv = out.shape
-    delta = torch.empty((b, h, lq), dtype=torch.float32, device=out.device)
+    stats = empty((b, h, lq, 4), dtype=torch.float32, device=out.device)
     block_m = 16 if interpreter_on() else 64
     attention_bwd_delta_kernel[(cdiv(lq, block_m), b * h)](
-        out, grad_out, grad_lse, delta, *_strides(out), *_strides(grad_out),
+        out, grad_out, grad_lse, lse, lse_rem, stats, *_strides(out), *_strides(grad_out),
         *operand_strides(grad_lse)[:3] if grad_lse is not None else (0, 0, 0),
         h, lq, dv, BLOCK_M=block_m, BLOCK_DV=_block(dv), HAS_GRAD_LSE=grad_lse is not None,
         num_warps=1 if interpreter_on() else 4,
     )  # fmt: skip
-    return delta
+    return stats
 
 
 def _meta(cfg: Config, d: int, dv: int, band: Band, dtype: torch.dtype) -> dict:
@@ -511,7 +513,7 @@ def _meta(cfg: Config, d: int, dv: int, band: Band, dtype: torch.dtype) -> dict:
 
 
 def _launch_backward(
-    query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, lse, lse_rem, delta,
+    query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, stats,
     dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
     tables, dq_tables, lists, dkdv_lists, cfgs, scale, band, softcap, group_cols=False,
     packed=None,
@@ -558,7 +560,7 @@ def _launch_backward(
     zero_unlisted = dkdv_lists is not None and cu_q is None
     attention_bwd_dkdv_kernel[(nk, b * hkv * split)](
         query, key, value, grad_out, None if dkdv_lists else mask, bias,
-        seqused_k, cu_q, cu_k, lse, lse_rem, delta,
+        seqused_k, cu_q, cu_k, stats,
         tables.q_num if tables else None, tables.q_idx if tables else None,
         tables.q_lo if tables else None, tables.q_hi if tables else None,
         dkdv_lists.keys if dkdv_lists else None, dkdv_lists.key_count if dkdv_lists else None,
@@ -592,7 +594,7 @@ def _launch_backward(
     key, value, bias, compact = _key_operands(key, value, bias, lists, packed)
     attention_bwd_dq_kernel[(nq, b * h)](
         query, key, value, grad_out, None if lists else mask, bias,
-        seqused_k, cu_q, cu_k, lse, lse_rem, delta,
+        seqused_k, cu_q, cu_k, stats,
         dq_tables.kv_num if dq_tables else None, dq_tables.kv_idx if dq_tables else None,
         dq_tables.kv_int if dq_tables else None,
         lists.keys if lists else None, lists.key_start if lists else None,
@@ -698,10 +700,13 @@ def attention_varlen_backward(
             nq = cdiv(max_q, block_m)
             lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, band, block_m, max_k)
         dkdv_lists = lists if compactable(_varlen_operand(mask), h, hkv) else None
-        delta = _delta(out[None], grad_out[None], None if grad_lse is None else grad_lse[None])
+        stats = _row_stats(
+            out[None], grad_out[None], None if grad_lse is None else grad_lse[None], lse,
+            lse_rem,
+        )[0]  # fmt: skip
         _launch_backward(
             query[None], key[None], value[None], grad_out[None], _varlen_operand(mask),
-            _varlen_operand(bias), None, cu_q, cu_k, lse, lse_rem, delta[0],
+            _varlen_operand(bias), None, cu_q, cu_k, stats,
             dq, dk, dvv, dbias_cols, None, b, total_q, total_k, max_q, max_k,
             (0, total_q), (0, total_k), None, None, lists, dkdv_lists, cfgs, scale, band,
             softcap,

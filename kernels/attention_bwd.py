@@ -31,13 +31,28 @@ from dmattn_ops.kernels.common import (
 
 
 @triton.jit
-def _row_stats(LSE, LSE_REM, DELTA, o_row, m_m):
-    """Per query row: (lse, lse_rem, delta) for _probs. Rows without an allowed key
-    (lse = -inf) get lse 0; every score of theirs is -inf."""
-    lse = tl.load(LSE + o_row, mask=m_m, other=0.0)
-    lse_rem = tl.load(LSE_REM + o_row, mask=m_m, other=0.0)
-    delta = tl.load(DELTA + o_row, mask=m_m, other=0.0)
-    return tl.where(lse == float("-inf"), 0.0, lse), lse_rem, delta
+def _row_stats(STATS, o_row, m_m, VECTOR: tl.constexpr):
+    """Per query row: (lse, lse_rem, delta) for _probs, from the float32 rows [lse, lse_rem,
+    delta, 0] attention_bwd_delta_kernel writes (lse already 0 where it was -inf: such a row
+    has no allowed key, and every score of it is -inf).
+
+    VECTOR: one 16-byte load per row, for the dk/dv kernel's transposed tiles, where the rows
+    are columns and each thread holds many of them: three vector loads there made Triton 3.6
+    copy every column a thread holds on its own, 48 four-byte copies per thread and query tile
+    against 2 (bench/NOTES.md 54). Kernels whose rows are tile rows (dq) keep three loads:
+    the 16-byte one costs their packed-keys call 4% there."""
+    if VECTOR:
+        i_c = tl.arange(0, 4)
+        st = tl.load(STATS + o_row[:, None] * 4 + i_c[None, :], mask=m_m[:, None], other=0.0)
+        even, odd = tl.split(tl.reshape(st, [o_row.shape[0], 2, 2]))  # [lse, delta], [lse_rem, 0]
+        lse, delta = tl.split(even)
+        lse_rem, _ = tl.split(odd)
+    else:
+        o_st = o_row * 4
+        lse = tl.load(STATS + o_st, mask=m_m, other=0.0)
+        lse_rem = tl.load(STATS + o_st + 1, mask=m_m, other=0.0)
+        delta = tl.load(STATS + o_st + 2, mask=m_m, other=0.0)
+    return lse, lse_rem, delta
 
 
 @triton.jit
@@ -70,9 +85,7 @@ def _dkdv_tile(
     p_do,
     stride_dom,
     stride_dod,
-    LSE,
-    LSE_REM,
-    DELTA,
+    STATS,
     row_base,
     p_mask,
     stride_mm,
@@ -112,7 +125,7 @@ def _dkdv_tile(
         mask=m_m[:, None] & (i_dv[None, :] < Dv),
         other=0.0,
     )  # [BM, BDV]
-    lse_row, lse_rem, delta = _row_stats(LSE, LSE_REM, DELTA, row_base + o_m, m_m)
+    lse_row, lse_rem, delta = _row_stats(STATS, row_base + o_m, m_m, True)
     s, m_allowed, t = score_tile(
         b_k, b_qt, i_m[None, :], i_n[:, None], i_n[:, None], n_keys, Lq, scale, softcap,
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
@@ -143,9 +156,7 @@ def attention_bwd_dkdv_kernel(
     SEQUSED,
     CU_Q,
     CU_K,
-    LSE,
-    LSE_REM,
-    DELTA,
+    STATS,
     Q_NUM,
     Q_IDX,
     Q_LO,
@@ -327,7 +338,7 @@ def attention_bwd_dkdv_kernel(
                 dk, dv, dbias_col = _dkdv_tile(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    LSE, LSE_REM, DELTA, row_base,
+                    STATS, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
                     win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
@@ -337,7 +348,7 @@ def attention_bwd_dkdv_kernel(
                 dk, dv, dbias_col = _dkdv_tile(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    LSE, LSE_REM, DELTA, row_base,
+                    STATS, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
                     win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
@@ -347,7 +358,7 @@ def attention_bwd_dkdv_kernel(
                 dk, dv, dbias_col = _dkdv_tile(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    LSE, LSE_REM, DELTA, row_base,
+                    STATS, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
                     win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
@@ -389,7 +400,7 @@ def attention_bwd_dkdv_kernel(
                 dk, dv, dbias_col = _dkdv_tile(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    LSE, LSE_REM, DELTA, row_base,
+                    STATS, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
                     win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
@@ -398,7 +409,7 @@ def attention_bwd_dkdv_kernel(
                 dk, dv, dbias_col = _dkdv_tile(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    LSE, LSE_REM, DELTA, row_base,
+                    STATS, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
                     win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
@@ -407,7 +418,7 @@ def attention_bwd_dkdv_kernel(
                 dk, dv, dbias_col = _dkdv_tile(
                     dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                     p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    LSE, LSE_REM, DELTA, row_base,
+                    STATS, row_base,
                     p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
                     win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
                     BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
@@ -636,9 +647,7 @@ def attention_bwd_dq_kernel(
     SEQUSED,
     CU_Q,
     CU_K,
-    LSE,
-    LSE_REM,
-    DELTA,
+    STATS,
     KV_NUM,
     KV_IDX,
     KV_INT,
@@ -743,7 +752,7 @@ def attention_bwd_dq_kernel(
         other=0.0,
     )  # [BM, BDV]
     o_row = i_b * lse_stride_b + i_h * lse_stride_h + o_m
-    lse_row, lse_rem, delta = _row_stats(LSE, LSE_REM, DELTA, o_row, m_m)
+    lse_row, lse_rem, delta = _row_stats(STATS, o_row, m_m, False)
     p_k = K + i_b * stride_kb + k_row0 * stride_kn + i_g * stride_kh
     p_v = V + i_b * stride_vb + k_row0 * stride_vn + i_g * stride_vh
     p_mask = MASK
@@ -860,9 +869,7 @@ def attention_bwd_dbias_kernel(
     MASK,
     BIAS,
     SEQUSED,
-    LSE,
-    LSE_REM,
-    DELTA,
+    STATS,
     ACTIVE,
     DBIAS,
     stride_qb,
@@ -998,7 +1005,7 @@ def attention_bwd_dbias_kernel(
                         p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh
                     p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh
                     lse_row, lse_rem, delta = _row_stats(
-                        LSE, LSE_REM, DELTA, (i_b * H + i_h) * Lq + o_m, m_m
+                        STATS, (i_b * H + i_h) * Lq + o_m, m_m, False
                     )
                     s, m_allowed, _ = score_tile(
                         b_q, b_kt, i_m[:, None], i_n[None, :], i_n[None, :], n_keys, Lq, scale,
@@ -1020,7 +1027,9 @@ def attention_bwd_delta_kernel(
     OUT,
     DO,
     GRAD_LSE,
-    DELTA,
+    LSE,
+    LSE_REM,
+    STATS,
     stride_ob,
     stride_om,
     stride_oh,
@@ -1039,8 +1048,10 @@ def attention_bwd_delta_kernel(
     BLOCK_DV: tl.constexpr,
     HAS_GRAD_LSE: tl.constexpr,
 ):
-    """delta = rowsum(dO * O) - grad_lse for BLOCK_M rows of one (batch, head), in float32,
-    written to DELTA (B, H, Lq) contiguous. Varlen calls it with B = 1 and Lq = total_q."""
+    """The backward kernels' row statistics for BLOCK_M rows of one (batch, head): STATS (B, H,
+    Lq, 4) float32 rows [lse, lse_rem, delta, 0], delta = rowsum(dO * O) - grad_lse, lse 0
+    where it is -inf (a row with no allowed key), from the forward's LSE and LSE_REM (B, H, Lq)
+    contiguous. Varlen calls it with B = 1 and Lq = total_q (LSE (H, total_q))."""
     i_mb = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
@@ -1067,15 +1078,20 @@ def attention_bwd_delta_kernel(
         delta -= tl.load(
             GRAD_LSE + i_b * stride_gb + i_h * stride_gh + o_m * stride_gm, mask=m_m, other=0.0
         )
-    tl.store(DELTA + i_bh.to(tl.int64) * Lq + o_m, delta, mask=m_m)
+    o_row = i_bh.to(tl.int64) * Lq + o_m
+    lse = tl.load(LSE + o_row, mask=m_m, other=0.0)
+    lse_rem = tl.load(LSE_REM + o_row, mask=m_m, other=0.0)
+    o_st = o_row * 4
+    tl.store(STATS + o_st, tl.where(lse == float("-inf"), 0.0, lse), mask=m_m)
+    tl.store(STATS + o_st + 1, lse_rem, mask=m_m)
+    tl.store(STATS + o_st + 2, delta, mask=m_m)
+    tl.store(STATS + o_st + 3, tl.zeros_like(delta), mask=m_m)
 
 
 @triton.jit
 def attention_bwd_sinks_kernel(
     SINKS,
-    LSE,
-    LSE_REM,
-    DELTA,
+    STATS,
     DSINKS,
     B,
     H,
@@ -1083,9 +1099,9 @@ def attention_bwd_sinks_kernel(
     BLOCK: tl.constexpr,
 ):
     """dsinks[h] = -sum over (b, i) of exp(sinks[h] - lse) * delta, one program per head over
-    the (B, H, Lq) contiguous statistics of the forward that joined the sinks, in a fixed order
-    (deterministic), stored in sinks' dtype. A sink of -inf gets 0 (its share is 0, also in rows
-    with no key, whose lse is then -inf too)."""
+    the row statistics of attention_bwd_delta_kernel (of the forward that joined the sinks), in
+    a fixed order (deterministic), stored in sinks' dtype. A sink of -inf gets 0 (its share is
+    0, also in rows with no key, whose lse is -inf too: 0 in STATS)."""
     i_h = tl.program_id(0).to(tl.int64)
     sink = tl.load(SINKS + i_h).to(tl.float32)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -1094,11 +1110,9 @@ def attention_bwd_sinks_kernel(
         for m0 in range(0, Lq, BLOCK):
             i_m = m0 + tl.arange(0, BLOCK)
             m_m = i_m < Lq
-            lse = tl.load(LSE + row0 + i_m, mask=m_m, other=0.0)
-            lse_rem = tl.load(LSE_REM + row0 + i_m, mask=m_m, other=0.0)
-            delta = tl.load(DELTA + row0 + i_m, mask=m_m, other=0.0)
+            lse, lse_rem, delta = _row_stats(STATS, row0 + i_m, m_m, False)
             # The sink's probability: it is a key whose score is the sink.
             acc += tl.where(m_m, _probs(sink, lse, lse_rem) * delta, 0.0)
-    # A sink of -inf: NaN shares (-inf - -inf) in rows with no key are dropped here.
+    # A sink of -inf: its shares are exp(-inf) = 0 in every row.
     dsink = tl.where(sink > float("-inf"), -tl.sum(acc, 0), 0.0)
     tl.store(DSINKS + i_h, dsink.to(DSINKS.dtype.element_ty))

@@ -101,7 +101,7 @@ def _arguments(kind, jit, cfg, width, ops, float_type="fp32"):
             sig[name] = None if ops.bias == "none" else f"*{_DTYPES[ops.bias_itemsize]}"
         elif name == "MASK":
             sig[name] = "*i1" if tables else None
-        elif name in ("LSE", "LSE_REM", "DELTA", "ACC", "M", "L", "DBIAS_COL"):
+        elif name in ("LSE", "LSE_REM", "STATS", "ACC", "M", "L", "DBIAS_COL"):
             sig[name] = "*fp32"
         elif name in ("PART_DK", "PART_DV", "PART_DB"):
             # Key lists take the split (float32 parts) where the grid is small: compile that
