@@ -75,7 +75,12 @@ class LazyKernel:
     @functools.cached_property
     def fn(self):
         module = importlib.import_module(f"dmattn_ops.kernels.{self._module}")
-        return getattr(module, self._name)
+        try:
+            return getattr(module, self._name)
+        except AttributeError:
+            # Not an AttributeError: from a property, Python would retry through __getattr__,
+            # which asks for fn again (a RecursionError instead of this message).
+            raise LookupError(f"{module.__file__} defines no kernel {self._name!r}") from None
 
     def __getitem__(self, grid):
         if tracing_on():
@@ -83,7 +88,7 @@ class LazyKernel:
         return self.fn[grid]
 
     def __getattr__(self, attr):
-        if attr.startswith("_"):
+        if attr.startswith("_") or attr == "fn":
             raise AttributeError(attr)
         return getattr(self.fn, attr)
 

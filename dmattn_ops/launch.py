@@ -36,7 +36,7 @@ from dmattn_ops.validate import NO_WINDOW
 
 attention_fwd_kernel = LazyKernel("attention_fwd", "attention_fwd_kernel")
 attention_bwd_dbias_kernel = LazyKernel("attention_bwd", "attention_bwd_dbias_kernel")
-attention_bwd_delta_kernel = LazyKernel("attention_bwd", "attention_bwd_delta_kernel")
+attention_bwd_row_stats_kernel = LazyKernel("attention_bwd", "attention_bwd_row_stats_kernel")
 attention_bwd_sinks_kernel = LazyKernel("attention_bwd", "attention_bwd_sinks_kernel")
 attention_bwd_dkdv_kernel = LazyKernel("attention_bwd", "attention_bwd_dkdv_kernel")
 attention_bwd_dkdv_reduce_kernel = LazyKernel("attention_bwd", "attention_bwd_dkdv_reduce_kernel")
@@ -495,7 +495,7 @@ def _row_stats(out, grad_out, grad_lse, lse, lse_rem) -> torch.Tensor:
     b, lq, h, dv = out.shape
     stats = empty((b, h, lq, 4), dtype=torch.float32, device=out.device)
     block_m = 16 if interpreter_on() else 64
-    attention_bwd_delta_kernel[(cdiv(lq, block_m), b * h)](
+    attention_bwd_row_stats_kernel[(cdiv(lq, block_m), b * h)](
         out, grad_out, grad_lse, lse, lse_rem, stats, *_strides(out), *_strides(grad_out),
         *operand_strides(grad_lse)[:3] if grad_lse is not None else (0, 0, 0),
         h, lq, dv, BLOCK_M=block_m, BLOCK_DV=_block(dv), HAS_GRAD_LSE=grad_lse is not None,

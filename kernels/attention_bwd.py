@@ -33,7 +33,7 @@ from dmattn_ops.kernels.common import (
 @triton.jit
 def _row_stats(STATS, o_row, m_m, VECTOR: tl.constexpr):
     """Per query row: (lse, lse_rem, delta) for _probs, from the float32 rows [lse, lse_rem,
-    delta, 0] attention_bwd_delta_kernel writes (lse already 0 where it was -inf: such a row
+    delta, 0] attention_bwd_row_stats_kernel writes (lse already 0 where it was -inf: such a row
     has no allowed key, and every score of it is -inf).
 
     VECTOR: one 16-byte load per row, for the dk/dv kernel's transposed tiles, where the rows
@@ -1023,7 +1023,7 @@ def attention_bwd_dbias_kernel(
 
 
 @triton.jit
-def attention_bwd_delta_kernel(
+def attention_bwd_row_stats_kernel(
     OUT,
     DO,
     GRAD_LSE,
@@ -1099,7 +1099,7 @@ def attention_bwd_sinks_kernel(
     BLOCK: tl.constexpr,
 ):
     """dsinks[h] = -sum over (b, i) of exp(sinks[h] - lse) * delta, one program per head over
-    the row statistics of attention_bwd_delta_kernel (of the forward that joined the sinks), in
+    the row statistics of attention_bwd_row_stats_kernel (of the forward that joined the sinks), in
     a fixed order (deterministic), stored in sinks' dtype. A sink of -inf gets 0 (its share is
     0, also in rows with no key, whose lse is -inf too: 0 in STATS)."""
     i_h = tl.program_id(0).to(tl.int64)
