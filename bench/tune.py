@@ -7,7 +7,8 @@ own grid). The dkdv sweep also reports the dq kernel's time, which a shared mask
 The split sweep forces how many programs share a KV group's query heads in the dk/dv kernel
 (configs.SPLIT_OVERRIDE; 0 leaves it to configs.dkdv_split), with the dk/dv tile config given,
 and reports the dk/dv kernel plus the reduce kernel that sums its parts. Besides bench's own
-cases it takes M-L32768 (the model's DMA call at B1 L32768), too long for `python -m bench`,
+cases it takes M-L32768 and M-L512 (the model's DMA call at B1 L32768 and B16 L512; the
+first is too long for `python -m bench`),
 and the sliding windows W128 (GPT-OSS's layer) and W4096 (bench.window's).
 """
 
@@ -28,6 +29,8 @@ TUNE_CASES = {
     **CASES,
     "M-L32768": Case("M-L32768", "the model's DMA call at B1 L32768: H16 Hkv4, bias (B,Hkv,1,L), "
                      "top-8192 per key", 1, 16, 4, 32768, 32768, 128, "gqa", keep=8192),
+    "M-L512": Case("M-L512", "the model's DMA call at B16 L512: H16 Hkv4, bias (B,Hkv,1,L), "
+                   "top-128 per key", 16, 16, 4, 512, 512, 128, "gqa", keep=128),
     "W128": Case("W128", "GPT-OSS's sliding layer: B1 H64 Hkv8 L8192 D64, causal window 128",
                  1, 64, 8, 8192, 8192, 64, "dense", window=128),
     "W4096": Case("W4096", "bench.window's case: B1 H32 Hkv8 L16384 D128, causal window 4096",

@@ -40,8 +40,9 @@ class Config:
 class Operands:
     """What the kernel loads besides Q/K/V: mask and bias kinds ("none", "key" for one value per
     key broadcast over queries, "entry" for a value per score) and their element sizes. A mask
-    "packed" is a "key" mask whose call reads packed keys (launch.pack_keys): contiguous K, V
-    and bias rows in the forward and dq kernels."""
+    "listed" is a "key" mask of a batched call that reads its keys through key lists (gathers
+    of K, V and bias rows; tiles.build_key_lists), and "packed" one whose call reads packed
+    keys (launch.pack_keys): contiguous K, V and bias rows in the forward and dq kernels."""
 
     mask: str = "none"
     bias: str = "none"
@@ -49,9 +50,9 @@ class Operands:
     bias_itemsize: int = 2
 
     @staticmethod
-    def of(query: torch.Tensor, mask, bias, packed: bool = False) -> Operands:
+    def of(query: torch.Tensor, mask, bias, packed: bool = False, listed: bool = False) -> Operands:
         return Operands(
-            "packed" if packed else _kind(mask),
+            "packed" if packed else "listed" if listed else _kind(mask),
             _kind(bias),
             query.element_size(),
             bias.element_size() if bias is not None else 2,
@@ -118,6 +119,13 @@ def _table(kind: str, width: int, ops: Operands, lq: int | None, window=None) ->
         # 3.009 against 3.003 (bench/NOTES.md 49).
         if ops.mask == "packed":
             cfg = Config(64, 64, 4, 2)
+        elif ops.mask == "listed":
+            # Key lists too short to pack (PACK_MIN_KEYS) give each query tile a few key
+            # tiles: small tiles. `bench.tune`, the model's calls: M-L512 (B16 L512, 128 listed
+            # keys) 0.058 ms at (64, 32, 4, 3) against 0.084 at (128, 128, 8, 2), M (B4 L2048,
+            # 512 keys) 0.114 against 0.123. Their dq kernel keeps (64, 64, 4, 2): 0.151 ms on
+            # M against 0.170 at (64, 32, 4, 3), which wins on M-L512 by 0.007 (NOTES.md 56).
+            cfg = Config(64, 32, 4, 3)
         else:
             cfg = Config(128, 128, 8, 2) if masked else Config(128, 128, 8, 3)
     else:
@@ -216,10 +224,20 @@ def config(
 # and the float32 scratch the split may take, in units of the query's own bytes.
 SPLIT_PROGRAMS_PER_SM = 4
 SPLIT_SCRATCH_RATIO = 4
+# A key-list call's split leaves each dk/dv program at least this many query tiles to step over
+# (its heads times the query tiles of one head).
+SPLIT_MIN_STEPS = 32
 
 
 def dkdv_split(
-    g: int, programs: int, sms: int, bytes_per_split: int, query_bytes: int, *, listed: bool = False
+    g: int,
+    programs: int,
+    sms: int,
+    bytes_per_split: int,
+    query_bytes: int,
+    *,
+    listed: bool = False,
+    query_tiles: int | None = None,
 ) -> int:
     """How many programs share the G query heads of one KV group in the dk/dv kernel (a divisor
     of G): 1 when its grid of `programs` key tiles x (batch, KV head) already holds
@@ -231,7 +249,10 @@ def dkdv_split(
     are on the GPU) and usually a fraction of `programs` (a top-k mask); the programs of
     unlisted tiles only store zeros. It takes the largest split the scratch allows: at the
     model's B1 L32768 call (top-8192, 512 listed tiles of 2048) split 4 ran dk/dv in 6.03 ms
-    against 7.79 unsplit, which counting all tiles chose (bench/NOTES.md 48)."""
+    against 7.79 unsplit, which counting all tiles chose (bench/NOTES.md 48). Short calls stop
+    where a program would step over fewer than SPLIT_MIN_STEPS query tiles (`query_tiles`
+    per head): at the model's B16 L512 call (16 query tiles of 32 rows per head) split 2 ran
+    dk/dv and its reduce in 0.144 ms, split 4 in 0.168 (bench/NOTES.md 56)."""
     if SPLIT_OVERRIDE is not None:
         if g % SPLIT_OVERRIDE:
             raise ValueError(f"SPLIT_OVERRIDE={SPLIT_OVERRIDE} must divide G={g}")
@@ -239,6 +260,8 @@ def dkdv_split(
     split = 1
     for s in range(2, g + 1):
         if not listed and programs * split >= SPLIT_PROGRAMS_PER_SM * sms:
+            break
+        if listed and query_tiles is not None and (g // s) * query_tiles < SPLIT_MIN_STEPS:
             break
         if g % s == 0 and s * bytes_per_split <= SPLIT_SCRATCH_RATIO * query_bytes:
             split = s

@@ -36,7 +36,6 @@ from dmattn_ops.validate import NO_WINDOW
 
 attention_fwd_kernel = LazyKernel("attention_fwd", "attention_fwd_kernel")
 attention_bwd_dbias_kernel = LazyKernel("attention_bwd", "attention_bwd_dbias_kernel")
-attention_bwd_row_stats_kernel = LazyKernel("attention_bwd", "attention_bwd_row_stats_kernel")
 attention_bwd_sinks_kernel = LazyKernel("attention_bwd", "attention_bwd_sinks_kernel")
 attention_bwd_dkdv_kernel = LazyKernel("attention_bwd", "attention_bwd_dkdv_kernel")
 attention_bwd_dkdv_reduce_kernel = LazyKernel("attention_bwd", "attention_bwd_dkdv_reduce_kernel")
@@ -68,13 +67,15 @@ class BackwardConfigs:
 
 
 def _config(
-    kind: str, query, value, mask, bias, lq: int | None = None, packed=False, band=None
-) -> Config:
+    kind: str, query, value, mask, bias, lq: int | None = None, packed=False, band=None,
+    listed=False,
+) -> Config:  # fmt: skip
     """The tile config of kernel `kind` for these operands, fitted to the device's shared memory
     (configs.py); every config the launcher uses comes from here. packed: the call reads
-    packed keys (pack_keys); band: its window, if any (a narrow band takes smaller tiles)."""
+    packed keys (pack_keys); listed: a batched call that reads its keys through key lists
+    unpacked; band: its window, if any (a narrow band takes smaller tiles)."""
     d, dv = query.shape[-1], value.shape[-1]
-    ops = configs.Operands.of(query, mask, bias, packed)
+    ops = configs.Operands.of(query, mask, bias, packed, listed)
     interpreted = interpreter_on()
     limit = configs.shared_limit(query.device) if query.is_cuda and not interpreted else None
     window = band.width() if band is not None else None
@@ -83,10 +84,10 @@ def _config(
     )
 
 
-def _backward_configs(query, value, mask, bias, lq: int, packed=False, band=None):
+def _backward_configs(query, value, mask, bias, lq: int, packed=False, band=None, listed=False):
     return BackwardConfigs(
-        _config("dkdv", query, value, mask, bias, lq, packed, band),
-        _config("dq", query, value, mask, bias, lq, packed, band),
+        _config("dkdv", query, value, mask, bias, lq, packed, band, listed),
+        _config("dq", query, value, mask, bias, lq, packed, band, listed),
     )
 
 
@@ -192,10 +193,11 @@ def attention_forward(
         result = decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k)
         return chunked.join_sinks(*result, sinks)
     pack = packs(mask, bias, h, hkv)
-    cfg = _config("fwd", query, value, mask, bias, lq, pack, band)
+    compact = compactable(mask, h, hkv)
+    cfg = _config("fwd", query, value, mask, bias, lq, pack, band, listed=compact and not pack)
     nq = cdiv(lq, cfg.block_m)
     tables = lists = None
-    if compactable(mask, h, hkv):
+    if compact:
         lists = build_key_lists(mask, seqused_k, b, lq, lk, band, cfg.block_m)
     elif mask is not None:
         tables = build_tables(mask, seqused_k, b, lq, lk, band, cfg.block_m, cfg.block_n)
@@ -402,13 +404,13 @@ def attention_backward(
     compact = compactable(mask, h, hkv) and dbias_mode != "bcast"
     # A dbias written per entry needs each score's key index: no packing.
     pack = packs(mask, bias, h, hkv) and dbias_mode not in ("bcast", "direct")
-    cfgs = _backward_configs(query, value, mask, bias, lq, pack, band)
+    cfgs = _backward_configs(query, value, mask, bias, lq, pack, band, compact and not pack)
     cfg = cfgs.dkdv
     if compact:
         lists = build_key_lists(mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m)
     elif mask is not None:
         tables, dq_tables = _backward_tables(mask, seqused_k, b, lq, lk, band, cfgs)
-    stats = _row_stats(out, grad_out, grad_lse, lse, lse_rem)
+    stats = empty((b, h, lq, 4), dtype=torch.float32, device=device)
 
     # Every row of dk, dv and the column sums is written by the dk/dv kernels, keys outside
     # the key lists included (their rows are zeros): no fills.
@@ -429,10 +431,10 @@ def attention_backward(
 
     packed = pack_keys(key, value, mask, bias, lists, h) if pack else None
     _launch_backward(
-        query, key, value, grad_out, mask, bias, seqused_k, None, None, stats,
-        dq, dk, dvv, dbias_cols, dbias_direct, b, lq, lk, lq, lk, (h * lq, lq), col_strides,
-        tables, dq_tables, lists, lists, cfgs, scale, band, softcap,
-        group_cols=dbias_mode == "group", packed=packed,
+        query, key, value, grad_out, mask, bias, seqused_k, None, None,
+        RowStats(stats, out, grad_lse, lse, lse_rem), dq, dk, dvv, dbias_cols, dbias_direct,
+        b, lq, lk, lq, lk, (h * lq, lq), col_strides, tables, dq_tables, lists, lists, cfgs,
+        scale, band, softcap, group_cols=dbias_mode == "group", packed=packed,
     )  # fmt: skip
     if dbias_bcast is not None:
         nq, nk = cdiv(lq, cfg.block_m), cdiv(lk, cfg.block_n)
@@ -487,21 +489,20 @@ def _sinks_grad(sinks, stats) -> torch.Tensor:
     return dsinks
 
 
-def _row_stats(out, grad_out, grad_lse, lse, lse_rem) -> torch.Tensor:
-    """The backward kernels' row statistics, (B, H, Lq, 4) float32 rows [lse, lse_rem, delta,
-    0] with delta = rowsum(dO * O) - grad_lse and lse 0 where it is -inf, in one kernel from
-    (B, Lq, H, Dv) tensors of any strides and the forward's contiguous (B, H, Lq) lse and
-    lse_rem. The kernels read a row's three values in one 16-byte load (bench/NOTES.md 54)."""
-    b, lq, h, dv = out.shape
-    stats = empty((b, h, lq, 4), dtype=torch.float32, device=out.device)
-    block_m = 16 if interpreter_on() else 64
-    attention_bwd_row_stats_kernel[(cdiv(lq, block_m), b * h)](
-        out, grad_out, grad_lse, lse, lse_rem, stats, *_strides(out), *_strides(grad_out),
-        *operand_strides(grad_lse)[:3] if grad_lse is not None else (0, 0, 0),
-        h, lq, dv, BLOCK_M=block_m, BLOCK_DV=_block(dv), HAS_GRAD_LSE=grad_lse is not None,
-        num_warps=1 if interpreter_on() else 4,
-    )  # fmt: skip
-    return stats
+@dataclass(frozen=True)
+class RowStats:
+    """The backward's row statistics: `stats` (B, H, Lq, 4) float32 rows [lse, lse_rem, delta,
+    0] (varlen: (H, total_q, 4)) with delta = rowsum(dO * O) - grad_lse and lse 0 where it is
+    -inf, which the dq kernel computes from the rest (out (B, Lq, H, Dv) of any strides, the
+    optional grad_lse, the forward's contiguous lse and lse_rem) and writes for the kernels
+    launched after it. The dk/dv kernel reads a row's three values in one 16-byte load
+    (bench/NOTES.md 54)."""
+
+    stats: torch.Tensor
+    out: torch.Tensor
+    grad_lse: torch.Tensor | None
+    lse: torch.Tensor
+    lse_rem: torch.Tensor
 
 
 def _meta(cfg: Config, d: int, dv: int, band: Band, dtype: torch.dtype) -> dict:
@@ -513,13 +514,14 @@ def _meta(cfg: Config, d: int, dv: int, band: Band, dtype: torch.dtype) -> dict:
 
 
 def _launch_backward(
-    query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, stats,
+    query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, rows: RowStats,
     dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
     tables, dq_tables, lists, dkdv_lists, cfgs, scale, band, softcap, group_cols=False,
     packed=None,
 ):  # fmt: skip
-    """The dk/dv and dq kernels, over 4-D views as in _launch_forward, with their own tile
-    configs (cfgs: BackwardConfigs). The grids cover span_q queries and span_k keys per batch
+    """The dq kernel, which also writes rows.stats, then the dk/dv kernels that read them, over
+    4-D views as in _launch_forward, with their own tile configs (cfgs: BackwardConfigs). The
+    grids cover span_q queries and span_k keys per batch
     (Lq, Lk; varlen: the longest sequences). dkdv_lists is lists, or None where the mask is per
     query head under GQA (one key list per KV group is needed). group_cols: dbias_cols is the
     bias gradient (B, Hkv, 1, Lk) itself, summed over each KV group's heads by the kernels.
@@ -541,6 +543,27 @@ def _launch_backward(
         HAS_BIAS=operand_kind(bias), HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0,
         VARLEN=cu_q is not None,
     )  # fmt: skip
+    nq = cdiv(span_q, qc.block_m)
+    dq_key, dq_value, dq_bias, compact = _key_operands(key, value, bias, lists, packed)
+    attention_bwd_dq_kernel[(nq, b * h)](
+        query, dq_key, dq_value, grad_out, None if lists else mask, dq_bias,
+        seqused_k, cu_q, cu_k, rows.stats, rows.out, rows.grad_lse, rows.lse, rows.lse_rem,
+        dq_tables.kv_num if dq_tables else None, dq_tables.kv_idx if dq_tables else None,
+        dq_tables.kv_int if dq_tables else None,
+        lists.keys if lists else None, lists.key_start if lists else None,
+        lists.key_end if lists else None, dq, dbias_direct,
+        *strides_with(dq_key, dq_value, dq_bias), *_strides(rows.out),
+        *operand_strides(rows.grad_lse)[:3] if rows.grad_lse is not None else (0, 0, 0),
+        dq_tables.stride_b if dq_tables else (lists.end_stride_b if lists else 0), nq,
+        lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
+        h, h // hkv, lq, lk, d, d_v, cdiv(span_k, qc.block_n), mask_div,
+        _head_div(dq_bias, h, hkv), float(scale), float(softcap), *band.args(),
+        HAS_MASK=0 if lists else operand_kind(mask),
+        DBIAS_DIRECT=dbias_direct is not None, COMPACT=compact,
+        HAS_GRAD_LSE=rows.grad_lse is not None, **flags,
+        **_meta(qc, d, d_v, band, query.dtype),
+    )  # fmt: skip
+
     nk = cdiv(span_k, kv.block_n)
     g = h // hkv
     split = 1
@@ -548,6 +571,7 @@ def _launch_backward(
         split = configs.dkdv_split(
             g, nk * b * hkv, _sm_count(query.device), b * hkv * lk * (d + d_v) * 4,
             query.numel() * query.element_size(), listed=dkdv_lists is not None,
+            query_tiles=cdiv(span_q, kv.block_m),
         )  # fmt: skip
     part_dk = part_dv = part_db = None
     if split > 1:
@@ -560,7 +584,7 @@ def _launch_backward(
     zero_unlisted = dkdv_lists is not None and cu_q is None
     attention_bwd_dkdv_kernel[(nk, b * hkv * split)](
         query, key, value, grad_out, None if dkdv_lists else mask, bias,
-        seqused_k, cu_q, cu_k, stats,
+        seqused_k, cu_q, cu_k, rows.stats,
         tables.q_num if tables else None, tables.q_idx if tables else None,
         tables.q_lo if tables else None, tables.q_hi if tables else None,
         dkdv_lists.keys if dkdv_lists else None, dkdv_lists.key_count if dkdv_lists else None,
@@ -590,23 +614,6 @@ def _launch_backward(
             GROUP_COLS=group_cols,
             num_warps=1 if interpreter_on() else 4,
         )  # fmt: skip
-    nq = cdiv(span_q, qc.block_m)
-    key, value, bias, compact = _key_operands(key, value, bias, lists, packed)
-    attention_bwd_dq_kernel[(nq, b * h)](
-        query, key, value, grad_out, None if lists else mask, bias,
-        seqused_k, cu_q, cu_k, stats,
-        dq_tables.kv_num if dq_tables else None, dq_tables.kv_idx if dq_tables else None,
-        dq_tables.kv_int if dq_tables else None,
-        lists.keys if lists else None, lists.key_start if lists else None,
-        lists.key_end if lists else None, dq, dbias_direct, *strides_with(key, value, bias),
-        dq_tables.stride_b if dq_tables else (lists.end_stride_b if lists else 0), nq,
-        lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
-        h, h // hkv, lq, lk, d, d_v, cdiv(span_k, qc.block_n), mask_div,
-        _head_div(bias, h, hkv), float(scale), float(softcap), *band.args(),
-        HAS_MASK=0 if lists else operand_kind(mask),
-        DBIAS_DIRECT=dbias_direct is not None, COMPACT=compact, **flags,
-        **_meta(qc, d, d_v, band, query.dtype),
-    )  # fmt: skip
 
 
 # Variable-length batches: packed (total, H, D) tensors and cu_seqlens.
@@ -700,13 +707,14 @@ def attention_varlen_backward(
             nq = cdiv(max_q, block_m)
             lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, band, block_m, max_k)
         dkdv_lists = lists if compactable(_varlen_operand(mask), h, hkv) else None
-        stats = _row_stats(
-            out[None], grad_out[None], None if grad_lse is None else grad_lse[None], lse,
-            lse_rem,
-        )[0]  # fmt: skip
+        # Rows outside every sequence are never written nor read.
+        stats = empty((h, total_q, 4), dtype=torch.float32, device=device)
+        rows = RowStats(
+            stats, out[None], None if grad_lse is None else grad_lse[None], lse, lse_rem
+        )
         _launch_backward(
             query[None], key[None], value[None], grad_out[None], _varlen_operand(mask),
-            _varlen_operand(bias), None, cu_q, cu_k, stats,
+            _varlen_operand(bias), None, cu_q, cu_k, rows,
             dq, dk, dvv, dbias_cols, None, b, total_q, total_k, max_q, max_k,
             (0, total_q), (0, total_k), None, None, lists, dkdv_lists, cfgs, scale, band,
             softcap,

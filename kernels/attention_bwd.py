@@ -33,7 +33,7 @@ from dmattn_ops.kernels.common import (
 @triton.jit
 def _row_stats(STATS, o_row, m_m, VECTOR: tl.constexpr):
     """Per query row: (lse, lse_rem, delta) for _probs, from the float32 rows [lse, lse_rem,
-    delta, 0] attention_bwd_row_stats_kernel writes (lse already 0 where it was -inf: such a row
+    delta, 0] the dq kernel writes (_dq_row_stats; lse already 0 where it was -inf: such a row
     has no allowed key, and every score of it is -inf).
 
     VECTOR: one 16-byte load per row, for the dk/dv kernel's transposed tiles, where the rows
@@ -52,6 +52,30 @@ def _row_stats(STATS, o_row, m_m, VECTOR: tl.constexpr):
         lse = tl.load(STATS + o_st, mask=m_m, other=0.0)
         lse_rem = tl.load(STATS + o_st + 1, mask=m_m, other=0.0)
         delta = tl.load(STATS + o_st + 2, mask=m_m, other=0.0)
+    return lse, lse_rem, delta
+
+
+@triton.jit
+def _dq_row_stats(
+    STATS, LSE, LSE_REM, GRAD_LSE, b_o, b_do, o_row, o_grad, m_m, HAS_GRAD_LSE: tl.constexpr
+):  # fmt: skip
+    """The row statistics of BLOCK_M query rows, which the dq kernel computes first and the
+    kernels launched after it read (_row_stats): delta = rowsum(dO * O) - grad_lse, lse (0
+    where the forward stored -inf) and lse_rem from the forward's LSE and LSE_REM (contiguous,
+    rows o_row), stored as float32 rows [lse, lse_rem, delta, 0] of STATS. Returns (lse,
+    lse_rem, delta). Computed here instead of in a kernel of their own: the dq program already
+    holds dO (bench/NOTES.md 56)."""
+    delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)
+    if HAS_GRAD_LSE:
+        delta -= tl.load(GRAD_LSE + o_grad, mask=m_m, other=0.0)
+    lse = tl.load(LSE + o_row, mask=m_m, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    lse_rem = tl.load(LSE_REM + o_row, mask=m_m, other=0.0)
+    o_st = o_row * 4
+    tl.store(STATS + o_st, lse, mask=m_m)
+    tl.store(STATS + o_st + 1, lse_rem, mask=m_m)
+    tl.store(STATS + o_st + 2, delta, mask=m_m)
+    tl.store(STATS + o_st + 3, tl.zeros_like(delta), mask=m_m)
     return lse, lse_rem, delta
 
 
@@ -491,7 +515,7 @@ def attention_bwd_dkdv_reduce_kernel(
     D,
     Dv,
     mask_hdiv,
-    SPLIT,
+    SPLIT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -521,7 +545,9 @@ def attention_bwd_dkdv_reduce_kernel(
     dk = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
     db = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for i_split in range(0, SPLIT):
+    # Unrolled (SPLIT is a constexpr): every part's loads are issued before the first add, not
+    # one round trip per part.
+    for i_split in tl.static_range(SPLIT):
         o_p = (i_split * n_bg + i_bg).to(tl.int64) * Lk + i_r
         o_r = o_p[:, None]
         dk += tl.load(
@@ -648,6 +674,10 @@ def attention_bwd_dq_kernel(
     CU_Q,
     CU_K,
     STATS,
+    OUT,
+    GRAD_LSE,
+    LSE,
+    LSE_REM,
     KV_NUM,
     KV_IDX,
     KV_INT,
@@ -680,6 +710,13 @@ def attention_bwd_dq_kernel(
     stride_bh,
     stride_bm,
     stride_bn,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    stride_od,
+    stride_gb,
+    stride_gh,
+    stride_gm,
     table_stride_b,
     table_stride_h,
     keys_stride_b,
@@ -713,9 +750,14 @@ def attention_bwd_dq_kernel(
     DBIAS_DIRECT: tl.constexpr,
     COMPACT: tl.constexpr,
     VARLEN: tl.constexpr,
+    HAS_GRAD_LSE: tl.constexpr,
 ):
     """One program: dq for BLOCK_M queries of one (batch, head). When the bias has its own
-    (batch, head, query) entries, dS is also stored straight into DBIAS (B, H, Lq, Lk)."""
+    (batch, head, query) entries, dS is also stored straight into DBIAS (B, H, Lq, Lk).
+
+    It runs first in the backward: it also writes its rows' statistics into STATS (B, H, Lq, 4)
+    (_dq_row_stats), from OUT, dO, GRAD_LSE (strides stride_g*, as dO's rows) and the forward's
+    LSE and LSE_REM, for the dk/dv, dbias and sinks kernels launched after it."""
     scale, softcap = as_fp32(scale), as_fp32(softcap)
     i_mb = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -751,8 +793,17 @@ def attention_bwd_dq_kernel(
         mask=m_m[:, None] & (i_dv[None, :] < Dv),
         other=0.0,
     )  # [BM, BDV]
+    b_o = tl.load(
+        OUT + i_b * stride_ob + i_h * stride_oh + o_m[:, None] * stride_om
+        + i_dv[None, :] * stride_od,
+        mask=m_m[:, None] & (i_dv[None, :] < Dv),
+        other=0.0,
+    )  # fmt: skip
     o_row = i_b * lse_stride_b + i_h * lse_stride_h + o_m
-    lse_row, lse_rem, delta = _row_stats(STATS, o_row, m_m, False)
+    lse_row, lse_rem, delta = _dq_row_stats(
+        STATS, LSE, LSE_REM, GRAD_LSE, b_o, b_do, o_row,
+        i_b * stride_gb + i_h * stride_gh + o_m * stride_gm, m_m, HAS_GRAD_LSE,
+    )  # fmt: skip
     p_k = K + i_b * stride_kb + k_row0 * stride_kn + i_g * stride_kh
     p_v = V + i_b * stride_vb + k_row0 * stride_vn + i_g * stride_vh
     p_mask = MASK
@@ -1023,72 +1074,6 @@ def attention_bwd_dbias_kernel(
 
 
 @triton.jit
-def attention_bwd_row_stats_kernel(
-    OUT,
-    DO,
-    GRAD_LSE,
-    LSE,
-    LSE_REM,
-    STATS,
-    stride_ob,
-    stride_om,
-    stride_oh,
-    stride_od,
-    stride_dob,
-    stride_dom,
-    stride_doh,
-    stride_dod,
-    stride_gb,
-    stride_gh,
-    stride_gm,
-    H,
-    Lq,
-    Dv,
-    BLOCK_M: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    HAS_GRAD_LSE: tl.constexpr,
-):
-    """The backward kernels' row statistics for BLOCK_M rows of one (batch, head): STATS (B, H,
-    Lq, 4) float32 rows [lse, lse_rem, delta, 0], delta = rowsum(dO * O) - grad_lse, lse 0
-    where it is -inf (a row with no allowed key), from the forward's LSE and LSE_REM (B, H, Lq)
-    contiguous. Varlen calls it with B = 1 and Lq = total_q (LSE (H, total_q))."""
-    i_mb = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = (i_bh // H).to(tl.int64)
-    i_h = (i_bh % H).to(tl.int64)
-    i_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    i_dv = tl.arange(0, BLOCK_DV)
-    m_m = i_m < Lq
-    o_m = i_m.to(tl.int64)
-    m_tile = m_m[:, None] & (i_dv[None, :] < Dv)
-    b_o = tl.load(
-        OUT + i_b * stride_ob + i_h * stride_oh + o_m[:, None] * stride_om
-        + i_dv[None, :] * stride_od,
-        mask=m_tile,
-        other=0.0,
-    ).to(tl.float32)  # fmt: skip
-    b_do = tl.load(
-        DO + i_b * stride_dob + i_h * stride_doh + o_m[:, None] * stride_dom
-        + i_dv[None, :] * stride_dod,
-        mask=m_tile,
-        other=0.0,
-    ).to(tl.float32)  # fmt: skip
-    delta = tl.sum(b_o * b_do, 1)
-    if HAS_GRAD_LSE:
-        delta -= tl.load(
-            GRAD_LSE + i_b * stride_gb + i_h * stride_gh + o_m * stride_gm, mask=m_m, other=0.0
-        )
-    o_row = i_bh.to(tl.int64) * Lq + o_m
-    lse = tl.load(LSE + o_row, mask=m_m, other=0.0)
-    lse_rem = tl.load(LSE_REM + o_row, mask=m_m, other=0.0)
-    o_st = o_row * 4
-    tl.store(STATS + o_st, tl.where(lse == float("-inf"), 0.0, lse), mask=m_m)
-    tl.store(STATS + o_st + 1, lse_rem, mask=m_m)
-    tl.store(STATS + o_st + 2, delta, mask=m_m)
-    tl.store(STATS + o_st + 3, tl.zeros_like(delta), mask=m_m)
-
-
-@triton.jit
 def attention_bwd_sinks_kernel(
     SINKS,
     STATS,
@@ -1099,7 +1084,7 @@ def attention_bwd_sinks_kernel(
     BLOCK: tl.constexpr,
 ):
     """dsinks[h] = -sum over (b, i) of exp(sinks[h] - lse) * delta, one program per head over
-    the row statistics of attention_bwd_row_stats_kernel (of the forward that joined the sinks), in
+    the row statistics the dq kernel wrote (of the forward that joined the sinks), in
     a fixed order (deterministic), stored in sinks' dtype. A sink of -inf gets 0 (its share is
     0, also in rows with no key, whose lse is -inf too: 0 in STATS)."""
     i_h = tl.program_id(0).to(tl.int64)

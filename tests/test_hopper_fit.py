@@ -51,7 +51,8 @@ WIDTHS = (64, 128, 256)  # head-dim buckets of the table (72..128 share 128's bl
 OPERANDS = [
     configs.Operands(mask, bias, itemsize, bias_itemsize)
     for mask, bias in (("none", "none"), ("none", "key"), ("none", "entry"), ("key", "key"),
-                       ("entry", "entry"), ("key", "entry"), ("packed", "key"), ("packed", "none"))
+                       ("entry", "entry"), ("key", "entry"), ("listed", "key"), ("listed", "none"),
+                       ("packed", "key"), ("packed", "none"))
     for itemsize, bias_itemsize in ((2, 2), (2, 4), (4, 4))
 ]  # fmt: skip
 QUERY_LENGTHS = (None, 1, 16)  # full tiles and decode-sized ones
@@ -76,6 +77,7 @@ def _flags(kind, jit, args, ops) -> dict:
         else 0,
         VARLEN=args.get("CU_Q") is not None,
         HAS_SINKS=args.get("SINKS") is not None,
+        HAS_GRAD_LSE=args.get("GRAD_LSE") is not None,
         DBIAS_COLS=args.get("DBIAS_COL") is not None,
         DBIAS_DIRECT=args.get("DBIAS") is not None,
         PARTIAL=args.get("PART_DK") is not None,
@@ -91,7 +93,7 @@ def _arguments(kind, jit, cfg, width, ops, float_type="fp32"):
     """Launch arguments of one kernel as the launcher passes them, for one config."""
     block = configs.block(width)
     pointer = f"*{_DTYPES[ops.itemsize]}"
-    compact = ops.mask in ("key", "packed") and kind != "decode"
+    compact = ops.mask in ("key", "listed", "packed") and kind != "decode"
     tables = ops.mask == "entry"
     args, sig = {}, {}
     for name in jit.arg_names:
@@ -101,7 +103,7 @@ def _arguments(kind, jit, cfg, width, ops, float_type="fp32"):
             sig[name] = None if ops.bias == "none" else f"*{_DTYPES[ops.bias_itemsize]}"
         elif name == "MASK":
             sig[name] = "*i1" if tables else None
-        elif name in ("LSE", "LSE_REM", "STATS", "ACC", "M", "L", "DBIAS_COL"):
+        elif name in ("LSE", "LSE_REM", "GRAD_LSE", "STATS", "ACC", "M", "L", "DBIAS_COL"):
             sig[name] = "*fp32"
         elif name in ("PART_DK", "PART_DV", "PART_DB"):
             # Key lists take the split (float32 parts) where the grid is small: compile that
@@ -189,6 +191,7 @@ HEAVIEST = [configs.Operands("entry", "entry", 2, 4), configs.Operands("entry", 
 OWN_TABLES = [
     configs.Operands("none", "key", 2, 2),
     configs.Operands("key", "key", 2, 2),
+    configs.Operands("listed", "key", 2, 2),
     configs.Operands("packed", "key", 2, 2),
 ]
 COMPILED_FROM = 0.6

@@ -393,6 +393,14 @@ def test_dkdv_split_choice():
     assert configs.dkdv_split(4, 2048, 132, 200 * mib, 128 * mib, listed=True) == 2
     assert configs.dkdv_split(4, 2048, 132, 600 * mib, 128 * mib, listed=True) == 1
     assert configs.dkdv_split(6, 2048, 132, 1, 100, listed=True) == 6
+    # ... and as long as each program keeps SPLIT_MIN_STEPS query tiles: the model's B16 L512
+    # call (16 query tiles per head) splits its 4 heads in 2, its B4 L2048 call (64) in 4.
+    assert configs.SPLIT_MIN_STEPS == 32
+    assert configs.dkdv_split(4, 512, 132, 32 * mib, 32 * mib, listed=True, query_tiles=16) == 2
+    assert configs.dkdv_split(4, 512, 132, 32 * mib, 32 * mib, listed=True, query_tiles=64) == 4
+    assert configs.dkdv_split(4, 512, 132, 32 * mib, 32 * mib, listed=True, query_tiles=4) == 1
+    # Where that is not the limit, the scratch still is.
+    assert configs.dkdv_split(4, 512, 132, 40 * mib, 32 * mib, listed=True, query_tiles=64) == 2
 
 
 # GPU only: sizes the interpreter cannot reach.
