@@ -50,9 +50,10 @@ class Operands:
     bias_itemsize: int = 2
 
     @staticmethod
-    def of(query: torch.Tensor, mask, bias, packed: bool = False, listed: bool = False) -> Operands:
+    def of(query: torch.Tensor, mask, bias, keys: str | None = None) -> Operands:
+        """keys: "listed" or "packed" for a batched key-list call (the mask's kind), else None."""
         return Operands(
-            "packed" if packed else "listed" if listed else _kind(mask),
+            keys or _kind(mask),
             _kind(bias),
             query.element_size(),
             bias.element_size() if bias is not None else 2,

@@ -67,15 +67,14 @@ class BackwardConfigs:
 
 
 def _config(
-    kind: str, query, value, mask, bias, lq: int | None = None, packed=False, band=None,
-    listed=False,
-) -> Config:  # fmt: skip
+    kind: str, query, value, mask, bias, lq: int | None = None, band=None, keys=None
+) -> Config:
     """The tile config of kernel `kind` for these operands, fitted to the device's shared memory
-    (configs.py); every config the launcher uses comes from here. packed: the call reads
-    packed keys (pack_keys); listed: a batched call that reads its keys through key lists
-    unpacked; band: its window, if any (a narrow band takes smaller tiles)."""
+    (configs.py); every config the launcher uses comes from here. band: the call's window, if
+    any (a narrow band takes smaller tiles); keys: how a batched key-list call reads its keys,
+    "listed" (gathers through the lists) or "packed" (pack_keys), else None."""
     d, dv = query.shape[-1], value.shape[-1]
-    ops = configs.Operands.of(query, mask, bias, packed, listed)
+    ops = configs.Operands.of(query, mask, bias, keys)
     interpreted = interpreter_on()
     limit = configs.shared_limit(query.device) if query.is_cuda and not interpreted else None
     window = band.width() if band is not None else None
@@ -84,11 +83,18 @@ def _config(
     )
 
 
-def _backward_configs(query, value, mask, bias, lq: int, packed=False, band=None, listed=False):
+def _backward_configs(query, value, mask, bias, lq: int, band=None, keys=None):
     return BackwardConfigs(
-        _config("dkdv", query, value, mask, bias, lq, packed, band, listed),
-        _config("dq", query, value, mask, bias, lq, packed, band, listed),
+        _config("dkdv", query, value, mask, bias, lq, band, keys),
+        _config("dq", query, value, mask, bias, lq, band, keys),
     )
+
+
+def _key_reads(compact: bool, pack: bool) -> str | None:
+    """_config's `keys` of a batched call: how it reads key lists, if it takes them."""
+    if not compact:
+        return None
+    return "packed" if pack else "listed"
 
 
 def _backward_tables(mask, seqused_k, b, lq, lk, band: Band, cfgs: BackwardConfigs):
@@ -194,7 +200,7 @@ def attention_forward(
         return chunked.join_sinks(*result, sinks)
     pack = packs(mask, bias, h, hkv)
     compact = compactable(mask, h, hkv)
-    cfg = _config("fwd", query, value, mask, bias, lq, pack, band, listed=compact and not pack)
+    cfg = _config("fwd", query, value, mask, bias, lq, band, _key_reads(compact, pack))
     nq = cdiv(lq, cfg.block_m)
     tables = lists = None
     if compact:
@@ -404,7 +410,7 @@ def attention_backward(
     compact = compactable(mask, h, hkv) and dbias_mode != "bcast"
     # A dbias written per entry needs each score's key index: no packing.
     pack = packs(mask, bias, h, hkv) and dbias_mode not in ("bcast", "direct")
-    cfgs = _backward_configs(query, value, mask, bias, lq, pack, band, compact and not pack)
+    cfgs = _backward_configs(query, value, mask, bias, lq, band, _key_reads(compact, pack))
     cfg = cfgs.dkdv
     if compact:
         lists = build_key_lists(mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m)
