@@ -42,7 +42,8 @@ class Operands:
     key broadcast over queries, "entry" for a value per score) and their element sizes. A mask
     "listed" is a "key" mask of a batched call that reads its keys through key lists (gathers
     of K, V and bias rows; tiles.build_key_lists), and "packed" one whose call reads packed
-    keys (launch.pack_keys): contiguous K, V and bias rows in the forward and dq kernels."""
+    keys (the lists' launch copies them): contiguous K, V and bias rows in the forward and dq
+    kernels."""
 
     mask: str = "none"
     bias: str = "none"
@@ -78,6 +79,9 @@ def block(dim: int) -> int:
 
 # Windows of at most this many keys (left + right + 1) take narrow-band tiles in dense calls.
 NARROW_WINDOW = 256
+# Packed key-list calls of at most this many queries take the short lists' tiles (measured at
+# Lq 512 and 2048 against 8192 and up; the lists' lengths are unknown on the host).
+SHORT_PACKED = 2048
 
 
 def _table(kind: str, width: int, ops: Operands, lq: int | None, window=None) -> Config:
@@ -109,6 +113,10 @@ def _table(kind: str, width: int, ops: Operands, lq: int | None, window=None) ->
     elif kind == "dq":
         if width > 128:
             cfg = Config(32, 32, 4, 1)
+        elif ops.mask == "packed" and lq is not None and lq <= SHORT_PACKED:
+            # `bench.tune` on packed keys: M 0.129 ms at (64, 32, 4, 2) against 0.134 at
+            # (64, 64, 4, 2), M-L512 0.083 against 0.094; C, D and M-L32768 lose 12-17% with it.
+            cfg = Config(64, 32, 4, 2)
         else:
             cfg = Config(128, 64, 8, 3) if dense else Config(64, 64, 4, 2)
     elif width <= 64:
@@ -118,14 +126,16 @@ def _table(kind: str, width: int, ops: Operands, lq: int | None, window=None) ->
         # keys read contiguous rows: case M 0.096-0.101 ms at (64, 64, 4, 2) against 0.131 at
         # (128, 128, 8, 2), C 0.443 against 0.465, D 0.901 against 1.004, B1 L32768 top-8192
         # 3.009 against 3.003 (bench/NOTES.md 49).
-        if ops.mask == "packed":
+        # Short key lists give each query tile a few key tiles: small tiles. `bench.tune`, the
+        # model's calls, gathered: M-L512 (B16 L512, 128 listed keys) 0.058 ms at (64, 32, 4,
+        # 3) against 0.084 at (128, 128, 8, 2), M (B4 L2048, 512 keys) 0.114 against 0.123
+        # (their dq kernel keeps (64, 64, 4, 2): 0.151 ms on M against 0.170 at (64, 32, 4, 3),
+        # which wins on M-L512 by 0.007; NOTES.md 56); packed: M 0.097 against 0.101 at (64,
+        # 64, 4, 2), M-L512 0.053 against 0.064, where C, D and M-L32768 lose 5-10%.
+        short = lq is not None and lq <= SHORT_PACKED
+        if ops.mask == "packed" and not short:
             cfg = Config(64, 64, 4, 2)
-        elif ops.mask == "listed":
-            # Key lists too short to pack (PACK_MIN_KEYS) give each query tile a few key
-            # tiles: small tiles. `bench.tune`, the model's calls: M-L512 (B16 L512, 128 listed
-            # keys) 0.058 ms at (64, 32, 4, 3) against 0.084 at (128, 128, 8, 2), M (B4 L2048,
-            # 512 keys) 0.114 against 0.123. Their dq kernel keeps (64, 64, 4, 2): 0.151 ms on
-            # M against 0.170 at (64, 32, 4, 3), which wins on M-L512 by 0.007 (NOTES.md 56).
+        elif ops.mask in ("listed", "packed"):
             cfg = Config(64, 32, 4, 3)
         else:
             cfg = Config(128, 128, 8, 2) if masked else Config(128, 128, 8, 3)

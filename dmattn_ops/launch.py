@@ -23,12 +23,15 @@ from dmattn_ops.tiles import (
     PER_ENTRY,
     UNBOUNDED,
     Band,
+    PackFrom,
     _pool_queries,
+    batch_strides,
     block_any,
     build_key_lists,
     build_tables,
     build_varlen_key_lists,
     compactable,
+    head_div,
     operand_kind,
     operand_strides,
 )
@@ -42,7 +45,6 @@ attention_bwd_dkdv_reduce_kernel = LazyKernel("attention_bwd", "attention_bwd_dk
 attention_bwd_dq_kernel = LazyKernel("attention_bwd", "attention_bwd_dq_kernel")
 attention_decode_kernel = LazyKernel("attention_decode", "attention_decode_kernel")
 decode_combine_kernel = LazyKernel("attention_decode", "decode_combine_kernel")
-pack_keys_kernel = LazyKernel("pack_keys", "pack_keys_kernel")
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -72,7 +74,8 @@ def _config(
     """The tile config of kernel `kind` for these operands, fitted to the device's shared memory
     (configs.py); every config the launcher uses comes from here. band: the call's window, if
     any (a narrow band takes smaller tiles); keys: how a batched key-list call reads its keys,
-    "listed" (gathers through the lists) or "packed" (pack_keys), else None."""
+    "listed" (gathers through the lists) or "packed" (packed rows, tiles.build_key_lists),
+    else None."""
     d, dv = query.shape[-1], value.shape[-1]
     ops = configs.Operands.of(query, mask, bias, keys)
     interpreted = interpreter_on()
@@ -127,13 +130,6 @@ def _head_blocks(d: int, dv: int) -> dict:
     (bench/NOTES.md, 2026-11-22)."""
     block = _block(max(d, dv))
     return dict(BLOCK_D=block, BLOCK_DV=block)
-
-
-def _head_div(t: torch.Tensor | None, h: int, hkv: int) -> int:
-    """Query head h reads head h // div of the operand."""
-    if t is None or t.shape[1] == h:
-        return 1
-    return h // hkv if t.shape[1] == hkv else h
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -204,115 +200,66 @@ def attention_forward(
     nq = cdiv(lq, cfg.block_m)
     tables = lists = None
     if compact:
-        lists = build_key_lists(mask, seqused_k, b, lq, lk, band, cfg.block_m)
+        lists = build_key_lists(
+            mask, seqused_k, b, lq, lk, band, cfg.block_m,
+            PackFrom(key, value, bias, h) if pack else None,
+        )  # fmt: skip
     elif mask is not None:
         tables = build_tables(mask, seqused_k, b, lq, lk, band, cfg.block_m, cfg.block_n)
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
     lse_rem = empty((b, h, lq), dtype=torch.float32, device=query.device)
-    packed = pack_keys(key, value, mask, bias, lists, h) if pack else None
     _launch_forward(
         query, key, value, mask, bias, seqused_k, None, None, out, lse, lse_rem,
-        b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, band, softcap, packed, sinks,
+        b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, band, softcap, sinks,
     )  # fmt: skip
     return out, lse, lse_rem
 
 
 # The forward and dq kernels' COMPACT values (kernels/common.py).
 LISTED, PACKED = 1, 2
-# Whether batched key-list calls pack K, V and a per-key bias (pack_keys) for the forward and dq
-# kernels; False keeps them on gathers through the list (bench A/B, tests of that path). Calls
-# with fewer than PACK_MIN_KEYS keys do not pack: at the model's B4 L2048 and B16 L512 steps the
-# two packing launches per layer cost more than the kernels gain (bench/NOTES.md 49).
+# Whether batched key-list calls pack K, V and a per-key bias for the forward and dq kernels
+# (tiles.build_key_lists packs them in the launch that builds the lists); False keeps them on
+# gathers through the lists (tests of that path).
 PACK_KEYS = True
-PACK_MIN_KEYS = 4096
-
-
-@dataclass(frozen=True)
-class Packed:
-    """K, V and the per-key bias rows of a key-list call in list order (pack_keys): what the
-    forward and dq kernels read in place of key, value and bias."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-    bias: torch.Tensor | None  # (B, Hkv | H, 1, Lk): read through _head_div like any bias
 
 
 def packs(mask, bias, h: int, hkv: int) -> bool:
     """Whether a batched call reads packed keys: it takes key lists (compactable) and a bias, if
     any, is per key (a bias with query rows is read per score at the keys' own columns)."""
-    return (
-        PACK_KEYS
-        and compactable(mask, h, hkv)
-        and mask.shape[-1] >= PACK_MIN_KEYS
-        and operand_kind(bias) != PER_ENTRY
-    )
+    return PACK_KEYS and compactable(mask, h, hkv) and operand_kind(bias) != PER_ENTRY
 
 
-def pack_keys(key, value, mask, bias, lists, h: int) -> Packed:
-    """The listed rows of key, value (B, Lk, Hkv, D|Dv) and of a per-key bias, copied in list
-    order into buffers of key's and value's own sizes (one kernel, no host sync; positions
-    past each list's count are left unwritten and never read). The bias is packed per KV
-    group, or per query head when it has H heads: (B, Hkv | H, 1, Lk) in its dtype."""
-    b, lk, hkv, d = key.shape
-    dv = value.shape[3]
-    g = h // hkv
-    device = key.device
-    k_out = empty((b, lk, hkv, d), dtype=key.dtype, device=device)
-    v_out = empty((b, lk, hkv, dv), dtype=value.dtype, device=device)
-    bias_heads = g if bias is not None and bias.shape[1] == h else 1
-    b_out = None
-    if bias is not None:
-        b_out = empty((b, hkv * bias_heads, 1, lk), dtype=bias.dtype, device=device)
-    sb, sh, _, sn = operand_strides(bias)
-    block_r = 16 if interpreter_on() else 64
-    pack_keys_kernel[(cdiv(lk, block_r), b * hkv)](
-        key, value, bias, lists.keys, lists.key_count, k_out, v_out, b_out,
-        *_strides(key), *_strides(value), sb, sh, sn,
-        lists.keys_stride_b, lists.keys_stride_h, lists.count_stride_b,
-        hkv, g, lk, d, dv, _head_div(mask, h, hkv), _head_div(bias, h, hkv), bias_heads,
-        BLOCK_R=block_r, **_head_blocks(d, dv), HAS_BIAS=bias is not None,
-        num_warps=1 if interpreter_on() else 4,
-    )  # fmt: skip
-    return Packed(k_out, v_out, b_out)
-
-
-def _key_operands(key, value, bias, lists, packed: Packed | None):
+def _key_operands(key, value, bias, lists):
     """(key, value, bias, COMPACT) the forward and dq kernels read: the packed rows, or the
     caller's tensors (through the key lists, if any)."""
-    if packed is not None:
-        return packed.key, packed.value, packed.bias, PACKED
+    if lists is not None and lists.packed is not None:
+        return lists.packed.key, lists.packed.value, lists.packed.bias, PACKED
     return key, value, bias, 0 if lists is None else LISTED
-
-
-def _strides(t: torch.Tensor) -> tuple[int, ...]:
-    """t's strides with 0 for a batch dim of 1 (varlen passes its packed tensors as (1, ...))."""
-    return (0 if t.shape[0] == 1 else t.stride(0), *t.stride()[1:])
 
 
 def _launch_forward(
     query, key, value, mask, bias, seqused_k, cu_q, cu_k, out, lse, lse_rem,
-    b, lq, lk, nq, lse_strides, tables, lists, cfg, scale, band, softcap, packed=None,
-    sinks=None,
+    b, lq, lk, nq, lse_strides, tables, lists, cfg, scale, band, softcap, sinks=None,
 ):  # fmt: skip
     """query/key/value/out 4-D, mask/bias 4-D broadcast operands. Varlen: (1, total, H, D)
     views, Lq/Lk the totals, cu_q/cu_k the cu_seqlens, and nq tiles of the longest sequence.
-    packed (key lists only): the kernel reads its K, V and bias instead (PACKED)."""
+    Key lists with packed rows: the kernel reads those instead of K, V and bias (PACKED)."""
     h, d = query.shape[2], query.shape[3]
     hkv, dv = key.shape[2], value.shape[3]
-    key, value, bias, compact = _key_operands(key, value, bias, lists, packed)
+    key, value, bias, compact = _key_operands(key, value, bias, lists)
     attention_fwd_kernel[(nq, b * h)](
         query, key, value, None if lists else mask, bias, seqused_k, cu_q, cu_k,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
         tables.kv_int if tables else None,
         lists.keys if lists else None, lists.key_start if lists else None,
         lists.key_end if lists else None, out, lse, lse_rem, sinks,
-        *_strides(query), *_strides(key), *_strides(value),
-        *operand_strides(mask), *operand_strides(bias), *_strides(out),
+        *batch_strides(query), *batch_strides(key), *batch_strides(value),
+        *operand_strides(mask), *operand_strides(bias), *batch_strides(out),
         tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
         h, h // hkv, lq, lk, d, dv, cdiv(lk, cfg.block_n),
-        _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
+        head_div(mask, h, hkv), head_div(bias, h, hkv), float(scale), float(softcap),
         *band.args(), **band.flags(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(query.dtype),
         HAS_MASK=0 if lists else operand_kind(mask), HAS_BIAS=operand_kind(bias),
@@ -413,7 +360,10 @@ def attention_backward(
     cfgs = _backward_configs(query, value, mask, bias, lq, band, _key_reads(compact, pack))
     cfg = cfgs.dkdv
     if compact:
-        lists = build_key_lists(mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m)
+        lists = build_key_lists(
+            mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m,
+            PackFrom(key, value, bias, h) if pack else None,
+        )  # fmt: skip
     elif mask is not None:
         tables, dq_tables = _backward_tables(mask, seqused_k, b, lq, lk, band, cfgs)
     stats = empty((b, h, lq, 4), dtype=torch.float32, device=device)
@@ -435,12 +385,11 @@ def attention_backward(
     elif dbias_mode == "bcast":
         dbias_bcast = empty(bias.shape, dtype=bias.dtype, device=device)
 
-    packed = pack_keys(key, value, mask, bias, lists, h) if pack else None
     _launch_backward(
         query, key, value, grad_out, mask, bias, seqused_k, None, None,
         RowStats(stats, out, grad_lse, lse, lse_rem), dq, dk, dvv, dbias_cols, dbias_direct,
         b, lq, lk, lq, lk, (h * lq, lq), col_strides, tables, dq_tables, lists, lists, cfgs,
-        scale, band, softcap, group_cols=dbias_mode == "group", packed=packed,
+        scale, band, softcap, group_cols=dbias_mode == "group",
     )  # fmt: skip
     if dbias_bcast is not None:
         nq, nk = cdiv(lq, cfg.block_m), cdiv(lk, cfg.block_n)
@@ -450,7 +399,7 @@ def attention_backward(
             *operand_strides(mask), *operand_strides(bias),
         )  # fmt: skip
         mask_arg = None if lists else mask
-        mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
+        mask_div, bias_div = head_div(mask, h, hkv), head_div(bias, h, hkv)
         bb, hb = bias.shape[0], bias.shape[1]
         n_batch, batch_mul = (1, 1) if bb == b else (b, 0)
         if hb == h:
@@ -523,7 +472,6 @@ def _launch_backward(
     query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, rows: RowStats,
     dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
     tables, dq_tables, lists, dkdv_lists, cfgs, scale, band, softcap, group_cols=False,
-    packed=None,
 ):  # fmt: skip
     """The dq kernel, which also writes rows.stats, then the dk/dv kernels that read them, over
     4-D views as in _launch_forward, with their own tile configs (cfgs: BackwardConfigs). The
@@ -531,7 +479,7 @@ def _launch_backward(
     (Lq, Lk; varlen: the longest sequences). dkdv_lists is lists, or None where the mask is per
     query head under GQA (one key list per KV group is needed). group_cols: dbias_cols is the
     bias gradient (B, Hkv, 1, Lk) itself, summed over each KV group's heads by the kernels.
-    packed (key lists, no DBIAS_DIRECT): the dq kernel reads its K, V and bias (PACKED); the
+    Key lists with packed rows (no DBIAS_DIRECT): the dq kernel reads those (PACKED); the
     dk/dv kernels read key, value and bias through the lists."""
     h, d = query.shape[2], query.shape[3]
     hkv, d_v = key.shape[2], value.shape[3]
@@ -539,18 +487,19 @@ def _launch_backward(
 
     def strides_with(key, value, bias):
         return (
-            *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
+            *batch_strides(query), *batch_strides(key), *batch_strides(value),
+            *batch_strides(grad_out),
             *operand_strides(mask), *operand_strides(bias),
         )  # fmt: skip
 
     strides = strides_with(key, value, bias)
-    mask_div, bias_div = _head_div(mask, h, hkv), _head_div(bias, h, hkv)
+    mask_div, bias_div = head_div(mask, h, hkv), head_div(bias, h, hkv)
     flags = dict(
         HAS_BIAS=operand_kind(bias), HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0,
         VARLEN=cu_q is not None,
     )  # fmt: skip
     nq = cdiv(span_q, qc.block_m)
-    dq_key, dq_value, dq_bias, compact = _key_operands(key, value, bias, lists, packed)
+    dq_key, dq_value, dq_bias, compact = _key_operands(key, value, bias, lists)
     attention_bwd_dq_kernel[(nq, b * h)](
         query, dq_key, dq_value, grad_out, None if lists else mask, dq_bias,
         seqused_k, cu_q, cu_k, rows.stats, rows.out, rows.grad_lse, rows.lse, rows.lse_rem,
@@ -558,12 +507,12 @@ def _launch_backward(
         dq_tables.kv_int if dq_tables else None,
         lists.keys if lists else None, lists.key_start if lists else None,
         lists.key_end if lists else None, dq, dbias_direct,
-        *strides_with(dq_key, dq_value, dq_bias), *_strides(rows.out),
+        *strides_with(dq_key, dq_value, dq_bias), *batch_strides(rows.out),
         *operand_strides(rows.grad_lse)[:3] if rows.grad_lse is not None else (0, 0, 0),
         dq_tables.stride_b if dq_tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
         h, h // hkv, lq, lk, d, d_v, cdiv(span_k, qc.block_n), mask_div,
-        _head_div(dq_bias, h, hkv), float(scale), float(softcap), *band.args(),
+        head_div(dq_bias, h, hkv), float(scale), float(softcap), *band.args(),
         HAS_MASK=0 if lists else operand_kind(mask),
         DBIAS_DIRECT=dbias_direct is not None, COMPACT=compact,
         HAS_GRAD_LSE=rows.grad_lse is not None, **flags,
@@ -785,7 +734,7 @@ def decode_forward(query, key, value, mask, bias, scale, band: Band, softcap, se
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0,
         lists.end_stride_b if lists else 0, 1,
         h, g, lq, lk, d, dv, rows, tiles_per_split * block_n,
-        _head_div(mask, h, hkv), _head_div(bias, h, hkv), float(scale), float(softcap),
+        head_div(mask, h, hkv), head_div(bias, h, hkv), float(scale), float(softcap),
         *band.args(), **band.flags(), BLOCK_M=block_m, BLOCK_N=block_n, **_head_blocks(d, dv),
         DOT_PRECISION=_dot_precision(query.dtype),
         # Per-row bias pointers (the rows span the G heads of a group): PER_ENTRY loads.

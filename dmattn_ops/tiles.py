@@ -14,7 +14,8 @@ import torch
 from dmattn_ops._alloc import empty
 from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
 
-key_lists_kernel = LazyKernel("block_mask", "key_lists_kernel")
+key_lists_kernel = LazyKernel("key_lists", "key_lists_kernel")
+varlen_key_lists_kernel = LazyKernel("key_lists", "varlen_key_lists_kernel")
 mask_block_any_kernel = LazyKernel("block_mask", "mask_block_any_kernel")
 tile_cols_kernel = LazyKernel("block_mask", "tile_cols_kernel")
 tile_rows_kernel = LazyKernel("block_mask", "tile_rows_kernel")
@@ -69,6 +70,13 @@ def operand_strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
     if t is None:
         return (0, 0, 0, 0)
     return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+
+
+def head_div(t: torch.Tensor | None, h: int, hkv: int) -> int:
+    """Query head h reads head h // div of the operand."""
+    if t is None or t.shape[1] == h:
+        return 1
+    return h // hkv if t.shape[1] == hkv else h
 
 
 # HAS_MASK / HAS_BIAS of a launch (kernels/common.py PER_KEY, PER_ENTRY): 0 without the operand,
@@ -173,6 +181,27 @@ def build_tables(mask, seqused_k, b, lq, lk, band: Band, block_m, block_n, mask_
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Packed:
+    """K, V and the per-key bias rows of a key-list call in list order (build_key_lists with
+    `pack`): what the forward and dq kernels read in place of key, value and bias (their
+    COMPACT=PACKED). Rows past each list's count are unwritten and never read."""
+
+    key: torch.Tensor  # (B, Lk, Hkv, D), contiguous
+    value: torch.Tensor  # (B, Lk, Hkv, Dv), contiguous
+    bias: torch.Tensor | None  # (B, Hkv | H, 1, Lk): read through head_div like any bias
+
+
+class PackFrom(NamedTuple):
+    """What build_key_lists packs: key and value (B, Lk, Hkv, D|Dv), the per-key bias (or None)
+    and the query heads H."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    bias: torch.Tensor | None
+    heads: int
+
+
 @dataclass
 class KeyLists:
     """For a mask broadcast over queries, (B|1, H|Hkv|1, 1, Lk): the allowed keys of each
@@ -181,7 +210,8 @@ class KeyLists:
     of them each query tile may see under causality and seqused_k (key_end, (Bt, Hm, NQ)); and
     how many lie below seqused_k (key_count, (Bt, Hm)). Under a window, key_start (Bt, Hm, NQ):
     how many lie below the band of each query tile's first row (else None); the tile's keys
-    are then the list positions [key_start, key_end)."""
+    are then the list positions [key_start, key_end). packed: the listed rows of K, V and the
+    bias when the lists were built with them (batched calls only)."""
 
     keys: torch.Tensor
     key_end: torch.Tensor
@@ -191,6 +221,7 @@ class KeyLists:
     end_stride_b: int
     count_stride_b: int
     key_start: torch.Tensor | None = None
+    packed: Packed | None = None
 
 
 def compactable(mask: torch.Tensor | None, h: int, hkv: int) -> bool:
@@ -198,9 +229,12 @@ def compactable(mask: torch.Tensor | None, h: int, hkv: int) -> bool:
     return mask is not None and mask.shape[2] == 1 and (mask.shape[1] != h or h == hkv)
 
 
-def build_key_lists(mask, seqused_k, b, lq, lk, band: Band, block_m) -> KeyLists:
-    """KeyLists of a compactable mask: one kernel launch (kernels/block_mask.py
-    key_lists_kernel), one pass over the mask, no host sync."""
+def build_key_lists(
+    mask, seqused_k, b, lq, lk, band: Band, block_m, pack: PackFrom | None = None
+) -> KeyLists:
+    """KeyLists of a compactable mask and, with `pack`, its packed K, V and per-key bias rows
+    (KeyLists.packed): one launch of kernels/key_lists.py key_lists_kernel, whose programs each
+    take a chunk of keys, no host sync."""
     bm, hm = mask.shape[0], mask.shape[1]
     device = mask.device
     bt = b if seqused_k is not None else bm
@@ -209,28 +243,65 @@ def build_key_lists(mask, seqused_k, b, lq, lk, band: Band, block_m) -> KeyLists
     key_end = empty((bt, hm, nq), dtype=torch.int32, device=device)
     key_start = empty((bt, hm, nq), dtype=torch.int32, device=device) if band.has_window else None
     key_count = empty((bt, hm), dtype=torch.int32, device=device)
-    prefix = empty((bt * hm, lk), dtype=torch.int32, device=device)
-    sb, sh, _, sn = operand_strides(mask)
     keys_stride_b = hm * lk if bm > 1 else 0
     end_stride_b, count_stride_b = (hm * nq, hm) if bt > 1 else (0, 0)
-    key_lists_kernel[(bt * hm,)](
-        mask, seqused_k, None, None, prefix, keys, key_start, key_end, key_count, sb, sh, sn,
-        keys_stride_b, lk, end_stride_b, count_stride_b, hm, lq, lk, nq, lk, *band.args(),
-        HAS_SEQUSED=seqused_k is not None, VARLEN=False, **band.flags(),
-        BLOCK_M=block_m, CHUNK=1024, num_warps=1 if interpreter_on() else 4,
+    packed = None
+    if pack is None:
+        # One program row per (table batch, mask head): K, V and the bias are not read.
+        rows, groups, g, mask_div, bias_div, bias_heads = bt, hm, 1, 1, 1, 0
+        key = value = bias = None
+        key_strides = value_strides = (0, 0, 0, 0)
+    else:
+        key, value, bias, h = pack
+        rows, groups, d = b, key.shape[2], key.shape[3]
+        g = h // groups
+        mask_div, bias_div = head_div(mask, h, groups), head_div(bias, h, groups)
+        bias_heads = g if bias is not None and bias.shape[1] == h else 1
+        packed = Packed(
+            empty((b, lk, groups, d), dtype=key.dtype, device=device),
+            empty((b, lk, groups, value.shape[3]), dtype=value.dtype, device=device),
+            None if bias is None
+            else empty((b, groups * bias_heads, 1, lk), dtype=bias.dtype, device=device),
+        )  # fmt: skip
+        key_strides, value_strides = batch_strides(key), batch_strides(value)
+    prefix = empty((rows * groups, lk), dtype=torch.int32, device=device)
+    d = key.shape[3] if key is not None else 16
+    dv = value.shape[3] if value is not None else 16
+    block_d = _block(max(d, dv))
+    sb, sh, _, sn = operand_strides(bias)
+    interpreted = interpreter_on()
+    # Short chunks: a program's work is one dependent chain of loads (its chunk, the rows it
+    # packs), so more programs, not longer ones, hide the latency.
+    chunk = 64
+    key_lists_kernel[(cdiv(lk, chunk), rows * groups)](
+        mask, seqused_k, prefix, keys, key_start, key_end, key_count,
+        key, value, bias, *((packed.key, packed.value, packed.bias) if packed else (None,) * 3),
+        *operand_strides(mask)[:2], operand_strides(mask)[3], *key_strides, *value_strides,
+        sb, sh, sn, keys_stride_b, lk, end_stride_b, count_stride_b,
+        groups, g, lq, lk, nq, d, dv, mask_div, bias_div, bias_heads, *band.args(),
+        HAS_SEQUSED=seqused_k is not None, **band.flags(), PACK=pack is not None,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, CHUNK=chunk,
+        SCAN=256 if interpreted else 4096, BLOCK_T=64 if interpreted else 512,
+        BLOCK_D=block_d, BLOCK_DV=block_d, num_warps=1 if interpreted else 4,
     )  # fmt: skip
     return KeyLists(
         keys=keys, key_end=key_end, key_count=key_count, keys_stride_b=keys_stride_b,
         keys_stride_h=lk, end_stride_b=end_stride_b, count_stride_b=count_stride_b,
-        key_start=key_start,
+        key_start=key_start, packed=packed,
     )  # fmt: skip
+
+
+def batch_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """t's strides with 0 for a batch dim of 1 (varlen passes its packed tensors as (1, ...))."""
+    return (0 if t.shape[0] == 1 else t.stride(0), *t.stride()[1:])
 
 
 def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, band: Band, block_m, max_k) -> KeyLists:
     """Key lists of a varlen mask (Hm, total_k): per (mask head, sequence) the sequence's allowed
     keys in ascending order, as indices local to the sequence, stored where the sequence's keys
     are (keys (Hm, total_k), total_k elsewhere); key_end (B, Hm, NQ) and key_count (B, Hm) as in
-    build_key_lists. One kernel launch, no host synchronisation."""
+    build_key_lists (kernels/key_lists.py varlen_key_lists_kernel). One kernel launch, no host
+    synchronisation; nothing is packed."""
     hm, total_k = mask.shape
     b = cu_q.shape[0] - 1
     device = mask.device
@@ -240,11 +311,11 @@ def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, band: Band, block_m, m
     key_count = empty((b, hm), dtype=torch.int32, device=device)
     prefix = empty((b * hm, max(max_k, 1)), dtype=torch.int32, device=device)
     if b > 0:
-        key_lists_kernel[(b * hm,)](
-            mask, None, cu_q, cu_k, prefix, keys, key_start, key_end, key_count,
-            0, mask.stride(0), mask.stride(1), 0, total_k, hm * nq, hm, hm, total_q, total_k, nq,
-            max(max_k, 1), *band.args(), HAS_SEQUSED=False, VARLEN=True, **band.flags(),
-            BLOCK_M=block_m, CHUNK=1024, num_warps=1 if interpreter_on() else 4,
+        varlen_key_lists_kernel[(b * hm,)](
+            mask, cu_q, cu_k, prefix, keys, key_start, key_end, key_count,
+            mask.stride(0), mask.stride(1), total_k, hm * nq, hm, hm, total_q, total_k, nq,
+            max(max_k, 1), *band.args(), **band.flags(), BLOCK_M=block_m, CHUNK=1024,
+            num_warps=1 if interpreter_on() else 4,
         )  # fmt: skip
     return KeyLists(
         keys=keys, key_end=key_end, key_count=key_count, keys_stride_b=0,

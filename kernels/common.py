@@ -16,10 +16,10 @@ PER_ENTRY = tl.constexpr(2)
 
 # What the forward and dq kernels' COMPACT constexpr holds for a mask shared by all queries
 # (0, dense or tile tables, is falsy). LISTED: K, V and a per-key bias are read at the keys a
-# sorted list of allowed keys names (a gather in every step). PACKED: the launcher copied the
-# listed rows of K, V and the per-key bias into buffers in list order (launch.pack_keys), so
-# a step reads contiguous rows; the list itself is read only where causality, the window or
-# the list's end cut a tile.
+# sorted list of allowed keys names (a gather in every step). PACKED: the launch that built the
+# lists copied the listed rows of K, V and the per-key bias into buffers in list order
+# (kernels/key_lists.py), so a step reads contiguous rows; the list itself is read only where
+# causality, the window or the list's end cut a tile.
 LISTED = tl.constexpr(1)
 PACKED = tl.constexpr(2)
 

@@ -12,21 +12,13 @@ if not torch.cuda.is_available():
 # Triton kernels, and tests/test_sdpa.py turns the dispatch back on where it tests it.
 os.environ["DMATTN_DENSE_SDPA"] = "0"
 
-from dmattn_ops import _alloc, launch
+from dmattn_ops import _alloc
 
 
 @pytest.fixture(autouse=True)
 def poison_library_allocations(monkeypatch):
     """Fill every output the library allocates with NaN: an unwritten element fails loudly."""
     monkeypatch.setattr(_alloc, "POISON", True)
-
-
-@pytest.fixture(autouse=True)
-def pack_short_key_lists(monkeypatch):
-    """Key-list calls pack their keys from any length (the library packs from
-    launch.PACK_MIN_KEYS keys on), so that the suite's short cases run the packed path;
-    tests/test_triton.py's pack_spy runs key lists unpacked as well."""
-    monkeypatch.setattr(launch, "PACK_MIN_KEYS", 0)
 
 
 @pytest.fixture(autouse=True)

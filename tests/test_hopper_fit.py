@@ -55,7 +55,7 @@ OPERANDS = [
                        ("packed", "key"), ("packed", "none"))
     for itemsize, bias_itemsize in ((2, 2), (2, 4), (4, 4))
 ]  # fmt: skip
-QUERY_LENGTHS = (None, 1, 16)  # full tiles and decode-sized ones
+QUERY_LENGTHS = (None, 1, 16, 2048)  # full tiles, decode-sized ones, short packed key lists
 _DTYPES = {2: "fp16", 4: "fp32"}
 
 
@@ -295,36 +295,47 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dmattn_ops.kernels.block_mask import key_lists_kernel as k
+from dmattn_ops.kernels.key_lists import key_lists_kernel, varlen_key_lists_kernel
 
-for varlen, window in ((False, False), (True, False), (False, True), (True, True)):
+POINTERS = dict(MASK="*u8", SEQUSED="*i32", CU_Q="*i32", CU_K="*i32", PREFIX="*i32",
+                KEYS="*i32", KEY_START="*i32", KEY_END="*i32", KEY_COUNT="*i32", K="*bf16",
+                V="*bf16", BIAS="*bf16", K_OUT="*bf16", V_OUT="*bf16", BIAS_OUT="*bf16")
+
+
+def compile(k, values):
     sig, constexprs = {}, {}
-    values = dict(HAS_SEQUSED=not varlen, VARLEN=varlen, IS_CAUSAL=not window,
-                  HAS_WINDOW=window, BLOCK_M=64, CHUNK=1024)
     for i, name in enumerate(k.arg_names):
-        if name in values or (name == "SEQUSED" and varlen) or (
-            name in ("CU_Q", "CU_K") and not varlen
-        ):
+        if name in values:
             sig[name] = "constexpr"
-            constexprs[(i,)] = values.get(name)
-        elif name == "MASK":
-            sig[name] = "*u8"
-        elif name in ("SEQUSED", "CU_Q", "CU_K", "PREFIX", "KEYS", "KEY_END", "KEY_COUNT"):
-            sig[name] = "*i32"
-        elif name == "KEY_START":
-            sig[name] = "*i32" if window else "constexpr"
-            if not window:
-                constexprs[(i,)] = None
+            constexprs[(i,)] = values[name]
         else:
-            sig[name] = "i32"
+            sig[name] = POINTERS.get(name, "i32")
     src = ASTSource(fn=k, signature=sig, constexprs=constexprs)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+for window in (False, True):
+    absent = {} if window else dict(KEY_START=None)
+    compile(varlen_key_lists_kernel, dict(IS_CAUSAL=not window, HAS_WINDOW=window, BLOCK_M=64,
+                                          CHUNK=1024, **absent))
+    for pack, bias in ((False, False), (True, False), (True, True)):
+        values = dict(HAS_SEQUSED=not window, IS_CAUSAL=not window, HAS_WINDOW=window, PACK=pack,
+                      HAS_BIAS=bias, BLOCK_M=64, CHUNK=64, SCAN=4096, BLOCK_T=512, BLOCK_D=128,
+                      BLOCK_DV=128, **absent)
+        if window:
+            values["SEQUSED"] = None
+        if not pack:
+            values.update(K=None, V=None, K_OUT=None, V_OUT=None)
+        if not bias:
+            values.update(BIAS=None, BIAS_OUT=None)
+        compile(key_lists_kernel, values)
 print("ok")
 """
 
 
 def test_key_lists_kernel_compiles_for_sm90():
-    """The key-list kernel (batched and varlen) compiles for sm_90 without the interpreter."""
+    """The key-list kernels (batched, with and without packing, and varlen) compile for sm_90
+    without the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", COMPILE_KEY_LISTS], capture_output=True,
                          text=True, env=env, timeout=600)  # fmt: skip

@@ -23,7 +23,7 @@ from helpers import (
 
 import dmattn_ops
 from dmattn_ops import configs, launch, reference
-from dmattn_ops.tiles import Band
+from dmattn_ops.tiles import Band, PackFrom
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -517,9 +517,19 @@ def spy_on(monkeypatch, name: str) -> list:
 
 @pytest.fixture(params=[True, False], ids=["packed", "gathered"])
 def pack_spy(request, monkeypatch):
-    """Runs a test with launch.PACK_KEYS on and off; counts the pack_keys calls."""
+    """Runs a test with launch.PACK_KEYS on and off; records whether each key-list build
+    packed K, V and the bias."""
     monkeypatch.setattr(launch, "PACK_KEYS", request.param)
-    return request.param, spy_on(monkeypatch, "pack_keys")
+    packed = []
+    real = launch.build_key_lists
+
+    def spy(*args):
+        lists = real(*args)
+        packed.append(lists.packed is not None)
+        return lists
+
+    monkeypatch.setattr(launch, "build_key_lists", spy)
+    return request.param, packed
 
 
 @pytest.mark.parametrize("bias_pattern", ["BGq", "BHq", "BHQ", "bhq"])
@@ -562,9 +572,9 @@ def test_key_lists_never_load_unlisted_keys(bias_pattern, pack_spy):
     assert_close(dk, rdk, 1e-4, "dk")
     assert_close(dv, rdv, 1e-4, "dv")
     assert (dk[unlisted.expand_as(dk)] == 0).all()
-    pack, calls = pack_spy
+    pack, packed = pack_spy
     # Forward and backward pack (twice per pass above) unless the bias has query rows.
-    assert len(calls) == (4 if pack and bias_pattern != "BHQ" else 0)
+    assert len(packed) == 4 and sum(packed) == (4 if pack and bias_pattern != "BHQ" else 0)
 
 
 # Split-K decoding (Lq <= 16 against a long cache).
@@ -593,8 +603,8 @@ def test_key_lists_interior_and_boundary_tiles(lq, lk, is_causal, pack_spy):
         is_causal=is_causal,
         seqused=torch.tensor([lk, lk - 9], dtype=torch.int32),
     )
-    pack, calls = pack_spy
-    assert bool(calls) == pack
+    pack, packed = pack_spy
+    assert packed and all(p == pack for p in packed)
 
 
 @pytest.fixture
@@ -680,8 +690,8 @@ def _key_lists_by_counting(mask, seqused_k, b, lq, lk, is_causal, block_m):
     "bm, seq, is_causal, lq, lk, block_m",
     [
         (1, None, True, 64, 64, 16),
-        (3, None, False, 40, 1500, 16),  # two chunks of keys
-        (1, [1500, 0, 700], True, 1100, 1500, 1),  # more query tiles than a chunk
+        (3, None, False, 40, 1500, 16),  # many chunks of keys
+        (1, [1500, 0, 700], True, 1100, 1500, 1),  # more query tiles than a chunk of keys
         (3, [5, 1499, 2000], True, 33, 1499, 32),  # seqused_k past Lk is clamped
     ],
 )
@@ -702,6 +712,42 @@ def test_key_lists_kernel_matches_direct_counting(bm, seq, is_causal, lq, lk, bl
     for name, g_, w in zip(("keys", "key_end", "key_count"), (got.keys, got.key_end,
                                                              got.key_count), want):  # fmt: skip
         assert torch.equal(g_.cpu().reshape(w.shape), w), name
+
+
+@pytest.mark.parametrize(
+    "mask_heads, bias_heads", [(2, 2), (1, 6), (2, None)], ids=["group", "shared", "no-bias"]
+)
+def test_key_lists_pack_listed_rows(mask_heads, bias_heads):
+    """Packed rows are K, V and the bias at the listed keys in list order, for every batch and
+    KV group, up to the count below seqused_k: a mask per KV group, or one shared by all heads
+    and broadcast over the batch; a bias per KV group, per query head, or none."""
+    if DEVICE == "cpu" and not launch.interpreter_on():
+        pytest.skip("needs CUDA or the interpreter")
+    b, h, hkv, lk, d, dv = 3, 6, 2, 300, 24, 40
+    g = torch.Generator().manual_seed(5)
+    mask = torch.rand(1 if mask_heads == 1 else b, mask_heads, 1, lk, generator=g) < 0.4
+    k, v = torch.randn(b, lk, hkv, d, generator=g), torch.randn(b, lk, hkv, dv, generator=g)
+    bias = None if bias_heads is None else torch.randn(b, bias_heads, 1, lk, generator=g)
+    seqused = torch.tensor([lk, 170, 0], dtype=torch.int32)
+    lists = launch.build_key_lists(
+        mask.to(DEVICE), seqused.to(DEVICE), b, 50, lk, Band.of(True, (-1, -1)), 16,
+        PackFrom(k.to(DEVICE), v.to(DEVICE), None if bias is None else bias.to(DEVICE), h),
+    )  # fmt: skip
+    packed = lists.packed
+    per_group = 1 if bias_heads != h else h // hkv
+    assert (packed.bias is None) == (bias is None)
+    for i in range(b):
+        for group in range(hkv):
+            hm = group * (h // hkv) // (h // mask_heads)
+            n = int(lists.key_count[i, hm])
+            assert n == int(mask[i % mask.shape[0], hm, 0, : int(seqused[i])].sum())
+            keys = lists.keys[i % mask.shape[0], hm, :n].cpu().long()
+            assert torch.equal(packed.key[i, :n, group].cpu(), k[i, keys, group])
+            assert torch.equal(packed.value[i, :n, group].cpu(), v[i, keys, group])
+            for j in range(per_group if bias is not None else 0):
+                src = bias[i, group * per_group + j if bias_heads == h else group, 0]
+                got = packed.bias[i, group * per_group + j, 0, :n].cpu()
+                assert torch.equal(got, src[keys])
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
