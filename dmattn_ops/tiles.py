@@ -1,7 +1,7 @@
 """Which tiles and keys the kernels visit: tile tables for masks that vary per query, key lists
 for masks shared by all queries (the DMA pattern). Built on the device by small Triton kernels
-(kernels/block_mask.py) and torch ops, without host synchronisation; the launchers in launch.py
-hand them to the attention kernels.
+(kernels/block_mask.py, kernels/key_lists.py) and torch ops, without host synchronisation; the
+launchers in launch.py hand them to the attention kernels.
 """
 
 from __future__ import annotations

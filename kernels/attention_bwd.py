@@ -272,7 +272,7 @@ def attention_bwd_dkdv_kernel(
     grids, no atomics, bitwise reproducible.
 
     ZERO_UNLISTED (COMPACT, batched): the key list is a permutation of the keys, the listed
-    ones first (block_mask.py key_lists_kernel); rows at list positions past KEY_COUNT are keys
+    ones first (key_lists.py key_lists_kernel); rows at list positions past KEY_COUNT are keys
     no query sees, and get zeros here (dk, dv and the column sums), so the launcher allocates
     nothing with a fill.
 
