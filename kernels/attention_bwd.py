@@ -134,21 +134,25 @@ def _dkdv_tile(
     """One query tile against this program's key tile, in transposed form: S^T = K Q^T is
     [BN, BM], so P^T and dS^T are the left operands of the dV and dK products as they stand
     (no transpose of a register tile through shared memory)."""
-    i_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_r = tl.arange(0, BLOCK_M)
+    i_m = qb * BLOCK_M + i_r
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_m = i_m < Lq
     o_m = i_m.to(tl.int64)
-    b_qt = tl.load(
-        p_q + o_m[None, :] * stride_qm + i_d[:, None] * stride_qd,
-        mask=m_m[None, :] & (i_d[:, None] < D),
-        other=0.0,
-    )  # [BD, BM]
-    b_do = tl.load(
-        p_do + o_m[:, None] * stride_dom + i_dv[None, :] * stride_dod,
-        mask=m_m[:, None] & (i_dv[None, :] < Dv),
-        other=0.0,
-    )  # [BM, BDV]
+    if BLOCK_M <= 32:
+        # A 64-bit tile base and 32-bit offsets within the tile: the offsets are loop-invariant
+        # and stay in registers across the loop, where 64-bit ones took twice as many (the
+        # kernel spilled 644 bytes per thread at the model's call, 388 with these; dk/dv -9% at
+        # B4 L2048). 64-query tiles (dense bands) ran 5% slower with them (bench/NOTES.md 57).
+        o_q0 = (qb * BLOCK_M).to(tl.int64)
+        p_qt = p_q + o_q0 * stride_qm + (i_r[None, :] * stride_qm + i_d[:, None] * stride_qd)
+        p_dot = p_do + o_q0 * stride_dom + (i_r[:, None] * stride_dom + i_dv[None, :] * stride_dod)
+    else:
+        p_qt = p_q + o_m[None, :] * stride_qm + i_d[:, None] * stride_qd
+        p_dot = p_do + o_m[:, None] * stride_dom + i_dv[None, :] * stride_dod
+    b_qt = tl.load(p_qt, mask=m_m[None, :] & (i_d[:, None] < D), other=0.0)  # [BD, BM]
+    b_do = tl.load(p_dot, mask=m_m[:, None] & (i_dv[None, :] < Dv), other=0.0)  # [BM, BDV]
     lse_row, lse_rem, delta = _row_stats(STATS, row_base + o_m, m_m, True)
     s, m_allowed, t = score_tile(
         b_k, b_qt, i_m[None, :], i_n[:, None], i_n[:, None], n_keys, Lq, scale, softcap,
