@@ -251,22 +251,21 @@ def build_key_lists(
         rows, groups, g, mask_div, bias_div, bias_heads = bt, hm, 1, 1, 1, 0
         key = value = bias = None
         key_strides = value_strides = (0, 0, 0, 0)
+        d = dv = 16
     else:
         key, value, bias, h = pack
-        rows, groups, d = b, key.shape[2], key.shape[3]
+        rows, groups, d, dv = b, key.shape[2], key.shape[3], value.shape[3]
         g = h // groups
         mask_div, bias_div = head_div(mask, h, groups), head_div(bias, h, groups)
         bias_heads = g if bias is not None and bias.shape[1] == h else 1
         packed = Packed(
             empty((b, lk, groups, d), dtype=key.dtype, device=device),
-            empty((b, lk, groups, value.shape[3]), dtype=value.dtype, device=device),
+            empty((b, lk, groups, dv), dtype=value.dtype, device=device),
             None if bias is None
             else empty((b, groups * bias_heads, 1, lk), dtype=bias.dtype, device=device),
         )  # fmt: skip
         key_strides, value_strides = batch_strides(key), batch_strides(value)
     prefix = empty((rows * groups, lk), dtype=torch.int32, device=device)
-    d = key.shape[3] if key is not None else 16
-    dv = value.shape[3] if value is not None else 16
     block_d = _block(max(d, dv))
     sb, sh, _, sn = operand_strides(bias)
     interpreted = interpreter_on()

@@ -107,7 +107,8 @@ def key_lists_kernel(
     band's end for the tile's last row, and KEY_START those below its start for the tile's
     first row (the tile's keys are list positions [KEY_START, KEY_END)). Each value is stored
     by the program whose chunk holds the last key it counts, from the running counts of its
-    chunk in PREFIX (B * Hkv, Lk), read back after a barrier.
+    chunk in PREFIX (B * Hkv, Lk; stored by the programs that store counts), read back after a
+    barrier.
 
     PACK: rows of K and V (B, Lk, Hkv, D|Dv) at the chunk's allowed keys below n go to their
     list positions of K_OUT / V_OUT (contiguous, the same shapes), and the per-key bias of each
@@ -167,7 +168,7 @@ def key_lists_kernel(
     owns_count = writes_tables * (last == i_c).to(tl.int32) != 0
     tl.store(KEY_COUNT + i_b * count_stride_b + i_hm, below_n, mask=owns_count)
     prefix = PREFIX + i_bg * Lk
-    tl.store(prefix + j, inclusive, mask=in_k)
+    tl.store(prefix + j, inclusive, mask=(in_k.to(tl.int32) * writes_tables) != 0)
     tl.debug_barrier()  # the PREFIX stores above are read back by other threads of the program
     for t0 in range(0, NQ, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
@@ -213,7 +214,8 @@ def varlen_key_lists_kernel(
 ):
     """Key lists of a varlen mask (Hm, total_k), one program per (sequence b, mask head h), in
     one pass over the sequence's keys: KEYS[h, :] at the sequence's own positions holds its
-    allowed keys in ascending order, as indices local to the sequence, padded with Lk (total_k);
+    allowed keys in ascending order, as indices local to the sequence (the launcher fills KEYS
+    with Lk = total_k, which pads the rest);
     KEY_COUNT[b, h], KEY_END[b, h, t] and KEY_START as in key_lists_kernel (a tile past the
     sequence's queries sees none). PREFIX (B * Hm, prefix_len) is scratch for the running
     counts, read back by the same program after a barrier."""
@@ -236,9 +238,6 @@ def varlen_key_lists_kernel(
         tl.store(prefix + j, inclusive, mask=j < lk)
         tl.store(keys + inclusive - 1, j, mask=a != 0)
         total += tl.sum(a, 0)
-    for start in range(0, lk, CHUNK):
-        j = start + tl.arange(0, CHUNK)
-        tl.store(keys + j, Lk, mask=(j >= total) & (j < lk))
     tl.store(KEY_COUNT + i_bt * stride_cb + i_h, total)
     tl.debug_barrier()  # the PREFIX stores above are read back by other threads of the program
     for t0 in range(0, NQ, CHUNK):
