@@ -75,13 +75,30 @@ class DynamicMaskAttention(torch.nn.Module):
             f"softcap={self.softcap}, backend={self.backend!r}"
         )
 
+    def _dt_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """dt_proj(x) in float32 (or x's wider dtype): the bias is rounded once, at the end.
+
+        Under torch.compile it is written as a sum of products, which Inductor fuses with the
+        softplus into one reduction kernel (and the gradients into reductions it fuses with
+        their neighbours), instead of calling cuBLAS for a product with Hkv (4) columns: in a
+        compiled training step those calls (one forward, two backward per layer) cost the host
+        far more than the GPU time they save, and at the model benchmark's B4 L2048 the step
+        is host-bound (bench/NOTES.md 60). Eagerly the sum of products would materialise a
+        (B, L, Hkv, Hkv * D) tensor, so eager calls keep F.linear."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        x = x.to(dtype)
+        weight, bias = self.dt_proj.weight.to(dtype), self.dt_proj.bias.to(dtype)
+        if torch.compiler.is_compiling():
+            return (x[..., None, :] * weight).sum(-1) + bias
+        return F.linear(x, weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape
         q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
-        dt = F.softplus(self.dt_proj(v.flatten(2)))  # [B, L, Hkv]
-        bias = (self.A * dt).transpose(1, 2).unsqueeze(2).to(q.dtype)  # [B, Hkv, 1, L]
+        dt = F.softplus(self._dt_logits(v.flatten(2)))  # [B, L, Hkv], float32 or wider
+        bias = (self.A.to(dt.dtype) * dt).transpose(1, 2).unsqueeze(2).to(q.dtype)  # [B, Hkv, 1, L]
         mask = topk_mask(bias, self.window)
         out = attention(
             q, k, v, mask, bias, is_causal=self.is_causal, softcap=self.softcap,
