@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from helpers import assert_close, low_precision_bound
 
 from dmattn_ops.nn import DynamicMaskAttention
-from helpers import assert_close, low_precision_bound
 
 
 def make(backend="auto", **kw):
