@@ -90,10 +90,12 @@ def _table(kind: str, width: int, ops: Operands, lq: int | None, window=None) ->
     query may see at most, when a window bounds both sides."""
     itemsize, masked = ops.itemsize, ops.mask != "none"
     # Dense tiles (no mask; causal, a window band or none) against masked ones: the causal
-    # window of 4096 at L16384 (B1 H32/8 D128) ran its dk/dv kernel in 4.37 ms at (64, 64, 4,
-    # 2) against 4.63 at (32, 64, 4, 3), its dq kernel in 2.59 ms at (128, 64, 8, 3) against
-    # 2.81 at (64, 64, 4, 2). Key lists keep (32, 64, 4, 3): (32, 128, 8, 3) won on case M
-    # (0.262 against 0.277 ms) but lost on case C (1.282 against 1.137; bench/NOTES.md 37).
+    # window of 4096 at L16384 (B1 H32/8 D128) ran its dq kernel in 2.59 ms at (128, 64, 8, 3)
+    # against 2.81 at (64, 64, 4, 2). The dk/dv kernel takes (32, 64, 4, 3) everywhere since
+    # its 32-row tiles hold 32-bit offsets (bench/NOTES.md 58, 61): dense causal B2 H16 L4096
+    # 0.615 ms against 0.749 at (64, 64, 4, 2), B1 H32/8 L16384 9.05 against 9.72, the window
+    # of 4096 4.20 against 4.36. Key lists: (32, 128, 8, 3) won on case M (0.262 against 0.277
+    # ms) but lost on case C (1.282 against 1.137; NOTES.md 37).
     dense = not masked and ops.bias != "entry" and itemsize <= 2
     if kind == "decode":
         return Config(0, 64, 4, 2 if itemsize > 2 else 3)
@@ -104,12 +106,7 @@ def _table(kind: str, width: int, ops: Operands, lq: int | None, window=None) ->
         # 3) against 0.196, dq 0.185 against 0.328, dk/dv 0.288 against 0.370.
         cfg = Config(32, 64, 4, 3) if kind == "dkdv" else Config(64, 32, 4, 3)
     elif kind == "dkdv":
-        if width > 128:
-            cfg = Config(32, 32, 4, 1)
-        elif dense:
-            cfg = Config(64, 64, 4, 2)
-        else:
-            cfg = Config(32, 64, 4, 3)
+        cfg = Config(32, 32, 4, 1) if width > 128 else Config(32, 64, 4, 3)
     elif kind == "dq":
         if width > 128:
             cfg = Config(32, 32, 4, 1)

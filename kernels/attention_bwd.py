@@ -144,7 +144,7 @@ def _dkdv_tile(
         # A 64-bit tile base and 32-bit offsets within the tile: the offsets are loop-invariant
         # and stay in registers across the loop, where 64-bit ones took twice as many (the
         # kernel spilled 644 bytes per thread at the model's call, 388 with these; dk/dv -9% at
-        # B4 L2048). 64-query tiles (dense bands) ran 5% slower with them (bench/NOTES.md 57).
+        # B4 L2048). 64-query tiles ran 5% slower with them (bench/NOTES.md 58).
         o_q0 = tl.cast(qb * BLOCK_M, tl.int64)
         p_qt = p_q + o_q0 * stride_qm + (i_r[None, :] * stride_qm + i_d[:, None] * stride_qd)
         p_dot = p_do + o_q0 * stride_dom + (i_r[:, None] * stride_dom + i_dv[None, :] * stride_dod)
