@@ -6,7 +6,8 @@ with the window), PyTorch SDPA with the window materialised as a boolean mask, a
 FlexAttention (compiled) with a window mask_mod. Then a GPT-OSS-shaped layer (B1 L8192 H64 Hkv8
 D64, window 128, sinks): ours, eager and compiled, against Flex (compiled) with the same window
 (Flex has no sinks: it computes less). Every implementation is checked against ours on the
-output before it is timed. Times are medians of triton.testing.do_bench (ms). ``--profile``:
+output before it is timed. Times are medians of triton.testing.do_bench (ms), each the median
+of three rounds in which the implementations of a shape are timed in turn. ``--profile``:
 then the device time of every kernel of ours and of Flex per forward+backward
 (bench/profile.py), to see which kernel is behind.
 """
@@ -78,6 +79,17 @@ def _time(step) -> float:
     return do_bench(step, warmup=5, rep=40)
 
 
+def _time_in_turn(steps: dict, rounds: int = 3) -> dict:
+    """The median of `rounds` _time figures per step, the steps timed in turn (A B C A B C
+    ...): the GPU's speed drifts by 2-3% within one process (bench/NOTES.md 61), which figures
+    taken one implementation after another would read as a difference between them."""
+    runs: dict = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            runs[name].append(_time(step))
+    return {name: sorted(v)[len(v) // 2] for name, v in runs.items()}
+
+
 def _check(name, got, want):
     err = (got.float() - want.float()).abs().max().item()
     assert err < 3e-2 and got.isfinite().all(), f"{name}: max error {err:.3e} against ours"
@@ -94,13 +106,15 @@ def window_case(lq: int, window: int, rows: list) -> None:
     full = functools.partial(dmattn_ops.attention, is_causal=True)
     with torch.no_grad():
         ref = ours(q, k, v)
-    times = {"ours window": _time(_fwd_bwd(ours, (q, k, v)))}
-    times["ours causal"] = _time(_fwd_bwd(full, (q, k, v)))
     block_mask = _window_block_mask(lq, left)
     flex = functools.partial(_flex_window, left=left, block_mask=block_mask)
     with torch.no_grad():
         _check("flex", flex(q, k, v), ref)
-    times["flex window"] = _time(_fwd_bwd(flex, (q, k, v)))
+    times = _time_in_turn({
+        "ours window": _fwd_bwd(ours, (q, k, v)),
+        "ours causal": _fwd_bwd(full, (q, k, v)),
+        "flex window": _fwd_bwd(flex, (q, k, v)),
+    })  # fmt: skip
     PROFILES.append((f"L{lq} window {window}: ours", _fwd_bwd(ours, (q, k, v))))
     PROFILES.append((f"L{lq} window {window}: flex", _fwd_bwd(flex, (q, k, v))))
     i = torch.arange(lq, device="cuda")
@@ -137,13 +151,13 @@ def gpt_oss_case(lq: int, rows: list) -> None:
     with torch.no_grad():
         _check("ours compiled", compiled(q, k, v), ours(q, k, v))
         _check("ours + sinks compiled", compiled_sinks(q, k, v), ours_sinks(q, k, v))
-    times = {
-        "ours window + sinks": _time(_fwd_bwd(ours_sinks, (q, k, v))),
-        "ours window": _time(_fwd_bwd(ours, (q, k, v))),
-        "ours + sinks, compiled": _time(_fwd_bwd(compiled_sinks, (q, k, v))),
-        "ours, compiled": _time(_fwd_bwd(compiled, (q, k, v))),
-        "flex window (no sinks)": _time(_fwd_bwd(flex, (q, k, v))),
-    }
+    times = _time_in_turn({
+        "ours window + sinks": _fwd_bwd(ours_sinks, (q, k, v)),
+        "ours window": _fwd_bwd(ours, (q, k, v)),
+        "ours + sinks, compiled": _fwd_bwd(compiled_sinks, (q, k, v)),
+        "ours, compiled": _fwd_bwd(compiled, (q, k, v)),
+        "flex window (no sinks)": _fwd_bwd(flex, (q, k, v)),
+    })  # fmt: skip
     PROFILES.append(("GPT-OSS: ours + sinks", _fwd_bwd(ours_sinks, (q, k, v))))
     PROFILES.append(("GPT-OSS: flex", _fwd_bwd(flex, (q, k, v))))
     shape = f"GPT-OSS layer B{b} L{lq} H{h}/{hkv} D{d} window {window}"

@@ -84,7 +84,8 @@ class DynamicMaskAttention(torch.nn.Module):
         compiled training step those calls (one forward, two backward per layer) cost the host
         far more than the GPU time they save, and at the model benchmark's B4 L2048 the step
         is host-bound (bench/NOTES.md 60). Eagerly the sum of products would materialise a
-        (B, L, Hkv, Hkv * D) tensor, so eager calls keep F.linear."""
+        (B, L, Hkv, Hkv * D) tensor, so eager calls keep F.linear (a compile backend that does
+        not fuse, such as "aot_eager", materialises it too)."""
         dtype = torch.promote_types(x.dtype, torch.float32)
         x = x.to(dtype)
         weight, bias = self.dt_proj.weight.to(dtype), self.dt_proj.bias.to(dtype)
