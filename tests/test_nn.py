@@ -1,9 +1,12 @@
 """dmattn_ops.nn.DynamicMaskAttention."""
 
+import re
+
 import pytest
 import torch
 from helpers import assert_close, low_precision_bound
 
+from dmattn_ops.api import attention
 from dmattn_ops.nn import DynamicMaskAttention
 
 
@@ -72,6 +75,37 @@ def test_compiled_layer_matches_the_oracle_as_eager_fp32_does():
     assert "dt_proj.weight" in names and "A" in names
     for name, g, w, e in zip(names, got, want, lowp):
         assert_close(g.double(), w, low_precision_bound(w, e, torch.float32), name)
+
+
+def _matmul_calls(step) -> list[int]:
+    """Matmuls (cuBLAS calls on CUDA) in each graph Inductor generates while step runs."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(step)
+    return [len(re.findall(r"extern_kernels\.(?:mm|addmm|bmm|baddbmm)\(", c)) for c in codes]
+
+
+def test_compiled_bias_path_adds_no_matmul_calls():
+    """Compiled, the layer issues the matmuls of its q/k/v/o projections and no more: dt_proj
+    (Hkv output columns) is fused into Inductor's reductions, because a cuBLAS call per layer
+    and pass cost a compiled step more host time than its GPU time (bench/NOTES.md 60)."""
+    layer = make()
+    x = torch.randn(2, 24, 32)
+
+    def dense(x):
+        b, n, _ = x.shape
+        q = layer.q_proj(x).view(b, n, 4, 8)
+        k = layer.k_proj(x).view(b, n, 2, 8)
+        v = layer.v_proj(x).view(b, n, 2, 8)
+        return layer.o_proj(attention(q, k, v, is_causal=True).flatten(2))
+
+    dense_step = torch.compile(dense, fullgraph=True)
+    layer_step = torch.compile(layer, fullgraph=True)
+    want = _matmul_calls(lambda: dense_step(x).square().mean().backward())
+    got = _matmul_calls(lambda: layer_step(x).square().mean().backward())
+    assert len(got) == 2 and sum(want) >= 8, (got, want)  # forward and backward graphs
+    assert got == want
 
 
 def test_bad_head_counts():
