@@ -4,6 +4,12 @@
 PyTorch paths (the chunked implementation, "flex", "reference") work without it. The kernels
 of dmattn_ops.kernels are reached through LazyKernel, which imports them (and Triton) at their
 first launch.
+
+Eager launches skip most of Triton's launch path (LaunchCache): `JITFunction.run` binds and
+specialises every argument on every launch (bench/NOTES.md 63: 55-80 us for our 75-87-argument
+kernels on the H100's host, 105-127 us inside an eager call, where its C launcher alone takes
+13-14 us). The first launch with a given specialisation goes through it and keeps the compiled
+kernel it returns; later launches with the same key call that kernel directly.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import operator
 import os
 
 
@@ -44,6 +51,114 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def launch_cache_on() -> bool:
+    """Whether eager launches reuse compiled kernels (LaunchCache): not under the interpreter, and
+    not where DMATTN_LAUNCH_CACHE=0 (read per launch)."""
+    return os.environ.get("DMATTN_LAUNCH_CACHE", "1") != "0" and not interpreter_on()
+
+
+class LaunchCache:
+    """The compiled kernels of one @triton.jit function, by launch key, for eager launches.
+
+    A key holds everything Triton specialises a compiled kernel on, or more: the current device,
+    the keyword arguments (constexprs, num_warps, num_stages) by value, the type of every
+    positional argument, each tensor's dtype and whether its address is 16-byte aligned, and
+    every other argument (ints, floats, bools, None) by value, so a hit is a launch that Triton
+    would compile to the same kernel. Ints by exact value (Triton keys them only on == 1,
+    divisibility by 16 and range) cost more entries for changing sizes, hence the bound of SIZE
+    entries, the oldest evicted. The key is built in few Python steps, as the launches it saves
+    are short: the types, taken in one pass, name the tensor and scalar positions once per
+    layout, and those are then picked out by itemgetters.
+
+    A hit launches the CompiledKernel through its own `kernel[grid](*args)`, which takes every
+    parameter, constexprs included, in signature order (Triton 3.3 onwards: the kernel's source
+    signature lists them all; older launchers take only the others, and then nothing is kept).
+    Not kept: kernels with pre-run hooks (an autotuner's) or an asynchronous compile's future.
+    """
+
+    SIZE = 64
+
+    def __init__(self):
+        self._kernels: dict = {}
+        self._layouts: dict = {}  # argument types -> (tensor picker, scalar picker)
+
+    def key(self, args, kwargs, device: int) -> tuple:
+        layout = tuple(map(type, args))
+        pickers = self._layouts.get(layout)
+        if pickers is None:
+            pickers = self._layouts[layout] = _pickers(layout)
+        tensors, scalars = pickers
+        return (
+            device,
+            layout,
+            tuple(kwargs.items()),
+            scalars(args),
+            tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors(args)]),
+        )
+
+    def launch(self, fn, grid, args, kwargs, device: int):
+        """fn[grid](*args, **kwargs) on the current device, `device`."""
+        key = self.key(args, kwargs, device)
+        entry = self._kernels.get(key)
+        if entry is not None:
+            compiled, tail = entry
+            compiled[_grid3(grid)](*args, *tail)
+            return compiled
+        compiled = fn[grid](*args, **kwargs)
+        tail = self._tail(fn, compiled, args, kwargs)
+        if tail is not None:
+            if len(self._kernels) >= self.SIZE:
+                del self._kernels[next(iter(self._kernels))]
+            self._kernels[key] = (compiled, tail)
+        return compiled
+
+    @staticmethod
+    def _tail(fn, compiled, args, kwargs):
+        """The values of the parameters after the positional ones, in signature order, for
+        `compiled[grid](*args, *tail)`; None where the kernel is not to be kept (class doc)."""
+        params = list(fn.signature.parameters.values())
+        src = getattr(compiled, "src", None)
+        if (
+            getattr(fn, "pre_run_hooks", None)
+            or not hasattr(compiled, "run")
+            or len(getattr(src, "signature", ())) != len(params)
+        ):
+            return None
+        tail = []
+        for p in params[len(args) :]:
+            value = kwargs.get(p.name, p.default)
+            if value is p.empty:
+                return None
+            tail.append(value)
+        return tuple(tail)
+
+    def __len__(self) -> int:
+        return len(self._kernels)
+
+
+def _pickers(layout: tuple):
+    """(tensors, scalars): functions returning the tensor and the other arguments of an argument
+    tuple whose types are `layout`, as tuples."""
+    import torch
+
+    tensor = [i for i, t in enumerate(layout) if issubclass(t, torch.Tensor)]
+    other = [i for i in range(len(layout)) if i not in set(tensor)]
+    return _picker(tensor), _picker(other)
+
+
+def _picker(index: list):
+    if len(index) > 1:
+        return operator.itemgetter(*index)
+    if index:
+        return lambda args, i=index[0]: (args[i],)
+    return lambda args: ()
+
+
+def _grid3(grid) -> tuple:
+    grid = tuple(grid)
+    return grid + (1,) * (3 - len(grid))
+
+
 _TRACING = 0  # > 0 while dmattn_ops/inductor.py traces a launcher for a compiled graph
 
 
@@ -67,10 +182,11 @@ def tracing_on() -> bool:
 class LazyKernel:
     """A kernel of dmattn_ops.kernels, imported at its first use: `kernel[grid](...)` and
     attribute access behave as on the @triton.jit function itself (inside `tracing()`, as on
-    its torch.library.wrap_triton wrapper)."""
+    its torch.library.wrap_triton wrapper). Eager launches go through a LaunchCache."""
 
     def __init__(self, module: str, name: str):
         self._module, self._name = module, name
+        self.launches = LaunchCache()
 
     @functools.cached_property
     def fn(self):
@@ -85,7 +201,14 @@ class LazyKernel:
     def __getitem__(self, grid):
         if tracing_on():
             return torch_wrap_triton(self.fn)[grid]
-        return self.fn[grid]
+        if callable(grid) or not launch_cache_on():
+            return self.fn[grid]
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid, *args, **kwargs):
+        import torch
+
+        return self.launches.launch(self.fn, grid, args, kwargs, torch.cuda.current_device())
 
     def __getattr__(self, attr):
         if attr.startswith("_") or attr == "fn":

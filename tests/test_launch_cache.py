@@ -1,0 +1,168 @@
+"""Eager launches reuse compiled kernels (dmattn_ops/_triton.py LaunchCache): the key separates
+every launch Triton would compile differently, a hit passes every parameter in signature order,
+and on the GPU the cached launches compute bitwise what Triton's own launch path computes."""
+
+import inspect
+
+import pytest
+import torch
+
+import dmattn_ops
+from dmattn_ops import _triton, launch, tiles
+from dmattn_ops._triton import LaunchCache
+
+gpu = pytest.mark.gpu
+
+
+class _Compiled:
+    """A stand-in for triton.compiler.CompiledKernel: its launches, and a source signature with
+    one entry per parameter (or fewer, as older Triton's launchers had)."""
+
+    def __init__(self, n_params):
+        self.src = type("Src", (), {"signature": dict.fromkeys(range(n_params))})()
+        self.launched = []
+
+    def run(self, *args):  # present on real compiled kernels; the cache checks for it
+        raise AssertionError("launched through __getitem__")
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launched.append((grid, args))
+
+
+class _Jit:
+    """A stand-in for a @triton.jit function of (x, n, scale, BLOCK: constexpr, FLAG=True)."""
+
+    def __init__(self, full_signature=True, hooks=()):
+        def kernel(x, n, scale, BLOCK, FLAG=True):
+            pass
+
+        self.signature = inspect.signature(kernel)
+        self.pre_run_hooks = list(hooks)
+        self.compiled = _Compiled(5 if full_signature else 3)
+        self.compiles = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.compiles.append((grid, args, kwargs))
+            return self.compiled
+
+        return run
+
+
+def _key(*args, device=0, **kwargs):
+    return LaunchCache().key(args, kwargs, device)
+
+
+def test_the_key_separates_what_triton_specialises_on():
+    x = torch.zeros(64, dtype=torch.float32)
+    base = _key(x, 7, 0.5, BLOCK=64)
+    assert base == _key(torch.ones(64), 7, 0.5, BLOCK=64)  # another tensor, same kind
+    assert base != _key(x.to(torch.float16), 7, 0.5, BLOCK=64)  # dtype
+    assert base != _key(x[1:], 7, 0.5, BLOCK=64)  # a 4-byte offset: not 16-byte aligned
+    assert base != _key(x, 16, 0.5, BLOCK=64)  # ints by value
+    assert _key(x, 1, 0.5, BLOCK=64) != _key(x, True, 0.5, BLOCK=64)  # 1 == True in Python
+    assert _key(x, 1, 0.5, BLOCK=64) != _key(x, 1.0, 0.5, BLOCK=64)  # 1 == 1.0 in Python
+    assert base != _key(None, 7, 0.5, BLOCK=64)
+    assert base != _key(x, 7, 0.5, BLOCK=32)  # constexprs
+    assert base != _key(x, 7, 0.5, BLOCK=64, num_warps=8)  # launch options
+    assert base != _key(x, 7, 0.5, BLOCK=64, device=1)
+    assert _key(x, x, 7, BLOCK=64) != _key(x, 7, 7, BLOCK=64)  # layouts
+    assert _key(x) == _key(torch.ones(2)) and _key(3) != _key(4) and _key() == _key()
+
+
+def test_a_hit_passes_every_parameter_in_signature_order():
+    cache, fn = LaunchCache(), _Jit()
+    x = torch.zeros(8)
+    assert cache.launch(fn, (3, 2), (x, 5, 0.25), {"BLOCK": 16}, 0) is fn.compiled
+    assert len(fn.compiles) == 1 and fn.compiled.launched == []  # a miss: Triton's path
+    cache.launch(fn, (3, 2), (torch.ones(8), 5, 0.25), {"BLOCK": 16}, 0)
+    cache.launch(fn, (4,), (x, 5, 0.25), {"BLOCK": 16, "FLAG": False}, 0)  # another key
+    assert len(fn.compiles) == 2
+    (grid, args), = fn.compiled.launched  # fmt: skip
+    assert grid == (3, 2, 1) and args[1:] == (5, 0.25, 16, True)  # FLAG's default appended
+    assert len(cache) == 2
+
+
+@pytest.mark.parametrize("reason", ["older launcher", "pre-run hook"])
+def test_kernels_it_cannot_relaunch_are_not_kept(reason):
+    fn = _Jit(full_signature=reason != "older launcher", hooks=[print] * (reason == "pre-run hook"))
+    cache = LaunchCache()
+    for _ in range(2):
+        cache.launch(fn, (1,), (torch.zeros(4), 2, 1.0), {"BLOCK": 16}, 0)
+    assert len(fn.compiles) == 2 and len(cache) == 0
+
+
+def test_the_oldest_entry_goes_first(monkeypatch):
+    monkeypatch.setattr(LaunchCache, "SIZE", 3)
+    cache, fn = LaunchCache(), _Jit()
+    for n in range(5):
+        cache.launch(fn, (1,), (torch.zeros(4), n, 1.0), {"BLOCK": 16}, 0)
+    assert len(cache) == 3
+    cache.launch(fn, (1,), (torch.zeros(4), 4, 1.0), {"BLOCK": 16}, 0)  # kept
+    cache.launch(fn, (1,), (torch.zeros(4), 0, 1.0), {"BLOCK": 16}, 0)  # evicted
+    assert len(fn.compiles) == 6
+
+
+def test_off_under_the_interpreter_and_the_switch(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not _triton.launch_cache_on()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("DMATTN_LAUNCH_CACHE", "0")
+    assert not _triton.launch_cache_on()
+    monkeypatch.setenv("DMATTN_LAUNCH_CACHE", "1")
+    assert _triton.launch_cache_on()
+
+
+def _dma_step(q, k, v, mask, bias, grad):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
+    out = dmattn_ops.attention(*leaves[:3], mask, leaves[3], is_causal=True, backend="triton")
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _dma_operands(offset=0):
+    """B2 L256 H4 Hkv2 D64 bf16 with a key mask and bias shared by all queries (key lists and
+    packed rows); `offset` elements before each of q, k, v in its storage."""
+    b, n, h, hkv, d = 2, 256, 4, 2, 64
+
+    def rows(heads):
+        flat = torch.randn(offset + b * n * heads * d, device="cuda", dtype=torch.bfloat16)
+        return flat[offset:].view(b, n, heads, d)
+
+    q, k, v = rows(h), rows(hkv), rows(hkv)
+    scores = torch.randn(b, hkv, 1, n, device="cuda")
+    mask = scores >= scores.topk(64, dim=-1).values[..., -1:]
+    bias = torch.randn(b, hkv, 1, n, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, mask, bias, torch.randn_like(q)
+
+
+@gpu
+def test_cached_launches_match_tritons_own_bitwise(monkeypatch):
+    operands = _dma_operands()
+    monkeypatch.setenv("DMATTN_LAUNCH_CACHE", "0")
+    expected = _dma_step(*operands)
+    monkeypatch.setenv("DMATTN_LAUNCH_CACHE", "1")
+    first = _dma_step(*operands)  # misses: launched by Triton, kept
+    kept = len(launch.attention_fwd_kernel.launches), len(tiles.key_lists_kernel.launches)
+    assert kept[0] >= 1 and kept[1] >= 1
+    again = _dma_step(*operands)  # hits
+    assert (len(launch.attention_fwd_kernel.launches), len(tiles.key_lists_kernel.launches)) == kept
+    for e, f, a in zip(expected, first, again):
+        assert torch.equal(e, f) and torch.equal(e, a)
+
+
+@gpu
+def test_a_misaligned_operand_gets_its_own_kernel():
+    """q, k, v 2 bytes past 16-byte alignment after aligned calls: a kernel compiled for aligned
+    addresses must not be reused for them (its vector loads would fault or read wrong rows)."""
+    aligned = _dma_operands()
+    expected = _dma_step(*aligned)
+    before = len(launch.attention_fwd_kernel.launches)
+    shifted = _dma_operands(offset=1)
+    assert shifted[0].data_ptr() % 16 == 2
+    for t, src in zip(shifted[:3], aligned[:3]):
+        t.copy_(src)
+    got = _dma_step(*shifted[:3], *aligned[3:])  # the same mask, bias and grad
+    assert len(launch.attention_fwd_kernel.launches) > before
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g)
