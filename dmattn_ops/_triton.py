@@ -19,6 +19,7 @@ import functools
 import importlib
 import operator
 import os
+import threading
 
 
 @functools.cache
@@ -80,6 +81,7 @@ class LaunchCache:
 
     def __init__(self):
         self._kernels: dict = {}
+        self._lock = threading.Lock()
         self._layouts: dict = {}  # argument types -> (tensor picker, scalar picker)
 
     def key(self, args, kwargs, device: int) -> tuple:
@@ -107,9 +109,10 @@ class LaunchCache:
         compiled = fn[grid](*args, **kwargs)
         tail = self._tail(fn, compiled, args, kwargs)
         if tail is not None:
-            if len(self._kernels) >= self.SIZE:
-                del self._kernels[next(iter(self._kernels))]
-            self._kernels[key] = (compiled, tail)
+            with self._lock:  # misses only: hits read the dict, which the GIL keeps whole
+                while len(self._kernels) >= self.SIZE:
+                    del self._kernels[next(iter(self._kernels))]
+                self._kernels[key] = (compiled, tail)
         return compiled
 
     @staticmethod
