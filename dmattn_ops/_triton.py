@@ -202,16 +202,17 @@ class LazyKernel:
             raise LookupError(f"{module.__file__} defines no kernel {self._name!r}") from None
 
     def __getitem__(self, grid):
+        fn = self.fn  # imported here: a missing kernel is named at `kernel[grid]`
         if tracing_on():
-            return torch_wrap_triton(self.fn)[grid]
+            return torch_wrap_triton(fn)[grid]
         if callable(grid) or not launch_cache_on():
-            return self.fn[grid]
-        return functools.partial(self._launch, grid)
+            return fn[grid]
+        return functools.partial(self._launch, fn, grid)
 
-    def _launch(self, grid, *args, **kwargs):
+    def _launch(self, fn, grid, *args, **kwargs):
         import torch
 
-        return self.launches.launch(self.fn, grid, args, kwargs, torch.cuda.current_device())
+        return self.launches.launch(fn, grid, args, kwargs, torch.cuda.current_device())
 
     def __getattr__(self, attr):
         if attr.startswith("_") or attr == "fn":
