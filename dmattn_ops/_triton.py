@@ -6,9 +6,9 @@ of dmattn_ops.kernels are reached through LazyKernel, which imports them (and Tr
 first launch.
 
 Eager launches skip most of Triton's launch path (LaunchCache): `JITFunction.run` binds and
-specialises every argument on every launch (bench/NOTES.md 63: 55-80 us for our 75-87-argument
-kernels on the H100's host, 105-127 us inside an eager call, where its C launcher alone takes
-13-14 us). The first launch with a given specialisation goes through it and keeps the compiled
+specialises every argument on every launch (bench/NOTES.md 63: 42-88 us for our 75-87-argument
+kernels on the H100's hosts, 105-127 us inside an eager call, where its C launcher alone takes
+9-14 us). The first launch with a given specialisation goes through it and keeps the compiled
 kernel it returns; later launches with the same key call that kernel directly.
 """
 
@@ -145,7 +145,7 @@ def _pickers(layout: tuple):
     import torch
 
     tensor = [i for i, t in enumerate(layout) if issubclass(t, torch.Tensor)]
-    other = [i for i in range(len(layout)) if i not in set(tensor)]
+    other = sorted(set(range(len(layout))) - set(tensor))
     return _picker(tensor), _picker(other)
 
 
