@@ -21,6 +21,8 @@ import operator
 import os
 import threading
 
+import torch
+
 
 @functools.cache
 def available() -> bool:
@@ -142,8 +144,6 @@ class LaunchCache:
 def _pickers(layout: tuple):
     """(tensors, scalars): functions returning the tensor and the other arguments of an argument
     tuple whose types are `layout`, as tuples."""
-    import torch
-
     tensor = [i for i, t in enumerate(layout) if issubclass(t, torch.Tensor)]
     other = sorted(set(range(len(layout))) - set(tensor))
     return _picker(tensor), _picker(other)
@@ -210,8 +210,6 @@ class LazyKernel:
         return functools.partial(self._launch, fn, grid)
 
     def _launch(self, fn, grid, *args, **kwargs):
-        import torch
-
         return self.launches.launch(fn, grid, args, kwargs, torch.cuda.current_device())
 
     def __getattr__(self, attr):
