@@ -87,6 +87,7 @@ class LaunchCache:
         self._layouts: dict = {}  # argument types -> (tensor picker, scalar picker)
 
     def key(self, args, kwargs, device: int) -> tuple:
+        """The launch key of fn[grid](*args, **kwargs) on `device` (class doc)."""
         layout = tuple(map(type, args))
         pickers = self._layouts.get(layout)
         if pickers is None:
