@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops import flex, launch, ops, reference
+from dmattn_ops import flex, ops, plan, reference
 from dmattn_ops.validate import (
     check_backend,
     check_flags,
@@ -35,17 +35,17 @@ def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
 
 
 def _check_triton_can_run(query: torch.Tensor, fn: str = "dmattn.attention") -> None:
-    if query.dtype not in launch.TRITON_DTYPES:
+    if query.dtype not in plan.TRITON_DTYPES:
         raise TypeError(
             f"{fn}: backend='triton' supports float16, bfloat16 and float32; "
             f"got {query.dtype} (backend='auto' runs float64 in PyTorch)"
         )
-    if not launch.available():
+    if not plan.available():
         raise RuntimeError(
             f"{fn}: backend='triton' needs the triton package, which is not installed here "
             "(it installs on Linux); backend='auto' runs the PyTorch implementation"
         )
-    if not launch.triton_runs_on(query):
+    if not plan.triton_runs_on(query):
         raise ValueError(
             f"{fn}: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 "
             f"(Triton's interpreter) for CPU tensors; got tensors on {query.device}"

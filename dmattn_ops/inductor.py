@@ -56,7 +56,7 @@ import os
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from dmattn_ops import _triton, launch, masks, ops
+from dmattn_ops import _triton, masks, ops, plan
 
 log = logging.getLogger(__name__)
 _STATIC = "static_launch_user_defined_triton_kernels"
@@ -103,7 +103,7 @@ def applies(first: torch.Tensor) -> bool:
     trace, not torch.export."""
     return (
         first.is_cuda
-        and first.dtype in launch.TRITON_DTYPES
+        and first.dtype in plan.TRITON_DTYPES
         and enabled()
         and _traced()
         and not _export_keeps_ops()

@@ -1,5 +1,6 @@
-"""Host side of the kernels: picks the path of each call (chunked PyTorch, decode, key lists, tile
-tables, dense), allocates and launches; tiles.py builds the tile tables and key lists.
+"""Host side of the kernels: runs each call's plan (plan.py picks the path: PyTorch's chunked
+code, SDPA, decode, key lists, tile tables, dense), allocates and launches; tiles.py builds the
+tile tables and key lists.
 
 No autograd here; ops.py calls these from the registered backend kernels.
 
@@ -14,11 +15,21 @@ from dataclasses import dataclass
 
 import torch
 
-from dmattn_ops import chunked, configs, sdpa
+from dmattn_ops import chunked, configs, plan, sdpa
 from dmattn_ops._alloc import empty
-from dmattn_ops._triton import LazyKernel, available, cdiv, interpreter_on, next_power_of_2
+from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
 from dmattn_ops.chunked import stats_dtype
 from dmattn_ops.configs import Config
+from dmattn_ops.plan import (
+    DECODE,
+    EMPTY,
+    KEY_LISTS,
+    PYTORCH,
+    SDPA,
+    TILE_TABLES,
+    BackwardConfigs,
+    compactable,
+)
 from dmattn_ops.tiles import (
     PER_ENTRY,
     UNBOUNDED,
@@ -30,7 +41,6 @@ from dmattn_ops.tiles import (
     build_key_lists,
     build_tables,
     build_varlen_key_lists,
-    compactable,
     head_div,
     operand_kind,
     operand_strides,
@@ -45,59 +55,6 @@ attention_bwd_dkdv_reduce_kernel = LazyKernel("attention_bwd", "attention_bwd_dk
 attention_bwd_dq_kernel = LazyKernel("attention_bwd", "attention_bwd_dq_kernel")
 attention_decode_kernel = LazyKernel("attention_decode", "attention_decode_kernel")
 decode_combine_kernel = LazyKernel("attention_decode", "decode_combine_kernel")
-
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def triton_runs_on(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels can run on t's device (CUDA, or CPU through the interpreter)
-    and Triton is installed."""
-    return (t.is_cuda or (t.device.type == "cpu" and interpreter_on())) and available()
-
-
-def use_triton(query: torch.Tensor) -> bool:
-    return query.dtype in TRITON_DTYPES and triton_runs_on(query)
-
-
-@dataclass(frozen=True)
-class BackwardConfigs:
-    """Tile configs of the dk/dv kernel (key tiles of block_n, stepping over query tiles of
-    block_m) and of the dq kernel (the reverse); each reads tile tables of its own grid."""
-
-    dkdv: Config
-    dq: Config
-
-
-def _config(
-    kind: str, query, value, mask, bias, lq: int | None = None, band=None, keys=None
-) -> Config:
-    """The tile config of kernel `kind` for these operands, fitted to the device's shared memory
-    (configs.py); every config the launcher uses comes from here. band: the call's window, if
-    any (a narrow band takes smaller tiles); keys: how a batched key-list call reads its keys,
-    "listed" (gathers through the lists) or "packed" (packed rows, tiles.build_key_lists),
-    else None."""
-    d, dv = query.shape[-1], value.shape[-1]
-    ops = configs.Operands.of(query, mask, bias, keys)
-    interpreted = interpreter_on()
-    limit = configs.shared_limit(query.device) if query.is_cuda and not interpreted else None
-    window = band.width() if band is not None else None
-    return configs.config(
-        kind, d, dv, ops, lq=lq, limit=limit, interpreter=interpreted, window=window
-    )
-
-
-def _backward_configs(query, value, mask, bias, lq: int, band=None, keys=None):
-    return BackwardConfigs(
-        _config("dkdv", query, value, mask, bias, lq, band, keys),
-        _config("dq", query, value, mask, bias, lq, band, keys),
-    )
-
-
-def _key_reads(compact: bool, pack: bool) -> str | None:
-    """_config's `keys` of a batched call: how it reads key lists, if it takes them."""
-    if not compact:
-        return None
-    return "packed" if pack else "listed"
 
 
 def _backward_tables(mask, seqused_k, b, lq, lk, band: Band, cfgs: BackwardConfigs):
@@ -176,35 +133,32 @@ def attention_forward(
     on CPU, decode, an empty call) join it to their result (chunked.join_sinks)."""
     seqused_k, sinks = _dense(seqused_k), _dense(sinks)
     mask, bias = collapse_broadcast(mask), collapse_broadcast(bias)
-    b, lq, h, _ = query.shape
-    lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
-    if b * lq * h == 0 or lk == 0:
+    p = plan.forward_plan(
+        query, key, value, mask, bias, is_causal, softcap, seqused_k, window, sinks
+    )
+    if p.path == EMPTY:
         return chunked.join_sinks(*_empty_forward(query, value), sinks)
-    if not use_triton(query):
+    if p.path == PYTORCH:
         result = chunked.forward(
             query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window=window
         )
         return chunked.join_sinks(*result, sinks)
-    band = Band.of(is_causal, window)
-    fused = None
-    if not band.has_window and sinks is None:
-        fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
-    if fused:
-        return sdpa.forward(query, key, value, scale, is_causal, fused)
-    if decode_applies(lq, h, hkv, lk, mask):
+    if p.path == SDPA:
+        return sdpa.forward(query, key, value, scale, is_causal, p.fused)
+    band = p.band
+    if p.path == DECODE:
         result = decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k)
         return chunked.join_sinks(*result, sinks)
-    pack = packs(mask, bias, h, hkv)
-    compact = compactable(mask, h, hkv)
-    cfg = _config("fwd", query, value, mask, bias, lq, band, _key_reads(compact, pack))
+    b, lq, h, _ = query.shape
+    lk, dv, cfg = key.shape[1], value.shape[3], p.config
     nq = cdiv(lq, cfg.block_m)
     tables = lists = None
-    if compact:
+    if p.path == KEY_LISTS:
         lists = build_key_lists(
             mask, seqused_k, b, lq, lk, band, cfg.block_m,
-            PackFrom(key, value, bias, h) if pack else None,
+            PackFrom(key, value, bias, h) if p.pack else None,
         )  # fmt: skip
-    elif mask is not None:
+    elif p.path == TILE_TABLES:
         tables = build_tables(mask, seqused_k, b, lq, lk, band, cfg.block_m, cfg.block_n)
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
@@ -218,16 +172,6 @@ def attention_forward(
 
 # The forward and dq kernels' COMPACT values (kernels/common.py).
 LISTED, PACKED = 1, 2
-# Whether batched key-list calls pack K, V and a per-key bias for the forward and dq kernels
-# (tiles.build_key_lists packs them in the launch that builds the lists); False keeps them on
-# gathers through the lists (tests of that path).
-PACK_KEYS = True
-
-
-def packs(mask, bias, h: int, hkv: int) -> bool:
-    """Whether a batched call reads packed keys: it takes key lists (compactable) and a bias, if
-    any, is per key (a bias with query rows is read per score at the keys' own columns)."""
-    return PACK_KEYS and compactable(mask, h, hkv) and operand_kind(bias) != PER_ENTRY
 
 
 def _key_operands(key, value, bias, lists):
@@ -315,7 +259,11 @@ def attention_backward(
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     device = query.device
     no_sinks = torch.empty((0,), dtype=query.dtype, device=device)
-    if b * lq * h == 0 or lk == 0:
+    p = plan.backward_plan(
+        query, key, value, mask, bias, is_causal, softcap, seqused_k, grad_lse, deterministic,
+        compute_dbias, window, sinks,
+    )  # fmt: skip
+    if p.path == EMPTY:
         dbias = (
             torch.zeros(bias.shape, dtype=bias.dtype, device=device)
             if compute_dbias
@@ -325,7 +273,7 @@ def attention_backward(
         return (
             torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dbias, dsinks
         )  # fmt: skip
-    if not use_triton(query):
+    if p.path == PYTORCH:
         grads = chunked.backward(
             grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias,
             scale, is_causal, softcap, seqused_k, compute_dbias, window=window,
@@ -334,37 +282,21 @@ def attention_backward(
             return (*grads, no_sinks)
         delta = chunked.row_delta(out, grad_out, grad_lse)
         return (*grads, chunked.sinks_grad(sinks, lse, lse_rem, delta))
-    band = Band.of(is_causal, window)
-    fused = None
-    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    if grad_lse is None and not deterministic and not band.has_window and sinks is None:
-        fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
-    if fused:
-        dq, dk, dvv = sdpa.backward(grad_out, query, key, value, out, lse, scale, is_causal, fused)
+    if p.path == SDPA:
+        dq, dk, dvv = sdpa.backward(
+            grad_out, query, key, value, out, lse, scale, is_causal, p.fused
+        )
         return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device), no_sinks
     g = h // hkv
-    dbias_mode = None
-    if compute_dbias:
-        if bias.shape[2] == 1 and bias.shape[:2] == (b, hkv):
-            dbias_mode = "group"  # the dk/dv kernels sum the group's heads: dbias itself
-        elif bias.shape[2] == 1:
-            dbias_mode = "cols"
-        elif bias.shape[0] == b and bias.shape[1] == h:
-            dbias_mode = "direct"
-        else:
-            dbias_mode = "bcast"  # its kernel reads the tile tables
-    tables = dq_tables = lists = None
-    compact = compactable(mask, h, hkv) and dbias_mode != "bcast"
-    # A dbias written per entry needs each score's key index: no packing.
-    pack = packs(mask, bias, h, hkv) and dbias_mode not in ("bcast", "direct")
-    cfgs = _backward_configs(query, value, mask, bias, lq, band, _key_reads(compact, pack))
+    band, dbias_mode, cfgs = p.band, p.dbias, p.configs
     cfg = cfgs.dkdv
-    if compact:
+    tables = dq_tables = lists = None
+    if p.path == KEY_LISTS:
         lists = build_key_lists(
             mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m,
-            PackFrom(key, value, bias, h) if pack else None,
+            PackFrom(key, value, bias, h) if p.pack else None,
         )  # fmt: skip
-    elif mask is not None:
+    elif p.path == TILE_TABLES:
         tables, dq_tables = _backward_tables(mask, seqused_k, b, lq, lk, band, cfgs)
     stats = empty((b, h, lq, 4), dtype=torch.float32, device=device)
 
@@ -593,7 +525,7 @@ def attention_varlen_forward(
     """Returns out (total_q, H, Dv), lse and lse_rem, both float32 (H, total_q). Rows of out and
     lse outside every sequence are 0 and -inf."""
     cu_q, cu_k = _dense(cu_q), _dense(cu_k)
-    if not use_triton(query):
+    if not plan.use_triton(query):
         return chunked.varlen_forward(
             query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, softcap, window
         )
@@ -605,7 +537,7 @@ def attention_varlen_forward(
     if b <= 0 or total_q * h == 0 or total_k == 0 or max_q <= 0 or max_k <= 0:
         return out, lse, lse_rem
     max_q = min(max_q, total_q)
-    cfg = _config("fwd", query, value, _varlen_operand(mask), _varlen_operand(bias), max_q)
+    cfg = plan.config("fwd", query, value, _varlen_operand(mask), _varlen_operand(bias), max_q)
     nq = cdiv(max_q, cfg.block_m)
     band = Band.of(is_causal, window)
     lists = None
@@ -639,7 +571,7 @@ def attention_varlen_backward(
     compute_dbias). No atomics: always deterministic."""
     del deterministic
     cu_q, cu_k, lse, lse_rem = _dense(cu_q), _dense(cu_k), _dense(lse), _dense(lse_rem)
-    if not use_triton(query):
+    if not plan.use_triton(query):
         return chunked.varlen_backward(
             grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k,
             mask, bias, scale, is_causal, softcap, compute_dbias, window,
@@ -654,7 +586,9 @@ def attention_varlen_backward(
         dbias_cols = torch.zeros((h, total_k), dtype=torch.float32, device=device)
     if b > 0 and total_q * h > 0 and total_k > 0 and max_q > 0 and max_k > 0:
         max_q, max_k = min(max_q, total_q), min(max_k, total_k)
-        cfgs = _backward_configs(query, value, _varlen_operand(mask), _varlen_operand(bias), max_q)
+        cfgs = plan.backward_configs(
+            query, value, _varlen_operand(mask), _varlen_operand(bias), max_q
+        )
         band = Band.of(is_causal, window)
         lists = None
         if mask is not None:
@@ -681,21 +615,7 @@ def attention_varlen_backward(
 
 # Decoding: split-K forward for a few queries against a long cache.
 
-DECODE_MAX_ROWS = 64  # G * Lq query rows per program
 DECODE_WAVES = 8  # programs per SM to aim for (measured on an H100: bench/NOTES.md)
-
-
-def decode_applies(lq: int, h: int, hkv: int, lk: int, mask) -> bool:
-    """Lq <= 16 with the G * Lq rows of a KV group in one tile, a cache longer than one key
-    tile, and a mask (if any) with one key list per KV group (head dim 1 or Hkv, no query dim)."""
-    g = h // hkv
-    if lq > 16 or g * lq > DECODE_MAX_ROWS or lk <= _decode_block_n():
-        return False
-    return mask is None or (mask.shape[2] == 1 and (mask.shape[1] != h or g == 1))
-
-
-def _decode_block_n() -> int:
-    return 16 if interpreter_on() else 64
 
 
 def _sm_count(device: torch.device) -> int:
@@ -712,7 +632,7 @@ def decode_forward(query, key, value, mask, bias, scale, band: Band, softcap, se
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     g = h // hkv
     device = query.device
-    cfg = _config("decode", query, value, mask, bias, lq)
+    cfg = plan.config("decode", query, value, mask, bias, lq)
     block_n = cfg.block_n
     block_m = max(16, next_power_of_2(g * lq))
     span = lk

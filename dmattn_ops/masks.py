@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops import _triton, launch
+from dmattn_ops import _triton, plan
 from dmattn_ops._triton import LazyKernel, next_power_of_2
+from dmattn_ops.tiles import operand_strides
 
 topk_mask_kernel = LazyKernel("topk_mask", "topk_mask_kernel")
 
@@ -168,8 +169,8 @@ def _fused_applies(score: torch.Tensor, k: int) -> bool:
     """The fused kernel (kernels/topk_mask.py) runs where Triton runs, for rows that fit in
     registers and a selection that is not the whole row."""
     return (
-        launch.triton_runs_on(score)
-        and score.dtype in launch.TRITON_DTYPES
+        plan.triton_runs_on(score)
+        and score.dtype in plan.TRITON_DTYPES
         and k < score.shape[-1] <= FUSED_MAX_KEYS
     )
 
@@ -181,7 +182,7 @@ def topk_select(
     a bool mask of their broadcast shape, block-smoothed when smooth > 0 (a power of two).
     Registered as the op dmattn::topk_select (below); compiled graphs trace its kernel launch
     (inductor.py). Where Triton cannot run, torch.topk."""
-    if not launch.triton_runs_on(bias) or bias.dtype not in launch.TRITON_DTYPES:
+    if not plan.triton_runs_on(bias) or bias.dtype not in plan.TRITON_DTYPES:
         shape = _broadcast(bias, allowed)
         score = bias.expand(shape)
         selected = _torch_topk(score, allowed.expand(shape) if allowed is not None else None, k)
@@ -198,10 +199,10 @@ def topk_select(
         bias_e = bias.expand(shape)
         mask_e = allowed.expand(shape) if allowed is not None else None
         block = max(next_power_of_2(lk), smooth)
-        warps = 1 if launch.interpreter_on() else min(16, max(4, block // 512))
+        warps = 1 if _triton.interpreter_on() else min(16, max(4, block // 512))
         topk_mask_kernel[(b * h * lq,)](
-            bias_e, mask_e, out, *launch.operand_strides(bias_e),
-            *launch.operand_strides(mask_e), h, lq, lk, k,
+            bias_e, mask_e, out, *operand_strides(bias_e),
+            *operand_strides(mask_e), h, lq, lk, k,
             BLOCK=block, SMOOTH=smooth, HAS_MASK=mask_e is not None, num_warps=warps,
         )  # fmt: skip
     return out != 0 if traced else out

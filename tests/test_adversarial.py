@@ -11,7 +11,7 @@ import torch
 from helpers import assert_close, float64_grad_bound, low_precision_bound
 
 import dmattn_ops
-from dmattn_ops import launch, masks, reference
+from dmattn_ops import launch, masks, plan, reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -111,7 +111,7 @@ def test_double_backward_through_torch_func_raises(backend, varlen):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("path", ["fused", "torch"])
 def test_topk_mask_ranks_nan_below_every_number(dtype, path):
-    if path == "fused" and (dtype == torch.float64 or not launch.triton_runs_on(_randn(1))):
+    if path == "fused" and (dtype == torch.float64 or not plan.triton_runs_on(_randn(1))):
         pytest.skip("the fused kernel runs for 16/32-bit biases where Triton runs")
     nan, lowest = math.nan, torch.finfo(dtype).min
     for other in (lowest, -math.inf, 0.0, -1.0):

@@ -20,13 +20,13 @@ from helpers import (
 )
 
 import dmattn_ops
-from dmattn_ops import chunked, launch
+from dmattn_ops import chunked, plan
 
 
 @pytest.fixture(autouse=True)
 def chunked_only(monkeypatch):
     """This file tests the PyTorch implementation: keep the Triton kernels out of the way."""
-    monkeypatch.setattr(launch, "use_triton", lambda query: False)
+    monkeypatch.setattr(plan, "use_triton", lambda query: False)
 
 
 SHAPES = [

@@ -172,7 +172,7 @@ def _domain():
 
 
 def _modelled(kind, cfg, width, ops) -> int:
-    if kind == "decode":  # decode tiles hold up to 64 query rows (launch.DECODE_MAX_ROWS)
+    if kind == "decode":  # decode tiles hold up to 64 query rows (plan.DECODE_MAX_ROWS)
         cfg = configs.Config(64, cfg.block_n, cfg.num_warps, cfg.num_stages)
     return configs.shared_bytes(kind, cfg, width, width, ops)
 

@@ -22,7 +22,7 @@ from helpers import (
 )
 
 import dmattn_ops
-from dmattn_ops import configs, launch, reference
+from dmattn_ops import configs, launch, plan, reference
 from dmattn_ops.tiles import Band, PackFrom
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,7 +149,7 @@ def test_per_key_operands_given_as_expanded_views():
     mask = make_mask((c.b, c.h, 1, c.lk), density=0.8, device=DEVICE).expand(full)
     bias = make_bias((c.b, c.h, 1, c.lk), dtype=torch.float32, device=DEVICE).expand(full)
     assert mask.stride(2) == 0 and bias.stride(2) == 0
-    assert not launch.compactable(mask, c.h, c.hkv)
+    assert not plan.compactable(mask, c.h, c.hkv)
     _, _, grads = run_case(c, torch.float32, mask=mask, bias=bias, is_causal=True)
     assert grads[3].shape == full
 
@@ -267,7 +267,7 @@ def test_skipped_tiles_are_never_loaded():
     # Whole key tiles of every kernel: block sizes are powers of two.
     q16 = torch.empty(1, 1, 1, 16, device=DEVICE)
     mask16 = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=DEVICE)
-    tile = max(launch._config(k, q16, q16, mask16, None).block_n for k in ("fwd", "dkdv", "dq"))
+    tile = max(plan.config(k, q16, q16, mask16, None).block_n for k in ("fwd", "dkdv", "dq"))
     c = Case(1, 3 * tile, 6 * tile, 2, 1, 16, 16)
     mask = make_mask((1, 1, c.lq, c.lk), density=0.7, device=DEVICE)
     dead = slice(tile, 3 * tile)
@@ -346,10 +346,10 @@ def test_dkdv_split_across_query_heads(monkeypatch, split, mask_kind):
     mask = None
     if mask_kind == "key-lists":
         mask = make_mask((c.b, c.hkv, 1, c.lk), density=0.4, device=DEVICE)
-        assert launch.compactable(mask, c.h, c.hkv)
+        assert plan.compactable(mask, c.h, c.hkv)
     elif mask_kind == "tables":
         mask = make_mask((c.b, 1, c.lq, c.lk), density=0.4, device=DEVICE)
-        assert not launch.compactable(mask, c.h, c.hkv)
+        assert not plan.compactable(mask, c.h, c.hkv)
     run_case(c, torch.float32, mask=mask, bias_shape=(c.b, c.hkv, 1, c.lk), is_causal=True,
              seqused=seqused)  # fmt: skip
 
@@ -517,9 +517,9 @@ def spy_on(monkeypatch, name: str) -> list:
 
 @pytest.fixture(params=[True, False], ids=["packed", "gathered"])
 def pack_spy(request, monkeypatch):
-    """Runs a test with launch.PACK_KEYS on and off; records whether each key-list build
+    """Runs a test with plan.PACK_KEYS on and off; records whether each key-list build
     packed K, V and the bias."""
-    monkeypatch.setattr(launch, "PACK_KEYS", request.param)
+    monkeypatch.setattr(plan, "PACK_KEYS", request.param)
     packed = []
     real = launch.build_key_lists
 
@@ -540,7 +540,7 @@ def test_key_lists_never_load_unlisted_keys(bias_pattern, pack_spy):
     # Packed keys (a per-key bias, or none) leave NaN in the packed buffers past each list
     # (conftest poisons fresh allocations): they must not be read either.
     c = Case(2, 40, 90, 4, 2, 16, 16)
-    assert launch.compactable(torch.ones(c.b, c.hkv, 1, c.lk, dtype=torch.bool), c.h, c.hkv)
+    assert plan.compactable(torch.ones(c.b, c.hkv, 1, c.lk, dtype=torch.bool), c.h, c.hkv)
     mask = make_mask((c.b, c.hkv, 1, c.lk), density=0.3, device=DEVICE)
     seqused = torch.tensor([90, 61], dtype=torch.int32, device=DEVICE)
     k = torch.randn(c.b, c.lk, c.hkv, c.d, device=DEVICE)
@@ -594,7 +594,7 @@ def test_key_lists_interior_and_boundary_tiles(lq, lk, is_causal, pack_spy):
     seqused_k cutting one batch's list short."""
     c = Case(2, lq, lk, 4, 2, 32, 32)
     mask = make_mask((c.b, c.hkv, 1, c.lk), density=0.9, device=DEVICE)
-    assert launch.compactable(mask, c.h, c.hkv)
+    assert plan.compactable(mask, c.h, c.hkv)
     run_case(
         c,
         torch.float32,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dmattn_ops
-from dmattn_ops import launch
+from dmattn_ops import launch, plan
 
 
 @pytest.fixture(autouse=True)
@@ -256,6 +256,6 @@ def test_backends_that_cannot_run_say_so(monkeypatch):
     with pytest.raises(TypeError, match="backend='triton' supports float16, bfloat16 and float32"):
         dmattn_ops.attention(q.double(), k.double(), v.double(), backend="triton")
     if not torch.cuda.is_available():
-        monkeypatch.setattr(launch, "interpreter_on", lambda: False)
+        monkeypatch.setattr(plan, "interpreter_on", lambda: False)
         with pytest.raises(ValueError, match="needs CUDA tensors, or TRITON_INTERPRET=1"):
             dmattn_ops.attention(q, k, v, backend="triton")

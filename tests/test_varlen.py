@@ -12,7 +12,7 @@ import torch
 from helpers import DTYPES, assert_close, float64_grad_bound, low_precision_bound
 
 import dmattn_ops
-from dmattn_ops import launch, reference
+from dmattn_ops import launch, plan, reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_OK = DEVICE == "cuda" or launch.interpreter_on()
@@ -147,7 +147,7 @@ def test_dtypes_softcap_gqa(dtype):
 @pytest.mark.parametrize("mix", ["mixed", "no-keys"])
 def test_cpu_pytorch_path(monkeypatch, mix):
     """The chunked PyTorch kernels (the CPU path without the interpreter), float64."""
-    monkeypatch.setattr(launch, "use_triton", lambda query: False)
+    monkeypatch.setattr(plan, "use_triton", lambda query: False)
     p = Packed(*MIXES[mix], dtype=torch.float64, device="cpu")
     mask, bias = p.operand("H"), p.operand("G", torch.float64)
     check_against_oracle(p, mask, bias, torch.float64, backend="auto", is_causal=True)

@@ -1,0 +1,220 @@
+"""Which path computes a call, decided once per call from its operands' shapes, dtypes and
+devices (no data is read, no host sync). launch.py runs the plan; tests check the choice.
+
+The paths, in the order they are tried:
+
+* EMPTY: no query row or no key; the results are zeros (lse -inf), with no launch.
+* PYTORCH: chunked.py, where Triton cannot run (float64, CPU without TRITON_INTERPRET=1).
+* SDPA: PyTorch's fused cuDNN or FlashAttention kernels (sdpa.py): dense fp16/bf16 calls on
+  CUDA without a window or sinks; the backward also needs no lse gradient and
+  deterministic=False (they accumulate dq with atomics).
+* DECODE (forward only): a few queries against a long cache, split over the keys.
+* KEY_LISTS: a mask shared by all queries (B|1, Hkv|1, 1, Lk), or one per head without GQA:
+  the kernels step over the sorted list of its allowed keys (tiles.build_key_lists); with
+  `pack`, the forward and dq kernels read those keys' K, V and per-key bias rows copied in list
+  order (packed keys).
+* TILE_TABLES: any other mask: tables of the tiles it allows (tiles.build_tables).
+* DENSE: no mask: every key tile the band (causality, a window) lets a query tile see.
+
+The tile configs (configs.py) are chosen here too, from the path: a key-list call's tiles
+depend on whether it packs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dmattn_ops import configs, sdpa
+from dmattn_ops._triton import available, interpreter_on
+from dmattn_ops.configs import Config
+from dmattn_ops.tiles import PER_ENTRY, Band, operand_kind
+from dmattn_ops.validate import NO_WINDOW
+
+EMPTY, PYTORCH, SDPA, DECODE, KEY_LISTS, TILE_TABLES, DENSE = (
+    "empty", "pytorch", "sdpa", "decode", "key_lists", "tile_tables", "dense",
+)  # fmt: skip
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Whether batched key-list calls pack K, V and a per-key bias for the forward and dq kernels
+# (tiles.build_key_lists packs them in the launch that builds the lists); False keeps them on
+# gathers through the lists (tests of that path).
+PACK_KEYS = True
+
+DECODE_MAX_ROWS = 64  # G * Lq query rows per program of the decode kernel
+
+
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on t's device (CUDA, or CPU through the interpreter)
+    and Triton is installed."""
+    return (t.is_cuda or (t.device.type == "cpu" and interpreter_on())) and available()
+
+
+def use_triton(query: torch.Tensor) -> bool:
+    """The one place where a call chooses between our Triton kernels and chunked PyTorch."""
+    return query.dtype in TRITON_DTYPES and triton_runs_on(query)
+
+
+def compactable(mask: torch.Tensor | None, h: int, hkv: int) -> bool:
+    """Masks that allow the same keys for every query, with one key list per KV group."""
+    return mask is not None and mask.shape[2] == 1 and (mask.shape[1] != h or h == hkv)
+
+
+def packs(mask, bias, h: int, hkv: int) -> bool:
+    """Whether a batched call reads packed keys: it takes key lists (compactable) and a bias, if
+    any, is per key (a bias with query rows is read per score at the keys' own columns)."""
+    return PACK_KEYS and compactable(mask, h, hkv) and operand_kind(bias) != PER_ENTRY
+
+
+def decode_block_n() -> int:
+    return 16 if interpreter_on() else 64
+
+
+def decode_applies(lq: int, h: int, hkv: int, lk: int, mask) -> bool:
+    """Lq <= 16 with the G * Lq rows of a KV group in one tile, a cache longer than one key
+    tile, and a mask (if any) with one key list per KV group (head dim 1 or Hkv, no query dim)."""
+    g = h // hkv
+    if lq > 16 or g * lq > DECODE_MAX_ROWS or lk <= decode_block_n():
+        return False
+    return mask is None or (mask.shape[2] == 1 and (mask.shape[1] != h or g == 1))
+
+
+def config(
+    kind: str, query, value, mask, bias, lq: int | None = None, band=None, keys=None
+) -> Config:
+    """The tile config of kernel `kind` for these operands, fitted to the device's shared memory
+    (configs.py); every config the launchers use comes from here. band: the call's window, if
+    any (a narrow band takes smaller tiles); keys: how a batched key-list call reads its keys,
+    "listed" (gathers through the lists) or "packed" (packed rows), else None."""
+    d, dv = query.shape[-1], value.shape[-1]
+    ops = configs.Operands.of(query, mask, bias, keys)
+    interpreted = interpreter_on()
+    limit = configs.shared_limit(query.device) if query.is_cuda and not interpreted else None
+    window = band.width() if band is not None else None
+    return configs.config(
+        kind, d, dv, ops, lq=lq, limit=limit, interpreter=interpreted, window=window
+    )
+
+
+@dataclass(frozen=True)
+class BackwardConfigs:
+    """Tile configs of the dk/dv kernel (key tiles of block_n, stepping over query tiles of
+    block_m) and of the dq kernel (the reverse); each reads tile tables of its own grid."""
+
+    dkdv: Config
+    dq: Config
+
+
+def backward_configs(query, value, mask, bias, lq: int, band=None, keys=None):
+    return BackwardConfigs(
+        config("dkdv", query, value, mask, bias, lq, band, keys),
+        config("dq", query, value, mask, bias, lq, band, keys),
+    )
+
+
+def _key_reads(path: str, pack: bool) -> str | None:
+    """config's `keys` of a call on `path`: how it reads key lists, if it takes them."""
+    if path != KEY_LISTS:
+        return None
+    return "packed" if pack else "listed"
+
+
+def _mask_path(mask, h: int, hkv: int) -> str:
+    if mask is None:
+        return DENSE
+    return KEY_LISTS if compactable(mask, h, hkv) else TILE_TABLES
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """path (above); band: causality and the window as the kernels take them; fused: SDPA's
+    kernel ("cudnn" or "flash"); pack: a key-list call copies its keys' rows; config: the
+    forward kernel's tiles (Triton paths but DECODE, whose launcher picks its own)."""
+
+    path: str
+    band: Band
+    fused: str | None = None
+    pack: bool = False
+    config: Config | None = None
+
+
+def forward_plan(
+    query, key, value, mask, bias, is_causal, softcap, seqused_k, window=NO_WINDOW, sinks=None
+) -> ForwardPlan:
+    """The plan of an attention forward on these (already validated, broadcast-collapsed)
+    operands."""
+    b, lq, h, _ = query.shape
+    lk, hkv = key.shape[1], key.shape[2]
+    band = Band.of(is_causal, window)
+    if b * lq * h == 0 or lk == 0:
+        return ForwardPlan(EMPTY, band)
+    if not use_triton(query):
+        return ForwardPlan(PYTORCH, band)
+    if not band.has_window and sinks is None:
+        fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
+        if fused:
+            return ForwardPlan(SDPA, band, fused=fused)
+    if decode_applies(lq, h, hkv, lk, mask):
+        return ForwardPlan(DECODE, band)
+    path = _mask_path(mask, h, hkv)
+    pack = path == KEY_LISTS and packs(mask, bias, h, hkv)
+    cfg = config("fwd", query, value, mask, bias, lq, band, _key_reads(path, pack))
+    return ForwardPlan(path, band, pack=pack, config=cfg)
+
+
+# How the backward writes dbias (BackwardPlan.dbias), by the bias's shape:
+# "group" (B, Hkv, 1, Lk): the dk/dv kernels sum each KV group's heads into dbias itself;
+# "cols" any other per-key bias: (B, H, Lk) column sums, then summed to the bias's shape;
+# "direct" (B, H, Lq, Lk): the dq kernel writes dS;
+# "bcast" a bias with query rows shared over batch or heads: its own kernel (tile tables).
+DBIAS_MODES = ("group", "cols", "direct", "bcast")
+
+
+def _dbias_mode(bias, b: int, hkv: int, h: int) -> str:
+    if bias.shape[2] == 1:
+        return "group" if bias.shape[:2] == (b, hkv) else "cols"
+    return "direct" if bias.shape[0] == b and bias.shape[1] == h else "bcast"
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """path (above); band; fused: SDPA's kernel; dbias: DBIAS_MODES or None (no dbias); pack:
+    the dq kernel reads packed keys; configs: the dk/dv and dq kernels' tiles (Triton paths)."""
+
+    path: str
+    band: Band
+    fused: str | None = None
+    dbias: str | None = None
+    pack: bool = False
+    configs: BackwardConfigs | None = None
+
+
+def backward_plan(
+    query, key, value, mask, bias, is_causal, softcap, seqused_k, grad_lse, deterministic,
+    compute_dbias, window=NO_WINDOW, sinks=None,
+):  # fmt: skip
+    """The plan of an attention backward on these (broadcast-collapsed) operands. A gradient of
+    lse or deterministic=True (or torch's deterministic algorithms) keeps dense calls off SDPA.
+    A bias with query rows shared over batch or heads (dbias "bcast") keeps the mask on tile
+    tables; a dbias per entry ("bcast", "direct") needs each score's key index: no packing."""
+    b, lq, h, _ = query.shape
+    lk, hkv = key.shape[1], key.shape[2]
+    band = Band.of(is_causal, window)
+    if b * lq * h == 0 or lk == 0:
+        return BackwardPlan(EMPTY, band)
+    if not use_triton(query):
+        return BackwardPlan(PYTORCH, band)
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    if grad_lse is None and not deterministic and not band.has_window and sinks is None:
+        fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
+        if fused:
+            return BackwardPlan(SDPA, band, fused=fused)
+    dbias = _dbias_mode(bias, b, hkv, h) if compute_dbias else None
+    path = _mask_path(mask, h, hkv)
+    if path == KEY_LISTS and dbias == "bcast":
+        path = TILE_TABLES
+    pack = path == KEY_LISTS and packs(mask, bias, h, hkv) and dbias not in ("bcast", "direct")
+    cfgs = backward_configs(query, value, mask, bias, lq, band, _key_reads(path, pack))
+    return BackwardPlan(path, band, dbias=dbias, pack=pack, configs=cfgs)
