@@ -255,8 +255,8 @@ def attention_backward(
     mask = collapse_broadcast(mask)
     if not compute_dbias:
         bias = collapse_broadcast(bias)
-    b, lq, h, d = query.shape
-    lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
+    b, lq, h, _ = query.shape
+    lk, hkv = key.shape[1], key.shape[2]
     device = query.device
     no_sinks = torch.empty((0,), dtype=query.dtype, device=device)
     p = plan.backward_plan(
@@ -287,9 +287,7 @@ def attention_backward(
             grad_out, query, key, value, out, lse, scale, is_causal, p.fused
         )
         return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device), no_sinks
-    g = h // hkv
     band, dbias_mode, cfgs = p.band, p.dbias, p.configs
-    cfg = cfgs.dkdv
     tables = dq_tables = lists = None
     if p.path == KEY_LISTS:
         lists = build_key_lists(
@@ -324,30 +322,9 @@ def attention_backward(
         scale, band, softcap, group_cols=dbias_mode == "group",
     )  # fmt: skip
     if dbias_bcast is not None:
-        nq, nk = cdiv(lq, cfg.block_m), cdiv(lk, cfg.block_n)
-        common = _meta(cfg, d, dv, band, query.dtype)
-        strides = (
-            *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
-            *operand_strides(mask), *operand_strides(bias),
-        )  # fmt: skip
-        mask_arg = None if lists else mask
-        mask_div, bias_div = head_div(mask, h, hkv), head_div(bias, h, hkv)
-        bb, hb = bias.shape[0], bias.shape[1]
-        n_batch, batch_mul = (1, 1) if bb == b else (b, 0)
-        if hb == h:
-            n_head, head_mul = 1, 1
-        elif hb == hkv:
-            n_head, head_mul = g, g
-        else:
-            n_head, head_mul = h, 0
-        attention_bwd_dbias_kernel[(nq, bb * hb)](
-            query, key, value, grad_out, mask_arg, bias, seqused_k, stats,
-            tables.active if tables else None, dbias_bcast, *strides,
-            tables.stride_b if tables else 0, nq,
-            h, g, hb, lq, lk, d, dv, nq, nk, n_batch, batch_mul, n_head, head_mul,
-            mask_div, bias_div, float(scale), float(softcap), *band.args(),
-            HAS_MASK=0 if lists else operand_kind(mask), HAS_SEQUSED=seqused_k is not None,
-            HAS_SOFTCAP=softcap > 0, **common,
+        _launch_dbias_bcast(
+            query, key, value, grad_out, mask, bias, seqused_k, stats, tables, dbias_bcast,
+            cfgs.dkdv, scale, band, softcap,
         )  # fmt: skip
 
     if not compute_dbias:
@@ -362,6 +339,41 @@ def attention_backward(
         dbias = dbias_bcast
     dsinks = no_sinks if sinks is None else _sinks_grad(sinks, stats)
     return dq, dk, dvv, dbias, dsinks
+
+
+def _launch_dbias_bcast(
+    query, key, value, grad_out, mask, bias, seqused_k, stats, tables, dbias, cfg, scale, band,
+    softcap,
+):  # fmt: skip
+    """dbias of a bias with query rows shared over batch and/or heads (plan "bcast"): one
+    program per query tile of each bias (batch, head) sums dS over the query heads and batches
+    that share it, reading the dk/dv kernel's tile tables (the plan keeps such calls off key
+    lists) and the row statistics the dq kernel wrote."""
+    b, lq, h, d = query.shape
+    lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
+    g = h // hkv
+    nq, nk = cdiv(lq, cfg.block_m), cdiv(lk, cfg.block_n)
+    strides = (
+        *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
+        *operand_strides(mask), *operand_strides(bias),
+    )  # fmt: skip
+    bb, hb = bias.shape[0], bias.shape[1]
+    n_batch, batch_mul = (1, 1) if bb == b else (b, 0)
+    if hb == h:
+        n_head, head_mul = 1, 1
+    elif hb == hkv:
+        n_head, head_mul = g, g
+    else:
+        n_head, head_mul = h, 0
+    attention_bwd_dbias_kernel[(nq, bb * hb)](
+        query, key, value, grad_out, mask, bias, seqused_k, stats,
+        tables.active if tables else None, dbias, *strides,
+        tables.stride_b if tables else 0, nq,
+        h, g, hb, lq, lk, d, dv, nq, nk, n_batch, batch_mul, n_head, head_mul,
+        head_div(mask, h, hkv), head_div(bias, h, hkv), float(scale), float(softcap),
+        *band.args(), HAS_MASK=operand_kind(mask), HAS_SEQUSED=seqused_k is not None,
+        HAS_SOFTCAP=softcap > 0, **_meta(cfg, d, dv, band, query.dtype),
+    )  # fmt: skip
 
 
 def _sinks_grad(sinks, stats) -> torch.Tensor:
