@@ -121,6 +121,21 @@ def _key_reads(path: str, pack: bool) -> str | None:
     return "packed" if pack else "listed"
 
 
+def _first_paths(query, key, value, mask, bias, is_causal, softcap, seqused_k, band, fusable):
+    """(path, SDPA's kernel) where EMPTY, PYTORCH or SDPA applies, the paths both passes try
+    first, else (None, None). fusable: this pass could take PyTorch's fused kernels at all."""
+    b, lq, h, _ = query.shape
+    if b * lq * h == 0 or key.shape[1] == 0:
+        return EMPTY, None
+    if not use_triton(query):
+        return PYTORCH, None
+    if fusable and not band.has_window:
+        fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
+        if fused:
+            return SDPA, fused
+    return None, None
+
+
 def _mask_path(mask, h: int, hkv: int) -> str:
     if mask is None:
         return DENSE
@@ -145,17 +160,13 @@ def forward_plan(
 ) -> ForwardPlan:
     """The plan of an attention forward on these (already validated, broadcast-collapsed)
     operands."""
-    b, lq, h, _ = query.shape
+    lq, h = query.shape[1], query.shape[2]
     lk, hkv = key.shape[1], key.shape[2]
     band = Band.of(is_causal, window)
-    if b * lq * h == 0 or lk == 0:
-        return ForwardPlan(EMPTY, band)
-    if not use_triton(query):
-        return ForwardPlan(PYTORCH, band)
-    if not band.has_window and sinks is None:
-        fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
-        if fused:
-            return ForwardPlan(SDPA, band, fused=fused)
+    args = (query, key, value, mask, bias, is_causal, softcap, seqused_k, band)
+    path, fused = _first_paths(*args, fusable=sinks is None)
+    if path:
+        return ForwardPlan(path, band, fused=fused)
     if decode_applies(lq, h, hkv, lk, mask):
         return ForwardPlan(DECODE, band)
     path = _mask_path(mask, h, hkv)
@@ -200,17 +211,15 @@ def backward_plan(
     A bias with query rows shared over batch or heads (dbias "bcast") keeps the mask on tile
     tables; a dbias per entry ("bcast", "direct") needs each score's key index: no packing."""
     b, lq, h, _ = query.shape
-    lk, hkv = key.shape[1], key.shape[2]
+    hkv = key.shape[2]
     band = Band.of(is_causal, window)
-    if b * lq * h == 0 or lk == 0:
-        return BackwardPlan(EMPTY, band)
-    if not use_triton(query):
-        return BackwardPlan(PYTORCH, band)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    if grad_lse is None and not deterministic and not band.has_window and sinks is None:
-        fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
-        if fused:
-            return BackwardPlan(SDPA, band, fused=fused)
+    args = (query, key, value, mask, bias, is_causal, softcap, seqused_k, band)
+    path, fused = _first_paths(
+        *args, fusable=grad_lse is None and not deterministic and sinks is None
+    )
+    if path:
+        return BackwardPlan(path, band, fused=fused)
     dbias = _dbias_mode(bias, b, hkv, h) if compute_dbias else None
     path = _mask_path(mask, h, hkv)
     if path == KEY_LISTS and dbias == "bcast":
