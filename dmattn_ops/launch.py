@@ -28,7 +28,6 @@ from dmattn_ops.plan import (
     SDPA,
     TILE_TABLES,
     BackwardConfigs,
-    compactable,
 )
 from dmattn_ops.tiles import (
     PER_ENTRY,
@@ -41,6 +40,7 @@ from dmattn_ops.tiles import (
     build_key_lists,
     build_tables,
     build_varlen_key_lists,
+    compactable,
     head_div,
     operand_kind,
     operand_strides,

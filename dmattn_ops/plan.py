@@ -29,7 +29,7 @@ import torch
 from dmattn_ops import configs, sdpa
 from dmattn_ops._triton import available, interpreter_on
 from dmattn_ops.configs import Config
-from dmattn_ops.tiles import PER_ENTRY, Band, operand_kind
+from dmattn_ops.tiles import PER_ENTRY, Band, compactable, operand_kind
 from dmattn_ops.validate import NO_WINDOW
 
 EMPTY, PYTORCH, SDPA, DECODE, KEY_LISTS, TILE_TABLES, DENSE = (
@@ -57,18 +57,14 @@ def use_triton(query: torch.Tensor) -> bool:
     return query.dtype in TRITON_DTYPES and triton_runs_on(query)
 
 
-def compactable(mask: torch.Tensor | None, h: int, hkv: int) -> bool:
-    """Masks that allow the same keys for every query, with one key list per KV group."""
-    return mask is not None and mask.shape[2] == 1 and (mask.shape[1] != h or h == hkv)
-
-
-def packs(mask, bias, h: int, hkv: int) -> bool:
-    """Whether a batched call reads packed keys: it takes key lists (compactable) and a bias, if
-    any, is per key (a bias with query rows is read per score at the keys' own columns)."""
-    return PACK_KEYS and compactable(mask, h, hkv) and operand_kind(bias) != PER_ENTRY
+def _packs(bias) -> bool:
+    """Whether a key-list call reads packed keys: PACK_KEYS, and a bias, if any, per key (a bias
+    with query rows is read per score at the keys' own columns)."""
+    return PACK_KEYS and operand_kind(bias) != PER_ENTRY
 
 
 def decode_block_n() -> int:
+    """The decode kernel's key tile: a cache must be longer than one to take the decode path."""
     return 16 if interpreter_on() else 64
 
 
@@ -108,6 +104,7 @@ class BackwardConfigs:
 
 
 def backward_configs(query, value, mask, bias, lq: int, band=None, keys=None):
+    """The dk/dv and dq kernels' configs (arguments as for `config`)."""
     return BackwardConfigs(
         config("dkdv", query, value, mask, bias, lq, band, keys),
         config("dq", query, value, mask, bias, lq, band, keys),
@@ -170,7 +167,7 @@ def forward_plan(
     if decode_applies(lq, h, hkv, lk, mask):
         return ForwardPlan(DECODE, band)
     path = _mask_path(mask, h, hkv)
-    pack = path == KEY_LISTS and packs(mask, bias, h, hkv)
+    pack = path == KEY_LISTS and _packs(bias)
     cfg = config("fwd", query, value, mask, bias, lq, band, _key_reads(path, pack))
     return ForwardPlan(path, band, pack=pack, config=cfg)
 
@@ -224,6 +221,6 @@ def backward_plan(
     path = _mask_path(mask, h, hkv)
     if path == KEY_LISTS and dbias == "bcast":
         path = TILE_TABLES
-    pack = path == KEY_LISTS and packs(mask, bias, h, hkv) and dbias not in ("bcast", "direct")
+    pack = path == KEY_LISTS and _packs(bias) and dbias not in ("bcast", "direct")
     cfgs = backward_configs(query, value, mask, bias, lq, band, _key_reads(path, pack))
     return BackwardPlan(path, band, dbias=dbias, pack=pack, configs=cfgs)
