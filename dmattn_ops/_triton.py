@@ -17,21 +17,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import operator
 import os
 import threading
 
 import torch
 
+# Found once, at import, without importing it. A module constant rather than a cached function:
+# torch.compile traces the public functions that ask, and warns about every functools.cache
+# wrapper it traces through.
+_FOUND = importlib.util.find_spec("triton") is not None
 
-@functools.cache
+
 def available() -> bool:
-    """Whether Triton can be imported here."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether Triton is installed here."""
+    return _FOUND
 
 
 def interpreter_on() -> bool:

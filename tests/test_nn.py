@@ -111,3 +111,23 @@ def test_compiled_bias_path_adds_no_matmul_calls():
 def test_bad_head_counts():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         DynamicMaskAttention(32, 4, 3)
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_tracing_the_layer_and_the_api_warns_nothing(backend):
+    """torch.compile traces our public functions; Dynamo warns about what it cannot trace
+    faithfully (a functools.cache wrapper, say), once per call site and in the user's log."""
+    import warnings
+
+    torch._dynamo.reset()
+    layer = torch.compile(make(backend=backend), fullgraph=True, backend="eager")
+    call = torch.compile(
+        lambda q, k, v: attention(q, k, v, is_causal=True, backend=backend),
+        fullgraph=True, backend="eager",
+    )  # fmt: skip
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(torch.randn(2, 24, 32)).square().mean().backward()
+        call(q, k, v)
+    assert [str(w.message) for w in caught if "Dynamo" in str(w.message)] == []
