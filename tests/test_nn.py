@@ -119,15 +119,16 @@ def test_tracing_the_layer_and_the_api_warns_nothing(backend):
     faithfully (a functools.cache wrapper, say), once per call site and in the user's log."""
     import warnings
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter (conftest)
     torch._dynamo.reset()
-    layer = torch.compile(make(backend=backend), fullgraph=True, backend="eager")
+    layer = torch.compile(make(backend=backend).to(device), fullgraph=True, backend="eager")
     call = torch.compile(
         lambda q, k, v: attention(q, k, v, is_causal=True, backend=backend),
         fullgraph=True, backend="eager",
     )  # fmt: skip
-    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    q, k, v = (torch.randn(1, 8, 2, 16, device=device) for _ in range(3))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        layer(torch.randn(2, 24, 32)).square().mean().backward()
+        layer(torch.randn(2, 24, 32, device=device)).square().mean().backward()
         call(q, k, v)
     assert [str(w.message) for w in caught if "Dynamo" in str(w.message)] == []
