@@ -206,7 +206,7 @@ def backward_plan(
     """The plan of an attention backward on these (broadcast-collapsed) operands. A gradient of
     lse or deterministic=True (or torch's deterministic algorithms) keeps dense calls off SDPA.
     A bias with query rows shared over batch or heads (dbias "bcast") keeps the mask on tile
-    tables; a dbias per entry ("bcast", "direct") needs each score's key index: no packing."""
+    tables; a dbias per entry ("direct") needs each score's key index: no packing."""
     b, lq, h, _ = query.shape
     hkv = key.shape[2]
     band = Band.of(is_causal, window)
@@ -221,6 +221,6 @@ def backward_plan(
     path = _mask_path(mask, h, hkv)
     if path == KEY_LISTS and dbias == "bcast":
         path = TILE_TABLES
-    pack = path == KEY_LISTS and _packs(bias) and dbias not in ("bcast", "direct")
+    pack = path == KEY_LISTS and _packs(bias) and dbias != "direct"
     cfgs = backward_configs(query, value, mask, bias, lq, band, _key_reads(path, pack))
     return BackwardPlan(path, band, dbias=dbias, pack=pack, configs=cfgs)

@@ -1,6 +1,7 @@
 """dmattn_ops.nn.DynamicMaskAttention."""
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -117,8 +118,6 @@ def test_bad_head_counts():
 def test_tracing_the_layer_and_the_api_warns_nothing(backend):
     """torch.compile traces our public functions; Dynamo warns about what it cannot trace
     faithfully (a functools.cache wrapper, say), once per call site and in the user's log."""
-    import warnings
-
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter (conftest)
     torch._dynamo.reset()
     layer = torch.compile(make(backend=backend).to(device), fullgraph=True, backend="eager")
