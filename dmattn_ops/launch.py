@@ -144,7 +144,7 @@ def attention_forward(
         )
         return chunked.join_sinks(*result, sinks)
     if p.path == SDPA:
-        return sdpa.forward(query, key, value, scale, is_causal, p.fused)
+        return sdpa.forward(query, key, value, scale, p.band, p.fused)
     band = p.band
     if p.path == DECODE:
         result = decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k)
@@ -283,9 +283,7 @@ def attention_backward(
         delta = chunked.row_delta(out, grad_out, grad_lse)
         return (*grads, chunked.sinks_grad(sinks, lse, lse_rem, delta))
     if p.path == SDPA:
-        dq, dk, dvv = sdpa.backward(
-            grad_out, query, key, value, out, lse, scale, is_causal, p.fused
-        )
+        dq, dk, dvv = sdpa.backward(grad_out, query, key, value, out, lse, scale, p.band, p.fused)
         return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device), no_sinks
     band, dbias_mode, cfgs = p.band, p.dbias, p.configs
     tables = dq_tables = lists = None

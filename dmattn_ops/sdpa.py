@@ -18,6 +18,17 @@ suite sets it, so the Triton dense kernels stay tested, and tests/test_sdpa.py c
 PyTorch's own switches apply: `torch.backends.cuda.enable_cudnn_sdp(False)` /
 `enable_flash_sdp(False)` or an `sdpa_kernel` context rule the kernel out, and GPUs before sm_80
 (no flash kernels) never take this path.
+
+Sliding windows. A causal window of C = left + 1 keys over L = n * C positions (self-attention)
+is two batched causal calls of the same kernels (`window_chunk` says when): the n chunks of C
+rows against themselves, and each chunk's queries against the previous chunk's keys, which a
+query at row a of its chunk sees from row a + 1 on: reversed, the rows 0..C-2 of the queries and
+1..C-1 of the keys are causal again. The two parts are merged through their logsumexps
+(kernels/window_chunks.py, which also reverses the rows); the backward runs both kernels'
+backwards with the merged out and lse, which gives each part its exact share of the gradients
+(the probabilities exp(s - lse) and delta = rowsum(dO * O) are those of the whole row), and
+adds the reversed part back. The work is the window's own, at the fused kernels' speed
+(bench/NOTES.md 69); narrow windows stay on our kernels, where the chunks would be too short.
 """
 
 from __future__ import annotations
@@ -27,6 +38,13 @@ import os
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+
+from dmattn_ops._alloc import empty
+from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
+from dmattn_ops.tiles import UNBOUNDED, Band
+
+reverse_rows_kernel = LazyKernel("window_chunks", "reverse_rows_kernel")
+window_merge_kernel = LazyKernel("window_chunks", "window_merge_kernel")
 
 DTYPES = (torch.float16, torch.bfloat16)
 FLASH, CUDNN = "flash", "cudnn"
@@ -110,9 +128,51 @@ def _traced_choice(metas, dtype, device, is_causal, flags) -> int:
         return _choice_of(*real, is_causal)
 
 
-def forward(query, key, value, scale, is_causal, which):
+# Windows of fewer keys stay on our kernels, which are faster there: the copies and the merge
+# cost the same per row whatever the window, and the fused kernels' work shrinks with it. H100,
+# B1 L16384 H32/8 D128, fwd+bwd ms chunked / ours: window 4096 7.69 / 9.33, 2048 5.15 / 5.43,
+# 1024 3.83 / 3.20, 512 3.29 / 2.11 (bench/NOTES.md 69).
+WINDOW_MIN_KEYS = 2048
+
+
+def window_chunk(query, key, band: Band) -> int | None:
+    """C, the chunk of a windowed call that runs as chunked causal calls (module docstring): a
+    band of left + 1 keys ending at the query (causal, or right = 0), Lq == Lk a multiple of
+    left + 1, at least WINDOW_MIN_KEYS keys; a window as long as the sequence is one chunk, plain
+    causal attention. None for any other band."""
+    if not band.has_window or band.right != 0 or band.left == UNBOUNDED:
+        return None
+    length = query.shape[1]
+    c = band.left + 1
+    if key.shape[1] != length or c < WINDOW_MIN_KEYS:
+        return None
+    if c >= length:
+        return length
+    return c if length % c == 0 else None
+
+
+def forward(query, key, value, scale, band: Band, which):
     """(out (B, Lq, H, D), lse (B, H, Lq) float32, lse_rem zeros) of a dense call through the
-    kernel `which` ("cudnn" or "flash")."""
+    kernel `which` ("cudnn" or "flash"); a windowed one (window_chunk) in chunks."""
+    c = window_chunk(query, key, band)
+    if c is None:
+        out, lse = _forward(query, key, value, scale, band.is_causal, which)
+    else:
+        out, lse = _window_forward(query, key, value, scale, c, which)
+    return out, lse, torch.zeros_like(lse)
+
+
+def backward(grad_out, query, key, value, out, lse, scale, band: Band, which):
+    """dq, dk, dv of a dense call (no lse gradient), contiguous, in the inputs' dtypes, through
+    the kernel `which`; a windowed one (window_chunk) in chunks."""
+    c = window_chunk(query, key, band)
+    if c is None:
+        return _backward(grad_out, query, key, value, out, lse, scale, band.is_causal, which)
+    return _window_backward(grad_out, query, key, value, out, lse, scale, c, which)
+
+
+def _forward(query, key, value, scale, is_causal, which):
+    """(out (B, Lq, H, D) contiguous, lse (B, H, Lq) float32) through the kernel `which`."""
     qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if which == CUDNN:
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
@@ -125,13 +185,10 @@ def forward(query, key, value, scale, is_causal, which):
         )[:2]
     # Contiguous like the Triton path's outputs and the fake kernels (a no-op here: both write
     # (B, Lq, H, D) rows and return them transposed, and (B, H, Lq) statistics).
-    lse = lse.contiguous()
-    return out.transpose(1, 2).contiguous(), lse, torch.zeros_like(lse)
+    return out.transpose(1, 2).contiguous(), lse.contiguous()
 
 
-def backward(grad_out, query, key, value, out, lse, scale, is_causal, which):
-    """dq, dk, dv of a dense call (no lse gradient), contiguous, in the inputs' dtypes, through
-    the kernel `which`."""
+def _backward(grad_out, query, key, value, out, lse, scale, is_causal, which):
     lq, lk = query.shape[1], key.shape[1]
     # Both kernels want the rows of grad_out and out as the forward wrote them.
     grad_out, out, lse = grad_out.contiguous(), out.contiguous(), lse.contiguous()
@@ -150,3 +207,92 @@ def backward(grad_out, query, key, value, out, lse, scale, is_causal, which):
     # The gradients take the layout of the (transposed) inputs; the fake kernels promise
     # contiguous ones, as the Triton path returns.
     return tuple(g.transpose(1, 2).contiguous() for g in grads)
+
+
+def _chunks(t, c):
+    """(B, n * c, heads, D) contiguous as (B * n, c, heads, D): a view."""
+    return t.view(-1, c, *t.shape[2:])
+
+
+def _reversed(src, c, chunk0, row0, rows, chunks):
+    """(B * chunks, rows, heads, D): rows row0.. row0 + rows - 1 of chunks chunk0.. of src (B,
+    n * c, heads, D), contiguous, in reversed order within each chunk."""
+    b, length = src.shape[:2]
+    dst = empty((b * chunks, rows, *src.shape[2:]), dtype=src.dtype, device=src.device)
+    _launch_reverse(src, dst, b, chunks, length // c, c, chunk0, row0, chunks, rows, 0, 0, rows)
+    return dst
+
+
+def _add_reversed(dst, c, chunk0, row0, src, rows, chunks):
+    """dst (B, n * c, heads, D) rows row0.. of chunks chunk0.. += src (B * chunks, rows, heads,
+    D) in reversed order within each chunk: _reversed's inverse, added."""
+    b, length = dst.shape[:2]
+    _launch_reverse(
+        src, dst, b, chunks, chunks, rows, 0, 0, length // c, c, chunk0, row0, rows,
+        accumulate=True,
+    )  # fmt: skip
+
+
+def _launch_reverse(
+    src, dst, b, chunks, n_src, c_src, src_chunk0, src_row0, n_dst, c_dst, dst_chunk0, dst_row0,
+    rows, accumulate=False,
+):  # fmt: skip
+    width = src[0, 0].numel()
+    block_r, block_w = (4, 64) if interpreter_on() else (8, 512)
+    grid = (cdiv(rows, block_r), b * chunks, cdiv(width, block_w))
+    reverse_rows_kernel[grid](
+        src, dst, chunks, n_src, c_src, src_chunk0, src_row0, n_dst, c_dst, dst_chunk0,
+        dst_row0, rows, width, ACCUMULATE=accumulate, BLOCK_R=block_r, BLOCK_W=block_w,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def _window_forward(query, key, value, scale, c, which):
+    """out, lse of a causal window of c keys (window_chunk) through the kernel `which`."""
+    b, length, h, d = query.shape
+    n = length // c
+    q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
+    out, lse_diag = _forward(_chunks(q, c), _chunks(k, c), _chunks(v, c), scale, True, which)
+    if n == 1:
+        return out, lse_diag
+    rows = c - 1  # a chunk's last query sees no key of the previous chunk
+    q_prev = _reversed(q, c, 1, 0, rows, n - 1)
+    k_prev = _reversed(k, c, 0, 1, rows, n - 1)
+    v_prev = _reversed(v, c, 0, 1, rows, n - 1)
+    out_prev, lse_prev = _forward(q_prev, k_prev, v_prev, scale, True, which)
+    out = out.view(b, length, h, d)
+    lse = empty((b, h, length), dtype=torch.float32, device=query.device)
+    block_r = 16 if interpreter_on() else 64
+    window_merge_kernel[(cdiv(length, block_r), b * h)](
+        out, lse_diag, out_prev, lse_prev, lse, h, length, n, c, rows, d,
+        BLOCK_R=block_r, BLOCK_D=next_power_of_2(d), num_warps=4,
+    )  # fmt: skip
+    return out, lse
+
+
+def _window_backward(grad_out, query, key, value, out, lse, scale, c, which):
+    """dq, dk, dv of _window_forward's call, from its merged out and lse."""
+    b, length, h, d = query.shape
+    hkv = key.shape[2]
+    n = length // c
+    q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
+    grad_out, out = grad_out.contiguous(), out.contiguous()
+    by_chunk = lse.view(b, h, n, c)
+    dq, dk, dv = _backward(
+        _chunks(grad_out, c), _chunks(q, c), _chunks(k, c), _chunks(v, c), _chunks(out, c),
+        by_chunk.transpose(1, 2).reshape(b * n, h, c), scale, True, which,
+    )  # fmt: skip
+    dq, dk, dv = dq.view(b, length, h, d), dk.view(b, length, hkv, d), dv.view(b, length, hkv, d)
+    if n == 1:
+        return dq, dk, dv
+    rows = c - 1
+    lse_prev = by_chunk[:, :, 1:, :rows].flip(-1).transpose(1, 2).reshape(b * (n - 1), h, rows)
+    dq_prev, dk_prev, dv_prev = _backward(
+        _reversed(grad_out, c, 1, 0, rows, n - 1), _reversed(q, c, 1, 0, rows, n - 1),
+        _reversed(k, c, 0, 1, rows, n - 1), _reversed(v, c, 0, 1, rows, n - 1),
+        _reversed(out, c, 1, 0, rows, n - 1), lse_prev, scale, True, which,
+    )  # fmt: skip
+    _add_reversed(dq, c, 1, 0, dq_prev, rows, n - 1)
+    _add_reversed(dk, c, 0, 1, dk_prev, rows, n - 1)
+    _add_reversed(dv, c, 0, 1, dv_prev, rows, n - 1)
+    return dq, dk, dv

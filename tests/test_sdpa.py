@@ -11,6 +11,7 @@ from helpers import Case, assert_close, low_precision_bound, param
 
 import dmattn_ops
 from dmattn_ops import reference, sdpa
+from dmattn_ops.tiles import Band
 
 gpu = pytest.mark.gpu
 
@@ -90,8 +91,12 @@ def test_the_model_shape_takes_the_kernel_sdpa_picks(monkeypatch):
     assert sdpa.kernel(q, k, k, None, None, True, 0.0, None) == want.get(picked, "flash")
 
 
-def _check(c: Case, dtype, is_causal, *, lse_grad=False, deterministic=False, fn=None, lse=True):
-    """Runs fn (dmattn_ops.attention, backend auto) and the oracle; checks out, lse, grads."""
+def _check(
+    c: Case, dtype, is_causal, *, lse_grad=False, deterministic=False, fn=None, lse=True,
+    window=None,
+):  # fmt: skip
+    """Runs fn (dmattn_ops.attention, backend auto) and the oracle; checks out, lse, grads.
+    window: window_size for both."""
     q = torch.randn(c.b, c.lq, c.h, c.d, dtype=dtype, device="cuda")
     k = torch.randn(c.b, c.lk, c.hkv, c.d, dtype=dtype, device="cuda")
     v = torch.randn(c.b, c.lk, c.hkv, c.dv, dtype=dtype, device="cuda")
@@ -100,6 +105,8 @@ def _check(c: Case, dtype, is_causal, *, lse_grad=False, deterministic=False, fn
 
     def run(fn, cast, **kw):
         leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        if window is not None:
+            kw["window_size"] = window
         out, lse = fn(*leaves, is_causal=is_causal, return_lse=True, **kw)
         loss = (out * g_out.to(out.dtype)).sum()
         if lse_grad:
@@ -225,3 +232,113 @@ def test_traces_take_the_kernel_eager_calls_take(monkeypatch):
     with FakeTensorMode() as mode:
         fq, fk = mode.from_tensor(q), mode.from_tensor(k)
         assert sdpa.kernel(fq, fk, fk, None, None, True, 0.0, None) == eager
+
+
+# Sliding windows as chunked causal calls (sdpa.window_chunk).
+
+
+def _fused_stand_ins(monkeypatch):
+    """sdpa's two calls of PyTorch's fused kernels replaced by float64 formulas, so that the
+    chunking, the row reversals and the merge run on the CPU (through the interpreter) and are
+    checked without the fused kernels' rounding. The backward is FlashAttention's, from the out
+    and lse it is given, as the fused backwards compute it."""
+
+    def forward(q, k, v, scale, is_causal, which):
+        out, lse = reference.attention_forward(q, k, v, scale=scale, is_causal=is_causal)
+        return out.contiguous(), lse.contiguous()
+
+    def backward(grad_out, q, k, v, out, lse, scale, is_causal, which):
+        group = q.shape[2] // k.shape[2]
+        qt, gt, ot = (t.transpose(1, 2) for t in (q, grad_out, out))
+        kt, vt = (t.transpose(1, 2).repeat_interleave(group, 1) for t in (k, v))
+        s = (qt @ kt.transpose(-1, -2)) * scale
+        if is_causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        p = torch.exp(s - lse[..., None])
+        dp = gt @ vt.transpose(-1, -2)
+        ds = p * (dp - (gt * ot).sum(-1, keepdim=True)) * scale
+        b, h, lk, d = kt.shape
+        dk = (ds.transpose(-1, -2) @ qt).view(b, h // group, group, lk, d).sum(2)
+        dv = (p.transpose(-1, -2) @ gt).view(b, h // group, group, lk, -1).sum(2)
+        return tuple(t.transpose(1, 2).contiguous() for t in (ds @ kt, dk, dv))
+
+    monkeypatch.setattr(sdpa, "_forward", forward)
+    monkeypatch.setattr(sdpa, "_backward", backward)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's CPU run of the glue")
+@pytest.mark.parametrize(
+    "b,n,c,h,hkv,d",
+    [(1, 1, 8, 2, 2, 16), (2, 3, 8, 4, 2, 16), (1, 4, 5, 2, 1, 24)],
+    ids=["one-chunk", "gqa", "odd-chunk"],
+)
+def test_window_chunks_compute_the_window(monkeypatch, b, n, c, h, hkv, d):
+    """Chunks of c = left + 1 rows against themselves and (reversed) against the previous
+    chunk, merged: exactly the causal window of c keys, forward and backward."""
+    _fused_stand_ins(monkeypatch)
+    length, scale = n * c, d**-0.5
+    q = torch.randn(b, length, h, d, dtype=torch.float64)
+    k = torch.randn(b, length, hkv, d, dtype=torch.float64)
+    v = torch.randn(b, length, hkv, d, dtype=torch.float64)
+    g = torch.randn(b, length, h, d, dtype=torch.float64)
+    out, lse = sdpa._window_forward(q, k, v, scale, c, "cudnn")
+    grads = sdpa._window_backward(g, q, k, v, out, lse, scale, c, "cudnn")
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want, want_lse = reference.attention_forward(
+        *leaves, scale=scale, is_causal=True, window_size=(c - 1, 0)
+    )
+    want_grads = torch.autograd.grad(want, leaves, g)
+    # The merge, its lse and the added reversed rows are computed in float32 (the fused kernels
+    # give bf16/fp16 parts): a few float32 roundings of each value. A wrong row or weight
+    # errs by the values themselves.
+    for name, got, w in zip(
+        ("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (want, want_lse, *want_grads)
+    ):
+        bound = 8 * torch.finfo(torch.float32).eps * max(1.0, w.abs().max().item())
+        assert_close(got.double(), w, bound, name)
+
+
+def test_window_chunk_rules(monkeypatch):
+    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 4)
+    q, k, _ = _operands("meta", lq=32, lk=32)
+    assert sdpa.window_chunk(q, k, Band.of(True, (7, 0))) == 8
+    assert sdpa.window_chunk(q, k, Band.of(True, (7, -1))) == 8  # causal caps the right side
+    assert sdpa.window_chunk(q, k, Band.of(False, (7, 0))) == 8
+    assert sdpa.window_chunk(q, k, Band.of(True, (40, 0))) == 32  # the whole sequence: causal
+    assert sdpa.window_chunk(q, k, Band.of(True, (6, 0))) is None  # 32 is no multiple of 7
+    assert sdpa.window_chunk(q, k, Band.of(False, (7, 2))) is None  # keys right of the query
+    assert sdpa.window_chunk(q, k, Band.of(True, (-1, 0))) is None  # no window at all
+    assert sdpa.window_chunk(q, k, Band.of(True, (2, 0))) is None  # under WINDOW_MIN_KEYS
+    q16, _, _ = _operands("meta", lq=16, lk=32)
+    assert sdpa.window_chunk(q16, k, Band.of(True, (7, 0))) is None  # Lq != Lk
+
+
+@gpu
+@pytest.mark.parametrize("which", ["cudnn", "flash"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "c,n", [(64, 1), (64, 2), (128, 4)], ids=["one-chunk", "two-chunks", "four-chunks"]
+)
+def test_windowed_calls_run_fused_kernels_in_chunks(dispatch_on, monkeypatch, c, n, dtype, which):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 64)
+    case = Case(2, n * c, n * c, 8, 2, 128, 128)
+    only = SDPBackend.CUDNN_ATTENTION if which == "cudnn" else SDPBackend.FLASH_ATTENTION
+    with sdpa_kernel([only]):
+        operands = _operands("cuda", dtype, case.lq, case.lk, case.d, case.dv, case.h, case.hkv)
+        if sdpa.kernel(*operands, None, None, True, 0.0, None) is None:
+            pytest.skip(f"PyTorch's {which} kernel does not take this call here")
+        _check(case, dtype, True, window=(c - 1, 0))
+    assert dispatch_on == {"forward": [which], "backward": [which]}
+
+
+@gpu
+def test_windows_the_chunks_cannot_serve_stay_on_our_kernels(dispatch_on, monkeypatch):
+    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 64)
+    _check(Case(1, 200, 200, 4, 2, 64, 64), torch.bfloat16, True, window=(63, 0))  # 200 % 64
+    _check(Case(1, 256, 256, 4, 2, 64, 64), torch.bfloat16, False, window=(63, 5))
+    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 128)
+    _check(Case(1, 256, 256, 4, 2, 64, 64), torch.bfloat16, True, window=(63, 0))
+    assert dispatch_on == {"forward": [], "backward": []}
