@@ -144,6 +144,9 @@ def attention_forward(
         )
         return chunked.join_sinks(*result, sinks)
     if p.path == SDPA:
+        tail = sdpa.window_tail(query, key, p.band)
+        if tail:
+            return _window_tail_forward(query, key, value, scale, is_causal, p, window, tail)
         return sdpa.forward(query, key, value, scale, p.band, p.fused)
     band = p.band
     if p.path == DECODE:
@@ -283,6 +286,12 @@ def attention_backward(
         delta = chunked.row_delta(out, grad_out, grad_lse)
         return (*grads, chunked.sinks_grad(sinks, lse, lse_rem, delta))
     if p.path == SDPA:
+        tail = sdpa.window_tail(query, key, p.band)
+        if tail:
+            dq, dk, dvv = _window_tail_backward(
+                grad_out, query, key, value, out, lse, lse_rem, scale, is_causal, p, window, tail
+            )
+            return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device), no_sinks
         dq, dk, dvv = sdpa.backward(grad_out, query, key, value, out, lse, scale, p.band, p.fused)
         return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device), no_sinks
     band, dbias_mode, cfgs = p.band, p.dbias, p.configs
@@ -511,6 +520,40 @@ def _launch_backward(
             GROUP_COLS=group_cols,
             num_warps=1 if interpreter_on() else 4,
         )  # fmt: skip
+
+
+# A chunked window call (sdpa.py) whose length is not a multiple of its chunk: the whole chunks
+# through PyTorch's kernels, the rows after them through ours (against every key: a dense call
+# with Lq < Lk, which the band bounds to the window).
+
+
+def _window_tail_forward(query, key, value, scale, is_causal, p, window, tail):
+    head = query.shape[1] - tail
+    out, lse, lse_rem = sdpa.forward(
+        query[:, :head], key[:, :head], value[:, :head], scale, p.band, p.fused
+    )
+    out_t, lse_t, rem_t = attention_forward(
+        query[:, head:], key, value, None, None, scale, is_causal, 0.0, None, window
+    )
+    return torch.cat((out, out_t), 1), torch.cat((lse, lse_t), 2), torch.cat((lse_rem, rem_t), 2)
+
+
+def _window_tail_backward(
+    grad_out, query, key, value, out, lse, lse_rem, scale, is_causal, p, window, tail
+):  # fmt: skip
+    head = query.shape[1] - tail
+    dq, dk, dv = sdpa.backward(
+        grad_out[:, :head], query[:, :head], key[:, :head], value[:, :head], out[:, :head],
+        lse[:, :, :head], scale, p.band, p.fused,
+    )  # fmt: skip
+    dq_t, dk_t, dv_t, _, _ = attention_backward(
+        grad_out[:, head:], None, query[:, head:], key, value, out[:, head:], lse[:, :, head:],
+        lse_rem[:, :, head:], None, None, scale, is_causal, 0.0, None, False, False,
+        window,
+    )  # fmt: skip
+    dk_t[:, :head] += dk
+    dv_t[:, :head] += dv
+    return torch.cat((dq, dq_t), 1), dk_t, dv_t
 
 
 # Variable-length batches: packed (total, H, D) tensors and cu_seqlens.

@@ -20,7 +20,8 @@ PyTorch's own switches apply: `torch.backends.cuda.enable_cudnn_sdp(False)` /
 (no flash kernels) never take this path.
 
 Sliding windows. A causal window of C = left + 1 keys over L = n * C positions (self-attention)
-is two batched causal calls of the same kernels (`window_chunk` says when): the n chunks of C
+is two batched causal calls of the same kernels (`window_chunk` says when; the rows of a last
+partial chunk run on our kernels, launch.py): the n chunks of C
 rows against themselves, and each chunk's queries against the previous chunk's keys, which a
 query at row a of its chunk sees from row a + 1 on: reversed, the rows 0..C-2 of the queries and
 1..C-1 of the keys are causal again. The two parts are merged through their logsumexps
@@ -137,24 +138,30 @@ WINDOW_MIN_KEYS = 2048
 
 def window_chunk(query, key, band: Band) -> int | None:
     """C, the chunk of a windowed call that runs as chunked causal calls (module docstring): a
-    band of left + 1 keys ending at the query (causal, or right = 0), Lq == Lk a multiple of
-    left + 1, at least WINDOW_MIN_KEYS keys; a window as long as the sequence is one chunk, plain
-    causal attention. None for any other band."""
+    band of left + 1 keys ending at the query (causal, or right = 0), Lq == Lk, at least
+    WINDOW_MIN_KEYS keys; a window as long as the sequence is one chunk, plain causal attention.
+    None for any other band. Rows past the last whole chunk (window_tail) are not this module's:
+    launch.py runs them on our kernels."""
     if not band.has_window or band.right != 0 or band.left == UNBOUNDED:
         return None
     length = query.shape[1]
     c = band.left + 1
     if key.shape[1] != length or c < WINDOW_MIN_KEYS:
         return None
-    if c >= length:
-        return length
-    return c if length % c == 0 else None
+    return min(c, length)
+
+
+def window_tail(query, key, band: Band) -> int:
+    """How many query rows of a chunked window call (window_chunk) follow its last whole chunk;
+    0 for any other call."""
+    c = window_chunk(query, key, band)
+    return query.shape[1] % c if c else 0
 
 
 def forward(query, key, value, scale, band: Band, which):
     """(out (B, Lq, H, D), lse (B, H, Lq) float32, lse_rem zeros) of a dense call through the
     kernel `which` ("cudnn" or "flash"); a windowed one (window_chunk) in chunks."""
-    c = window_chunk(query, key, band)
+    c = _whole_chunks(query, key, band)
     if c is None:
         out, lse = _forward(query, key, value, scale, band.is_causal, which)
     else:
@@ -165,10 +172,20 @@ def forward(query, key, value, scale, band: Band, which):
 def backward(grad_out, query, key, value, out, lse, scale, band: Band, which):
     """dq, dk, dv of a dense call (no lse gradient), contiguous, in the inputs' dtypes, through
     the kernel `which`; a windowed one (window_chunk) in chunks."""
-    c = window_chunk(query, key, band)
+    c = _whole_chunks(query, key, band)
     if c is None:
         return _backward(grad_out, query, key, value, out, lse, scale, band.is_causal, which)
     return _window_backward(grad_out, query, key, value, out, lse, scale, c, which)
+
+
+def _whole_chunks(query, key, band: Band) -> int | None:
+    c = window_chunk(query, key, band)
+    if c is not None and query.shape[1] % c:
+        raise ValueError(
+            f"a chunked window call takes whole chunks of {c} rows, not {query.shape[1]}: the "
+            "rows past the last one run on our kernels (launch.py)"
+        )
+    return c
 
 
 def _forward(query, key, value, scale, is_causal, which):

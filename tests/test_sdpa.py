@@ -299,6 +299,37 @@ def test_window_chunks_compute_the_window(monkeypatch, b, n, c, h, hkv, d):
         assert_close(got.double(), w, bound, name)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's CPU run of the glue")
+@pytest.mark.parametrize("length,c", [(30, 8), (68, 24)], ids=["decode-tail", "dense-tail"])
+def test_window_tails_run_on_our_kernels(monkeypatch, length, c):
+    """A length that is no multiple of the chunk: the whole chunks through the (stand-in) fused
+    kernels, the rows after them through ours (decode or dense), joined in the op's forward and
+    backward: the causal window of c keys, against the oracle."""
+    _fused_stand_ins(monkeypatch)
+    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 4)
+    monkeypatch.setattr(sdpa, "kernel", lambda *args: "cudnn")
+    calls = []
+    real = sdpa.forward
+    monkeypatch.setattr(sdpa, "forward", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    q = torch.randn(1, length, 4, 16)
+    k, v = torch.randn(1, length, 2, 16), torch.randn(1, length, 2, 16)
+    g = torch.randn(1, length, 4, 16)
+    kw = dict(is_causal=True, window_size=(c - 1, 0), return_lse=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = dmattn_ops.attention(*leaves, **kw)
+    grads = torch.autograd.grad(out, leaves, g)
+    assert calls == [length - length % c]  # the whole chunks went to the fused kernels
+
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want, want_lse = reference.attention(*ref_leaves, **kw)
+    want_grads = torch.autograd.grad(want, ref_leaves, g.double())
+    for name, got, w in zip(
+        ("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (want, want_lse, *want_grads)
+    ):
+        # float32 kernels and stand-ins: a wrong row or part errs by the values themselves.
+        assert_close(got.double(), w.double(), 1e-4 * max(1.0, w.abs().max().item()), name)
+
+
 def test_window_chunk_rules(monkeypatch):
     monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 4)
     q, k, _ = _operands("meta", lq=32, lk=32)
@@ -306,7 +337,9 @@ def test_window_chunk_rules(monkeypatch):
     assert sdpa.window_chunk(q, k, Band.of(True, (7, -1))) == 8  # causal caps the right side
     assert sdpa.window_chunk(q, k, Band.of(False, (7, 0))) == 8
     assert sdpa.window_chunk(q, k, Band.of(True, (40, 0))) == 32  # the whole sequence: causal
-    assert sdpa.window_chunk(q, k, Band.of(True, (6, 0))) is None  # 32 is no multiple of 7
+    assert sdpa.window_chunk(q, k, Band.of(True, (6, 0))) == 7  # 4 rows after 4 chunks:
+    assert sdpa.window_tail(q, k, Band.of(True, (6, 0))) == 4  # those run on our kernels
+    assert sdpa.window_tail(q, k, Band.of(True, (7, 0))) == 0
     assert sdpa.window_chunk(q, k, Band.of(False, (7, 2))) is None  # keys right of the query
     assert sdpa.window_chunk(q, k, Band.of(True, (-1, 0))) is None  # no window at all
     assert sdpa.window_chunk(q, k, Band.of(True, (2, 0))) is None  # under WINDOW_MIN_KEYS
@@ -335,9 +368,17 @@ def test_windowed_calls_run_fused_kernels_in_chunks(dispatch_on, monkeypatch, c,
 
 
 @gpu
+@pytest.mark.parametrize("tail", [8, 40], ids=["decode-tail", "dense-tail"])
+def test_windowed_calls_with_a_partial_chunk(dispatch_on, monkeypatch, tail):
+    """The rows after the last whole chunk run on our kernels (decode or dense)."""
+    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 64)
+    _check(Case(2, 128 + tail, 128 + tail, 8, 2, 128, 128), torch.bfloat16, True, window=(63, 0))
+    assert len(dispatch_on["forward"]) == 1 and len(dispatch_on["backward"]) == 1
+
+
+@gpu
 def test_windows_the_chunks_cannot_serve_stay_on_our_kernels(dispatch_on, monkeypatch):
     monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 64)
-    _check(Case(1, 200, 200, 4, 2, 64, 64), torch.bfloat16, True, window=(63, 0))  # 200 % 64
     _check(Case(1, 256, 256, 4, 2, 64, 64), torch.bfloat16, False, window=(63, 5))
     monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 128)
     _check(Case(1, 256, 256, 4, 2, 64, 64), torch.bfloat16, True, window=(63, 0))
