@@ -383,3 +383,22 @@ def test_windows_the_chunks_cannot_serve_stay_on_our_kernels(dispatch_on, monkey
     monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 128)
     _check(Case(1, 256, 256, 4, 2, 64, 64), torch.bfloat16, True, window=(63, 0))
     assert dispatch_on == {"forward": [], "backward": []}
+
+
+@gpu
+def test_compiled_windowed_call_with_a_partial_chunk(dispatch_on, monkeypatch):
+    """Traced into a compiled graph: the chunks' copies and merge, both fused calls and the
+    tail on our kernels, forward and backward, against the oracle."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 64)
+
+    def attention(*args, **kwargs):
+        return dmattn_ops.attention(*args, **kwargs), torch.zeros(())
+
+    compiled = torch.compile(attention, fullgraph=True)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _check(
+            Case(2, 128 + 40, 128 + 40, 8, 2, 64, 64), torch.bfloat16, True,
+            fn=lambda *a, return_lse, **kw: compiled(*a, **kw), lse=False, window=(63, 0),
+        )  # fmt: skip
+    assert dispatch_on["forward"] and dispatch_on["backward"]
