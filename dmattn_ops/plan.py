@@ -6,9 +6,9 @@ The paths, in the order they are tried:
 * EMPTY: no query row or no key; the results are zeros (lse -inf), with no launch.
 * PYTORCH: chunked.py, where Triton cannot run (float64, CPU without TRITON_INTERPRET=1).
 * SDPA: PyTorch's fused cuDNN or FlashAttention kernels (sdpa.py): dense fp16/bf16 calls on
-  CUDA without sinks, and without a window but a long causal one over a multiple of its length
-  (sdpa.window_chunk); the backward also needs no lse gradient and deterministic=False (they
-  accumulate dq with atomics).
+  CUDA without sinks, and without a window but a long causal one (sdpa.window_chunk: chunked
+  calls; the rows after the last whole chunk run on our kernels); the backward also needs no
+  lse gradient and deterministic=False (they accumulate dq with atomics).
 * DECODE (forward only): a few queries against a long cache, split over the keys.
 * KEY_LISTS: a mask shared by all queries (B|1, Hkv|1, 1, Lk), or one per head without GQA:
   the kernels step over the sorted list of its allowed keys (tiles.build_key_lists); with
