@@ -10,7 +10,7 @@ import torch
 from helpers import Case, assert_close, low_precision_bound, param
 
 import dmattn_ops
-from dmattn_ops import reference, sdpa
+from dmattn_ops import chunked, reference, sdpa
 from dmattn_ops.tiles import Band
 
 gpu = pytest.mark.gpu
@@ -238,29 +238,21 @@ def test_traces_take_the_kernel_eager_calls_take(monkeypatch):
 
 
 def _fused_stand_ins(monkeypatch):
-    """sdpa's two calls of PyTorch's fused kernels replaced by float64 formulas, so that the
+    """sdpa's two calls of PyTorch's fused kernels replaced by float64 stand-ins, so that the
     chunking, the row reversals and the merge run on the CPU (through the interpreter) and are
-    checked without the fused kernels' rounding. The backward is FlashAttention's, from the out
-    and lse it is given, as the fused backwards compute it."""
+    checked without the fused kernels' rounding: the oracle's forward, and the chunked PyTorch
+    backward, which like the fused backwards works from the out and lse it is given."""
 
     def forward(q, k, v, scale, is_causal, which):
         out, lse = reference.attention_forward(q, k, v, scale=scale, is_causal=is_causal)
         return out.contiguous(), lse.contiguous()
 
     def backward(grad_out, q, k, v, out, lse, scale, is_causal, which):
-        group = q.shape[2] // k.shape[2]
-        qt, gt, ot = (t.transpose(1, 2) for t in (q, grad_out, out))
-        kt, vt = (t.transpose(1, 2).repeat_interleave(group, 1) for t in (k, v))
-        s = (qt @ kt.transpose(-1, -2)) * scale
-        if is_causal:
-            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-        p = torch.exp(s - lse[..., None])
-        dp = gt @ vt.transpose(-1, -2)
-        ds = p * (dp - (gt * ot).sum(-1, keepdim=True)) * scale
-        b, h, lk, d = kt.shape
-        dk = (ds.transpose(-1, -2) @ qt).view(b, h // group, group, lk, d).sum(2)
-        dv = (p.transpose(-1, -2) @ gt).view(b, h // group, group, lk, -1).sum(2)
-        return tuple(t.transpose(1, 2).contiguous() for t in (ds @ kt, dk, dv))
+        grads = chunked.backward(
+            grad_out, None, q, k, v, out, lse, torch.zeros_like(lse), None, None, scale,
+            is_causal, 0.0, None, False,
+        )  # fmt: skip
+        return grads[:3]
 
     monkeypatch.setattr(sdpa, "_forward", forward)
     monkeypatch.setattr(sdpa, "_backward", backward)
