@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dmattn_ops import chunked, configs, plan, sdpa
+from dmattn_ops import chunked, configs, hopper, plan, sdpa
 from dmattn_ops._alloc import empty
 from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
 from dmattn_ops.chunked import stats_dtype
@@ -158,14 +158,18 @@ def attention_forward(
     tables = lists = None
     if p.path == KEY_LISTS:
         lists = build_key_lists(
-            mask, seqused_k, b, lq, lk, band, cfg.block_m,
-            PackFrom(key, value, bias, h) if p.pack else None,
+            mask, seqused_k, b, lq, lk, band, hopper.BLOCK_M if p.hopper else cfg.block_m,
+            PackFrom(key, value, bias, h, zero_tail=p.hopper) if p.pack else None,
         )  # fmt: skip
     elif p.path == TILE_TABLES:
         tables = build_tables(mask, seqused_k, b, lq, lk, band, cfg.block_m, cfg.block_n)
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
     lse_rem = empty((b, h, lq), dtype=torch.float32, device=query.device)
+    if p.hopper:
+        mask_div = head_div(mask, h, key.shape[2])
+        hopper.forward(query, lists, out, lse, lse_rem, scale, band.is_causal, mask_div)
+        return out, lse, lse_rem
     _launch_forward(
         query, key, value, mask, bias, seqused_k, None, None, out, lse, lse_rem,
         b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, band, softcap, sinks,
@@ -326,7 +330,7 @@ def attention_backward(
         query, key, value, grad_out, mask, bias, seqused_k, None, None,
         RowStats(stats, out, grad_lse, lse, lse_rem), dq, dk, dvv, dbias_cols, dbias_direct,
         b, lq, lk, lq, lk, (h * lq, lq), col_strides, tables, dq_tables, lists, lists, cfgs,
-        scale, band, softcap, group_cols=dbias_mode == "group",
+        scale, band, softcap, group_cols=dbias_mode == "group", on_hopper=p.hopper,
     )  # fmt: skip
     if dbias_bcast is not None:
         _launch_dbias_bcast(
@@ -423,6 +427,7 @@ def _launch_backward(
     query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, rows: RowStats,
     dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
     tables, dq_tables, lists, dkdv_lists, cfgs, scale, band, softcap, group_cols=False,
+    on_hopper=False,
 ):  # fmt: skip
     """The dq kernel, which also writes rows.stats, then the dk/dv kernels that read them, over
     4-D views as in _launch_forward, with their own tile configs (cfgs: BackwardConfigs). The
@@ -431,7 +436,8 @@ def _launch_backward(
     query head under GQA (one key list per KV group is needed). group_cols: dbias_cols is the
     bias gradient (B, Hkv, 1, Lk) itself, summed over each KV group's heads by the kernels.
     Key lists with packed rows (no DBIAS_DIRECT): the dq kernel reads those (PACKED); the
-    dk/dv kernels read key, value and bias through the lists."""
+    dk/dv kernels read key, value and bias through the lists, or (on_hopper) hopper.py's dK/dV
+    kernel reads the packed rows."""
     h, d = query.shape[2], query.shape[3]
     hkv, d_v = key.shape[2], value.shape[3]
     kv, qc = cfgs.dkdv, cfgs.dq
@@ -470,14 +476,14 @@ def _launch_backward(
         **_meta(qc, d, d_v, band, query.dtype),
     )  # fmt: skip
 
-    nk = cdiv(span_k, kv.block_n)
+    nk = hopper.dkdv_programs(lk) if on_hopper else cdiv(span_k, kv.block_n)
     g = h // hkv
     split = 1
     if cu_q is None:
         split = configs.dkdv_split(
             g, nk * b * hkv, _sm_count(query.device), b * hkv * lk * (d + d_v) * 4,
             query.numel() * query.element_size(), listed=dkdv_lists is not None,
-            query_tiles=cdiv(span_q, kv.block_m),
+            query_tiles=cdiv(span_q, hopper.DKDV_BLOCK_M if on_hopper else kv.block_m),
         )  # fmt: skip
     part_dk = part_dv = part_db = None
     if split > 1:
@@ -488,24 +494,30 @@ def _launch_backward(
     # Batched key lists are permutations of the keys (tiles.KeyLists): the dk/dv kernels write
     # zeros at the keys no list holds.
     zero_unlisted = dkdv_lists is not None and cu_q is None
-    attention_bwd_dkdv_kernel[(nk, b * hkv * split)](
-        query, key, value, grad_out, None if dkdv_lists else mask, bias,
-        seqused_k, cu_q, cu_k, rows.stats,
-        tables.q_num if tables else None, tables.q_idx if tables else None,
-        tables.q_lo if tables else None, tables.q_hi if tables else None,
-        dkdv_lists.keys if dkdv_lists else None, dkdv_lists.key_count if dkdv_lists else None,
-        dk, dv, dbias_cols, part_dk, part_dv, part_db, *strides,
-        tables.stride_bt if tables else 0, nk,
-        dkdv_lists.keys_stride_b if dkdv_lists else 0,
-        dkdv_lists.keys_stride_h if dkdv_lists else 0,
-        dkdv_lists.count_stride_b if dkdv_lists else 0, *lse_strides, *col_strides,
-        h, hkv, g, lq, lk, d, d_v, cdiv(span_q, kv.block_m), mask_div, bias_div,
-        float(scale), float(softcap), split, *band.args(),
-        HAS_MASK=0 if dkdv_lists else operand_kind(mask),
-        DBIAS_COLS=dbias_cols is not None, GROUP_COLS=group_cols,
-        COMPACT=dkdv_lists is not None, ZERO_UNLISTED=zero_unlisted, PARTIAL=split > 1,
-        **flags, **_meta(kv, d, d_v, band, query.dtype),
-    )  # fmt: skip
+    if on_hopper:
+        hopper.dkdv(
+            query, grad_out, rows.stats, dkdv_lists, dk, dv, None if split > 1 else dbias_cols,
+            (part_dk, part_dv, part_db), scale, band.is_causal, mask_div, split,
+        )  # fmt: skip
+    else:
+        attention_bwd_dkdv_kernel[(nk, b * hkv * split)](
+            query, key, value, grad_out, None if dkdv_lists else mask, bias,
+            seqused_k, cu_q, cu_k, rows.stats,
+            tables.q_num if tables else None, tables.q_idx if tables else None,
+            tables.q_lo if tables else None, tables.q_hi if tables else None,
+            dkdv_lists.keys if dkdv_lists else None, dkdv_lists.key_count if dkdv_lists else None,
+            dk, dv, dbias_cols, part_dk, part_dv, part_db, *strides,
+            tables.stride_bt if tables else 0, nk,
+            dkdv_lists.keys_stride_b if dkdv_lists else 0,
+            dkdv_lists.keys_stride_h if dkdv_lists else 0,
+            dkdv_lists.count_stride_b if dkdv_lists else 0, *lse_strides, *col_strides,
+            h, hkv, g, lq, lk, d, d_v, cdiv(span_q, kv.block_m), mask_div, bias_div,
+            float(scale), float(softcap), split, *band.args(),
+            HAS_MASK=0 if dkdv_lists else operand_kind(mask),
+            DBIAS_COLS=dbias_cols is not None, GROUP_COLS=group_cols,
+            COMPACT=dkdv_lists is not None, ZERO_UNLISTED=zero_unlisted, PARTIAL=split > 1,
+            **flags, **_meta(kv, d, d_v, band, query.dtype),
+        )  # fmt: skip
     if split > 1:
         block_r = 16 if interpreter_on() else 64
         attention_bwd_dkdv_reduce_kernel[(cdiv(lk, block_r), b * hkv)](

@@ -13,7 +13,8 @@ The paths, in the order they are tried:
 * KEY_LISTS: a mask shared by all queries (B|1, Hkv|1, 1, Lk), or one per head without GQA:
   the kernels step over the sorted list of its allowed keys (tiles.build_key_lists); with
   `pack`, the forward and dq kernels read those keys' K, V and per-key bias rows copied in list
-  order (packed keys).
+  order (packed keys); with `hopper`, the forward and the dK/dV pass run the warp-specialised
+  Gluon kernels of hopper.py on them (sm_90).
 * TILE_TABLES: any other mask: tables of the tiles it allows (tiles.build_tables).
 * DENSE: no mask: every key tile the band (causality, a window) lets a query tile see.
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dmattn_ops import configs, sdpa
+from dmattn_ops import configs, hopper, sdpa
 from dmattn_ops._triton import available, interpreter_on
 from dmattn_ops.configs import Config
 from dmattn_ops.tiles import PER_ENTRY, Band, compactable, operand_kind
@@ -143,13 +144,15 @@ def _mask_path(mask, h: int, hkv: int) -> str:
 @dataclass(frozen=True)
 class ForwardPlan:
     """path (above); band: causality and the window as the kernels take them; fused: SDPA's
-    kernel ("cudnn" or "flash"); pack: a key-list call copies its keys' rows; config: the
-    forward kernel's tiles (Triton paths but DECODE, whose launcher picks its own)."""
+    kernel ("cudnn" or "flash"); pack: a key-list call copies its keys' rows; hopper: a packed
+    key-list call runs hopper.py's forward; config: the forward kernel's tiles (Triton paths
+    but DECODE, whose launcher picks its own)."""
 
     path: str
     band: Band
     fused: str | None = None
     pack: bool = False
+    hopper: bool = False
     config: Config | None = None
 
 
@@ -169,8 +172,11 @@ def forward_plan(
         return ForwardPlan(DECODE, band)
     path = _mask_path(mask, h, hkv)
     pack = path == KEY_LISTS and _packs(bias)
+    on_hopper = pack and hopper.applies(
+        query, key, value, bias, is_causal, softcap, seqused_k, band, sinks, None
+    )
     cfg = config("fwd", query, value, mask, bias, lq, band, _key_reads(path, pack))
-    return ForwardPlan(path, band, pack=pack, config=cfg)
+    return ForwardPlan(path, band, pack=pack, hopper=on_hopper, config=cfg)
 
 
 # How the backward writes dbias (BackwardPlan.dbias), by the bias's shape:
@@ -190,13 +196,15 @@ def _dbias_mode(bias, b: int, hkv: int, h: int) -> str:
 @dataclass(frozen=True)
 class BackwardPlan:
     """path (above); band; fused: SDPA's kernel; dbias: DBIAS_MODES or None (no dbias); pack:
-    the dq kernel reads packed keys; configs: the dk/dv and dq kernels' tiles (Triton paths)."""
+    the dq kernel reads packed keys; hopper: the dK/dV pass runs hopper.py's kernel on them;
+    configs: the dk/dv and dq kernels' tiles (Triton paths)."""
 
     path: str
     band: Band
     fused: str | None = None
     dbias: str | None = None
     pack: bool = False
+    hopper: bool = False
     configs: BackwardConfigs | None = None
 
 
@@ -223,5 +231,8 @@ def backward_plan(
     if path == KEY_LISTS and dbias == "bcast":
         path = TILE_TABLES
     pack = path == KEY_LISTS and _packs(bias) and dbias != "direct"
+    on_hopper = pack and hopper.applies(
+        query, key, value, bias, is_causal, softcap, seqused_k, band, sinks, dbias
+    )
     cfgs = backward_configs(query, value, mask, bias, lq, band, _key_reads(path, pack))
-    return BackwardPlan(path, band, dbias=dbias, pack=pack, configs=cfgs)
+    return BackwardPlan(path, band, dbias=dbias, pack=pack, hopper=on_hopper, configs=cfgs)

@@ -185,7 +185,8 @@ def build_tables(mask, seqused_k, b, lq, lk, band: Band, block_m, block_n, mask_
 class Packed:
     """K, V and the per-key bias rows of a key-list call in list order (build_key_lists with
     `pack`): what the forward and dq kernels read in place of key, value and bias (their
-    COMPACT=PACKED). Rows past each list's count are unwritten and never read."""
+    COMPACT=PACKED). Rows past each list's count are unwritten and never read by the Triton
+    kernels (V's are zeros where PackFrom.zero_tail asked for them)."""
 
     key: torch.Tensor  # (B, Lk, Hkv, D), contiguous
     value: torch.Tensor  # (B, Lk, Hkv, Dv), contiguous
@@ -194,12 +195,14 @@ class Packed:
 
 class PackFrom(NamedTuple):
     """What build_key_lists packs: key and value (B, Lk, Hkv, D|Dv), the per-key bias (or None)
-    and the query heads H."""
+    and the query heads H; zero_tail: the packed V rows past each list are zeros (the Hopper
+    kernels read whole tiles of them)."""
 
     key: torch.Tensor
     value: torch.Tensor
     bias: torch.Tensor | None
     heads: int
+    zero_tail: bool = False
 
 
 @dataclass
@@ -253,7 +256,7 @@ def build_key_lists(
         key_strides = value_strides = (0, 0, 0, 0)
         d = dv = 16
     else:
-        key, value, bias, h = pack
+        key, value, bias, h, _ = pack
         rows, groups, d, dv = b, key.shape[2], key.shape[3], value.shape[3]
         g = h // groups
         mask_div, bias_div = head_div(mask, h, groups), head_div(bias, h, groups)
@@ -279,7 +282,8 @@ def build_key_lists(
         sb, sh, sn, keys_stride_b, lk, end_stride_b, count_stride_b,
         groups, g, lq, lk, nq, d, dv, mask_div, bias_div, bias_heads, *band.args(),
         HAS_SEQUSED=seqused_k is not None, **band.flags(), PACK=pack is not None,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, CHUNK=chunk,
+        ZERO_TAIL=pack is not None and pack.zero_tail, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, CHUNK=chunk,
         SCAN=256 if interpreted else 4096, BLOCK_T=64 if interpreted else 512,
         BLOCK_D=block_d, BLOCK_DV=block_d, num_warps=1 if interpreted else 4,
     )  # fmt: skip

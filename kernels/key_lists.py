@@ -85,6 +85,7 @@ def key_lists_kernel(
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     PACK: tl.constexpr,
+    ZERO_TAIL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -113,7 +114,9 @@ def key_lists_kernel(
     PACK: rows of K and V (B, Lk, Hkv, D|Dv) at the chunk's allowed keys below n go to their
     list positions of K_OUT / V_OUT (contiguous, the same shapes), and the per-key bias of each
     query head the group's bias rows serve to BIAS_OUT (contiguous (B, Hkv * BIAS_HEADS, Lk)).
-    Positions at or past the count are not written: the attention kernels never read them."""
+    Positions at or past the count are not written: the Triton kernels never read them; with
+    ZERO_TAIL, V_OUT's rows there are zeros (kernels/hopper.py loads whole tiles by TMA, and its
+    P = 0 there must not meet NaN in a product)."""
     i_c = tl.program_id(0)
     i_bg = tl.program_id(1)
     i_b = (i_bg // Hkv).to(tl.int64)
@@ -161,6 +164,17 @@ def key_lists_kernel(
                 )
                 o_out = ((i_b * Hkv + i_g) * BIAS_HEADS + jh) * Lk + o_r
                 tl.store(BIAS_OUT + o_out, b_bias, mask=m_r)
+        if ZERO_TAIL:
+            # Every position at or past the count holds one key of some chunk: an unlisted key
+            # (placed from the end) or a listed one at or past n.
+            m_z = in_k & ((a == 0) | (j >= n))
+            o_z = tl.where(a != 0, inclusive - 1, Lk - (j + 1 - inclusive)).to(tl.int64)
+            i_dv = tl.arange(0, BLOCK_DV)
+            zeros = tl.zeros([CHUNK, BLOCK_DV], dtype=V_OUT.dtype.element_ty)
+            tl.store(
+                V_OUT + (i_b * Lk * Hkv + i_g) * Dv + o_z[:, None] * (Hkv * Dv) + i_dv[None, :],
+                zeros, mask=m_z[:, None] & (i_dv[None, :] < Dv),
+            )  # fmt: skip
 
     i_t = i_b * end_stride_b + i_hm * NQ
     last = tl.where(n > 0, (n - 1) // CHUNK, 0)

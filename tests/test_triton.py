@@ -714,13 +714,16 @@ def test_key_lists_kernel_matches_direct_counting(bm, seq, is_causal, lq, lk, bl
         assert torch.equal(g_.cpu().reshape(w.shape), w), name
 
 
+@pytest.mark.parametrize("zero_tail", [False, True], ids=["tail-unwritten", "zero-tail"])
 @pytest.mark.parametrize(
     "mask_heads, bias_heads", [(2, 2), (1, 6), (2, None)], ids=["group", "shared", "no-bias"]
 )
-def test_key_lists_pack_listed_rows(mask_heads, bias_heads):
+def test_key_lists_pack_listed_rows(mask_heads, bias_heads, zero_tail):
     """Packed rows are K, V and the bias at the listed keys in list order, for every batch and
     KV group, up to the count below seqused_k: a mask per KV group, or one shared by all heads
-    and broadcast over the batch; a bias per KV group, per query head, or none."""
+    and broadcast over the batch; a bias per KV group, per query head, or none. With
+    zero_tail (the Hopper kernels' packing), V's rows past the count are zeros (conftest fills
+    fresh buffers with NaN, so an unwritten row shows)."""
     if DEVICE == "cpu" and not launch.interpreter_on():
         pytest.skip("needs CUDA or the interpreter")
     b, h, hkv, lk, d, dv = 3, 6, 2, 300, 24, 40
@@ -731,7 +734,9 @@ def test_key_lists_pack_listed_rows(mask_heads, bias_heads):
     seqused = torch.tensor([lk, 170, 0], dtype=torch.int32)
     lists = launch.build_key_lists(
         mask.to(DEVICE), seqused.to(DEVICE), b, 50, lk, Band.of(True, (-1, -1)), 16,
-        PackFrom(k.to(DEVICE), v.to(DEVICE), None if bias is None else bias.to(DEVICE), h),
+        PackFrom(
+            k.to(DEVICE), v.to(DEVICE), None if bias is None else bias.to(DEVICE), h, zero_tail
+        ),
     )  # fmt: skip
     packed = lists.packed
     per_group = 1 if bias_heads != h else h // hkv
@@ -744,6 +749,8 @@ def test_key_lists_pack_listed_rows(mask_heads, bias_heads):
             keys = lists.keys[i % mask.shape[0], hm, :n].cpu().long()
             assert torch.equal(packed.key[i, :n, group].cpu(), k[i, keys, group])
             assert torch.equal(packed.value[i, :n, group].cpu(), v[i, keys, group])
+            if zero_tail:
+                assert (packed.value[i, n:, group] == 0).all()
             for j in range(per_group if bias is not None else 0):
                 src = bias[i, group * per_group + j if bias_heads == h else group, 0]
                 got = packed.bias[i, group * per_group + j, 0, :n].cpu()

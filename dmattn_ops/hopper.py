@@ -1,0 +1,247 @@
+"""Key-list calls on Hopper through warp-specialised Gluon kernels (kernels/hopper.py): opt-in.
+
+On an sm_90 GPU with DMATTN_HOPPER=1, the forward and the dK/dV pass of key-list calls with
+packed keys (the DMA pattern: a mask shared by all queries with one key list per KV group,
+causal or not, a per-key bias or none) run FlashAttention-3-shaped kernels: a TMA loader warp
+and two consumer warpgroups per program. The dq pass, the key lists, the packing and the
+reduction of split dK/dV parts stay on the Triton kernels.
+
+Why opt-in (bench/NOTES.md 70): on dense calls these kernels' prototypes run 1.25-1.35x the
+TFLOP/s of our Triton kernels (the forward at cuDNN's rate), but on today's key-list calls they
+are slower (the model's call: forward 0.136 ms against 0.096, dK/dV 0.321 against 0.205): one
+program per SM, short programs whose set-up is not overlapped, list entries and row statistics
+loaded on the consumers' critical path, and spills in the dK/dV consumers. They are exact
+(tests/test_hopper.py, on the GPU), and the plumbing (plan flag, custom ops, packed V rows
+zeroed past each list) is what the next kernels plug into.
+
+Gluon kernels cannot go through `torch.library.wrap_triton` (Inductor re-emits a user kernel's
+source under `@triton.jit`), so each launch is a custom op of its own, `dmattn::_hopper_forward`
+and `dmattn::_hopper_dkdv`, mutating the buffers the launcher allocated: eagerly a direct call,
+and in a compiled graph one extern node each.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+from dmattn_ops._triton import cdiv, interpreter_on
+
+# Tiles: a consumer warpgroup takes BLOCK_M query rows (forward; a program has two) or
+# DKDV_BLOCK_N keys (dK/dV); the ring of K/V (forward) or Q/dO (dK/dV) tiles has STAGES slots.
+# Shared memory: forward 32 KB of Q + 3 x 64 KB of K and V; dK/dV 64 KB of K and V + 2 x 32 KB.
+BLOCK_M = 64
+FWD_BLOCK_N, FWD_STAGES = 128, 3
+DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 64, 64, 2
+HEAD_DIMS = (128,)
+DTYPES = (torch.float16, torch.bfloat16)
+# kernels/hopper.py's register split: the loader warp gives its registers to the consumers.
+MAXNREG = 168
+
+
+def enabled() -> bool:
+    """On where DMATTN_HOPPER=1 (read per call); off by default (module docstring)."""
+    return os.environ.get("DMATTN_HOPPER", "0") == "1"
+
+
+@functools.cache
+def _gluon_found() -> bool:
+    # find_spec of a submodule imports its parents: only asked for CUDA tensors on sm_90.
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon") is not None
+    except ImportError:
+        return False
+
+
+def _sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A 4-D operand a TMA descriptor can take: unit stride on the last dim, other strides and
+    the storage offset multiples of 16 bytes."""
+    size = t.element_size()
+    return (
+        t.stride(3) == 1
+        and all(s * size % 16 == 0 for s in t.stride()[:3])
+        and t.storage_offset() * size % 16 == 0
+    )
+
+
+def applies(query, key, value, bias, is_causal, softcap, seqused_k, band, sinks, dbias) -> bool:
+    """Whether a key-list call with packed keys (the plan's KEY_LISTS with pack) takes the
+    Hopper kernels: DMATTN_HOPPER=1, CUDA sm_90 with Gluon, fp16/bf16, D = Dv = 128, no
+    window, softcap, sinks or seqused_k, a per-key bias shared by a KV group's heads or per
+    head, dbias none or "group", and TMA-ready Q (the packed K/V are). dbias: the backward's
+    mode, or None."""
+    if not (enabled() and query.is_cuda and not interpreter_on()):
+        return False
+    if query.dtype not in DTYPES or query.shape[3] not in HEAD_DIMS:
+        return False
+    if value.shape[3] != query.shape[3] or band.has_window or softcap > 0:
+        return False
+    if sinks is not None or seqused_k is not None or dbias not in (None, "group"):
+        return False
+    h, hkv = query.shape[2], key.shape[2]
+    if bias is not None and bias.shape[1] not in (1, hkv, h):
+        return False
+    return _tma_ready(query) and _sm90(query.device) and _gluon_found()
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """A TMA descriptor of 4-D t (B, L, heads, D) with [1, rows, 1, D] boxes."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if not _tma_ready(t):
+        t = t.contiguous()
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
+    block = [1, rows, 1, t.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _list_strides(keys, key_end, key_count):
+    """(keys_stride_b, keys_stride_h, end_stride_b, count_stride_b) of tiles.KeyLists' tensors,
+    0 on a broadcast batch."""
+    keys_b = keys.stride(0) if keys.shape[0] > 1 else 0
+    end_b = key_end.stride(0) if key_end.shape[0] > 1 else 0
+    count_b = key_count.stride(0) if key_count.shape[0] > 1 else 0
+    return keys_b, keys.stride(1), end_b, count_b
+
+
+def _or(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    """An absent operand's pointer argument: Gluon's worker partitions take no None, and the
+    kernel's constexpr flags keep it unread."""
+    return stand_in if t is None else t
+
+
+def _bias_rows(bias, hkv: int) -> tuple[int, int]:
+    """(bias_heads, bias_head_mul) of a packed bias (B, Hkv * bias_heads, 1, Lk)."""
+    if bias is None:
+        return 1, 0
+    heads = bias.shape[1] // hkv
+    return heads, int(heads > 1)
+
+
+@torch.library.custom_op("dmattn::_hopper_forward", mutates_args=("out", "lse", "lse_rem"))
+def _hopper_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor | None,
+    keys: torch.Tensor,
+    key_end: torch.Tensor,
+    key_count: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    lse_rem: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    mask_div: int,
+) -> None:
+    """kernels/hopper.py hopper_fwd_kernel: query (B, Lq, H, D); key, value the packed rows
+    (B, Lk, Hkv, D) with V zero past each list; bias the packed (B, Hkv * heads, 1, Lk) or None;
+    the key lists (tiles.KeyLists, key_end per BLOCK_M-row tile); out (B, Lq, H, D) contiguous,
+    lse and lse_rem (B, H, Lq) float32."""
+    from dmattn_ops.kernels.hopper import hopper_fwd_kernel
+
+    b, lq, h, d = query.shape
+    lk, hkv = key.shape[1], key.shape[2]
+    bias_heads, bias_mul = _bias_rows(bias, hkv)
+    hopper_fwd_kernel[(cdiv(lq, 2 * BLOCK_M), b * h)](
+        _descriptor(query, BLOCK_M), _descriptor(key, FWD_BLOCK_N),
+        _descriptor(value, FWD_BLOCK_N), out, lse, lse_rem, _or(bias, keys), keys, key_end,
+        key_count,
+        out.stride(0), out.stride(1), out.stride(2), *_list_strides(keys, key_end, key_count),
+        bias_heads, bias_mul, h, h // hkv, lq, lk, key_end.shape[2], mask_div, float(scale),
+        IS_CAUSAL=is_causal, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=FWD_BLOCK_N,
+        D=d, STAGES=FWD_STAGES, num_warps=4, maxnreg=MAXNREG,
+    )  # fmt: skip
+
+
+@_hopper_forward.register_fake
+def _(*args) -> None:
+    return None
+
+
+@torch.library.custom_op(
+    "dmattn::_hopper_dkdv", mutates_args=("dk", "dv", "dbias", "part_dk", "part_dv", "part_db")
+)
+def _hopper_dkdv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    grad_out: torch.Tensor,
+    stats: torch.Tensor,
+    bias: torch.Tensor | None,
+    keys: torch.Tensor,
+    key_count: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    dbias: torch.Tensor | None,
+    part_dk: torch.Tensor | None,
+    part_dv: torch.Tensor | None,
+    part_db: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+    mask_div: int,
+    split: int,
+) -> None:
+    """kernels/hopper.py hopper_dkdv_kernel: key, value and bias the packed rows; stats the dq
+    kernel's (B, H, Lq, 4) row statistics; dk, dv (B, Lk, Hkv, D) and dbias (B, Hkv, 1, Lk)
+    written at the keys (zeros at keys no list holds), or with split > 1 the float32 parts
+    (split, B * Hkv, Lk, D) at list positions for attention_bwd_dkdv_reduce_kernel."""
+    from dmattn_ops.kernels.hopper import hopper_dkdv_kernel
+
+    b, lq, h, d = query.shape
+    lk, hkv = key.shape[1], key.shape[2]
+    bias_heads, bias_mul = _bias_rows(bias, hkv)
+    keys_b, keys_h, _, count_b = _list_strides(keys, keys, key_count)
+    db_strides = (dbias.stride(0), dbias.stride(1)) if dbias is not None else (0, 0)
+    hopper_dkdv_kernel[(cdiv(lk, 2 * DKDV_BLOCK_N), b * hkv * split)](
+        _descriptor(query, DKDV_BLOCK_M), _descriptor(key, DKDV_BLOCK_N),
+        _descriptor(value, DKDV_BLOCK_N), _descriptor(grad_out, DKDV_BLOCK_M), stats,
+        _or(bias, keys), keys, key_count, dk, dv, _or(dbias, dk), _or(part_dk, stats),
+        _or(part_dv, stats), _or(part_db, stats),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        *db_strides, keys_b, keys_h, count_b, bias_heads, bias_mul, h, h // hkv, lq, lk,
+        mask_div, float(scale), split, IS_CAUSAL=is_causal, HAS_BIAS=bias is not None,
+        DBIAS_COLS=dbias is not None or part_db is not None, PARTIAL=split > 1,
+        BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, D=d, STAGES=DKDV_STAGES, num_warps=4,
+        maxnreg=MAXNREG,
+    )  # fmt: skip
+
+
+@_hopper_dkdv.register_fake
+def _(*args) -> None:
+    return None
+
+
+def forward(query, lists, out, lse, lse_rem, scale, is_causal, mask_div) -> None:
+    """The forward of a key-list call whose lists were built with BLOCK_M-row tiles and packed
+    with PackFrom(zero_tail=True)."""
+    packed = lists.packed
+    torch.ops.dmattn._hopper_forward(
+        query, packed.key, packed.value, packed.bias, lists.keys, lists.key_end,
+        lists.key_count, out, lse, lse_rem, float(scale), bool(is_causal), int(mask_div),
+    )  # fmt: skip
+
+
+def dkdv(query, grad_out, stats, lists, dk, dv, dbias, parts, scale, is_causal, mask_div, split):
+    """The dK/dV pass of a key-list call with packed keys; parts: (part_dk, part_dv, part_db)
+    with split > 1, else Nones."""
+    packed = lists.packed
+    torch.ops.dmattn._hopper_dkdv(
+        query, packed.key, packed.value, grad_out, stats, packed.bias, lists.keys,
+        lists.key_count, dk, dv, dbias, *parts, float(scale), bool(is_causal), int(mask_div),
+        int(split),
+    )  # fmt: skip
+
+
+def dkdv_programs(lk: int) -> int:
+    """Key tiles of the dK/dV grid per (batch, KV group)."""
+    return cdiv(lk, 2 * DKDV_BLOCK_N)

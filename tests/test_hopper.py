@@ -1,0 +1,178 @@
+"""The Hopper kernels of packed key-list calls (dmattn_ops/hopper.py, kernels/hopper.py) against
+the float64 oracle, on an sm_90 GPU; elsewhere only the plan's choice is checked."""
+
+import math
+
+import pytest
+import torch
+from helpers import Case, assert_close
+from test_triton import run_case
+
+import dmattn_ops
+from dmattn_ops import configs, plan, reference
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+
+
+@pytest.fixture(autouse=True)
+def hopper_on(monkeypatch):
+    """The path is opt-in (dmattn_ops/hopper.py): these tests opt in."""
+    monkeypatch.setenv("DMATTN_HOPPER", "1")
+
+
+def topk_mask(b, hkv, lk, k, device, skip_first=0):
+    """A DMA mask: the top k of random scores per (batch, KV group), keys below skip_first never
+    kept (their rows see no key under causality)."""
+    scores = torch.randn(b, hkv, lk, device=device)
+    scores[..., :skip_first] = -math.inf
+    idx = scores.topk(k, dim=-1).indices
+    return torch.zeros(b, hkv, lk, dtype=torch.bool, device=device).scatter_(-1, idx, True)[
+        :, :, None
+    ]
+
+
+def test_plan_takes_hopper_only_where_it_applies(monkeypatch):
+    c = Case(2, 300, 300, 8, 2, 128, 128)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(c.b, c.lq, c.h, c.d, dtype=torch.bfloat16, device=dev)
+    k = torch.randn(c.b, c.lk, c.hkv, c.d, dtype=torch.bfloat16, device=dev)
+    mask = topk_mask(c.b, c.hkv, c.lk, 64, dev)
+    bias = torch.randn(c.b, c.hkv, 1, c.lk, dtype=torch.bfloat16, device=dev)
+    args = (q, k, k, mask, bias, True, 0.0, None)
+    p = plan.forward_plan(*args)
+    assert p.path == plan.KEY_LISTS and p.pack and p.hopper == ON_HOPPER
+    assert plan.backward_plan(*args, None, False, True).hopper == ON_HOPPER
+    # What keeps a call on the Triton kernels.
+    assert not plan.forward_plan(*args[:6], 30.0, None).hopper  # softcap
+    assert not plan.forward_plan(*args, window=(64, 0)).hopper
+    assert not plan.forward_plan(q.float(), k.float(), k.float(), *args[3:]).hopper
+    assert not plan.forward_plan(q[..., :64], k[..., :64], k[..., :64], *args[3:]).hopper
+    per_entry = bias.expand(c.b, c.hkv, c.lq, c.lk).contiguous()
+    assert not plan.forward_plan(*args[:4], per_entry, *args[5:]).hopper
+    monkeypatch.setenv("DMATTN_HOPPER", "0")
+    assert not plan.forward_plan(*args).hopper
+    monkeypatch.delenv("DMATTN_HOPPER")  # the default
+    assert not plan.forward_plan(*args).hopper
+
+
+CASES = [
+    # (case, mask batch, bias pattern, causal)
+    pytest.param(Case(2, 300, 300, 8, 2, 128, 128), 2, "group", True, id="gqa-causal"),
+    pytest.param(Case(1, 200, 333, 4, 1, 128, 128), 1, "head", True, id="lq<lk-bias-per-head"),
+    pytest.param(Case(2, 257, 190, 4, 4, 128, 128), 1, None, False, id="mha-full-shared-mask"),
+    pytest.param(Case(1, 700, 700, 16, 4, 128, 128), 1, "group", True, id="long-lists"),
+]
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case, mask_b, bias_kind, is_causal", CASES)
+@pytest.mark.parametrize("split", [1, 2], ids=["split1", "split2"])
+def test_hopper_key_lists_match_the_oracle(case, mask_b, bias_kind, is_causal, split, dtype,
+                                           monkeypatch):  # fmt: skip
+    """out, lse, dq, dk, dv and dbias within the bounds of PyTorch's own error in the dtype;
+    causal rows whose position precedes every listed key are empty (out 0, lse -inf)."""
+    c = case
+    if split > c.h // c.hkv:
+        pytest.skip("split must divide G")
+    monkeypatch.setattr(configs, "SPLIT_OVERRIDE", split)
+    mask = topk_mask(mask_b, c.hkv, c.lk, max(1, c.lk // 4), "cuda", skip_first=20)
+    bias = None
+    if bias_kind is not None:
+        heads = c.hkv if bias_kind == "group" else c.h
+        bias = torch.randn(c.b, heads, 1, c.lk, dtype=dtype, device="cuda")
+    p = plan.forward_plan(
+        torch.empty(c.b, c.lq, c.h, c.d, dtype=dtype, device="cuda"),
+        torch.empty(c.b, c.lk, c.hkv, c.d, dtype=dtype, device="cuda"),
+        torch.empty(c.b, c.lk, c.hkv, c.dv, dtype=dtype, device="cuda"),
+        mask, bias, is_causal, 0.0, None,
+    )  # fmt: skip
+    assert p.hopper
+    out, lse, _ = run_case(c, dtype, mask=mask, bias=bias, is_causal=is_causal)
+    if is_causal and c.lq == c.lk:  # bottom-right aligned, Lq < Lk leaves no row empty
+        empty = lse == -math.inf
+        assert empty.any() and (out.transpose(1, 2)[empty] == 0).all()
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_hopper_never_reads_unlisted_keys(dtype):
+    """K and V hold NaN at every key outside the lists, the bias finfo.min at some listed keys:
+    a finite result equal to the oracle's (run on clean K/V) shows the unlisted rows never
+    reached a product, and the packed V rows past each list are zeros (conftest fills fresh
+    buffers with NaN)."""
+    c = Case(2, 384, 384, 8, 2, 128, 128)
+    mask = topk_mask(c.b, c.hkv, c.lk, 100, "cuda", skip_first=3)
+    k = torch.randn(c.b, c.lk, c.hkv, c.d, dtype=dtype, device="cuda")
+    v = torch.randn(c.b, c.lk, c.hkv, c.dv, dtype=dtype, device="cuda")
+    unlisted = (~mask[:, :, 0, :]).transpose(1, 2)[..., None]
+    k_bad, v_bad = torch.where(unlisted, math.nan, k), torch.where(unlisted, math.nan, v)
+    q = torch.randn(c.b, c.lq, c.h, c.d, dtype=dtype, device="cuda", requires_grad=True)
+    bias = torch.randn(c.b, c.hkv, 1, c.lk, dtype=torch.float32, device="cuda")
+    listed = mask[:, :, 0, :].nonzero()
+    bias[listed[::7, 0], listed[::7, 1], 0, listed[::7, 2]] = torch.finfo(torch.float32).min
+    bias.requires_grad_()
+    go = torch.randn(c.b, c.lq, c.h, c.dv, dtype=dtype, device="cuda")
+    out = dmattn_ops.attention(q, k_bad, v_bad, mask, bias, is_causal=True, backend="triton")
+    dq, dbias = torch.autograd.grad(out, (q, bias), go)
+    q64, b64 = q.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    ref = reference.attention(q64, k.double(), v.double(), mask, b64, is_causal=True)
+    rdq, rdb = torch.autograd.grad(ref, (q64, b64), go.double())
+    for name, got, want in (("out", out, ref), ("dq", dq, rdq), ("dbias", dbias, rdb)):
+        assert not got.isnan().any(), name
+        tol = 0.03 * want.abs().max().item() + 1e-3
+        assert_close(got, want, tol, name)
+    kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
+    out = dmattn_ops.attention(q, kk, vv, mask, bias, is_causal=True, backend="triton")
+    dk, dv = torch.autograd.grad(out, (kk, vv), go)
+    assert (dk[unlisted.expand_as(dk)] == 0).all() and (dv[unlisted.expand_as(dv)] == 0).all()
+
+
+@hopper_only
+def test_hopper_matches_the_triton_kernels_at_the_model_shape(monkeypatch):
+    """The DMA model's call (B4 L2048 H16/4, top-512, per-key bias, causal) on both paths: the
+    same results within bf16 roundings of each other."""
+    torch.manual_seed(3)
+    b, L, h, hkv, d = 4, 2048, 16, 4, 128
+    q = torch.randn(b, L, h, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    k = torch.randn(b, L, hkv, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    v = torch.randn(b, L, hkv, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    mask = topk_mask(b, hkv, L, 512, "cuda")
+    bias = torch.randn(b, hkv, 1, L, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    go = torch.randn_like(q)
+
+    def run():
+        out = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, backend="triton")
+        return (out, *torch.autograd.grad(out, (q, k, v, bias), go))
+
+    assert plan.forward_plan(q, k, v, mask, bias, True, 0.0, None).hopper
+    ours = run()
+    monkeypatch.setenv("DMATTN_HOPPER", "0")
+    triton = run()
+    for name, a, t in zip(("out", "dq", "dk", "dv", "dbias"), ours, triton):
+        assert not a.isnan().any(), name
+        err = (a.float() - t.float()).abs().max().item()
+        assert err <= 0.02 * t.float().abs().max().item(), f"{name}: {err}"
+
+
+@hopper_only
+def test_hopper_in_a_compiled_graph():
+    """Under torch.compile(fullgraph=True) the Gluon launches are custom ops in the graph: the
+    compiled forward and backward equal the eager ones."""
+    b, L, h, hkv, d = 2, 512, 8, 2, 128
+    q = torch.randn(b, L, h, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    k = torch.randn(b, L, hkv, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    v = torch.randn(b, L, hkv, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    mask = topk_mask(b, hkv, L, 128, "cuda")
+    bias = torch.randn(b, hkv, 1, L, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    go = torch.randn_like(q)
+
+    def step(q, k, v, bias):
+        out = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, backend="triton")
+        return (out, *torch.autograd.grad(out, (q, k, v, bias), go))
+
+    eager = step(q, k, v, bias)
+    compiled = torch.compile(step, fullgraph=True)(q, k, v, bias)
+    for name, a, e in zip(("out", "dq", "dk", "dv", "dbias"), compiled, eager):
+        assert torch.equal(a, e), name
