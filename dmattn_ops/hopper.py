@@ -22,7 +22,6 @@ and in a compiled graph one extern node each.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -47,13 +46,17 @@ def enabled() -> bool:
     return os.environ.get("DMATTN_HOPPER", "0") == "1"
 
 
-@functools.cache
+_GLUON: list[bool] = []  # found or not, once asked (a plain global: see _triton._FOUND)
+
+
 def _gluon_found() -> bool:
-    # find_spec of a submodule imports its parents: only asked for CUDA tensors on sm_90.
-    try:
-        return importlib.util.find_spec("triton.experimental.gluon") is not None
-    except ImportError:
-        return False
+    # find_spec of a submodule imports its parents (Triton): asked only for sm_90 calls.
+    if not _GLUON:
+        try:
+            _GLUON.append(importlib.util.find_spec("triton.experimental.gluon") is not None)
+        except ImportError:
+            _GLUON.append(False)
+    return _GLUON[0]
 
 
 def _sm90(device: torch.device) -> bool:
