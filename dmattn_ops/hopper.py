@@ -107,13 +107,9 @@ def _descriptor(t: torch.Tensor, rows: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def _list_strides(keys, key_end, key_count):
-    """(keys_stride_b, keys_stride_h, end_stride_b, count_stride_b) of tiles.KeyLists' tensors,
-    0 on a broadcast batch."""
-    keys_b = keys.stride(0) if keys.shape[0] > 1 else 0
-    end_b = key_end.stride(0) if key_end.shape[0] > 1 else 0
-    count_b = key_count.stride(0) if key_count.shape[0] > 1 else 0
-    return keys_b, keys.stride(1), end_b, count_b
+def _batch_stride(t: torch.Tensor) -> int:
+    """A key-list tensor's batch stride (tiles.KeyLists), 0 on a broadcast batch."""
+    return t.stride(0) if t.shape[0] > 1 else 0
 
 
 def _or(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
@@ -159,7 +155,8 @@ def _hopper_forward(
         _descriptor(query, BLOCK_M), _descriptor(key, FWD_BLOCK_N),
         _descriptor(value, FWD_BLOCK_N), out, lse, lse_rem, _or(bias, keys), keys, key_end,
         key_count,
-        out.stride(0), out.stride(1), out.stride(2), *_list_strides(keys, key_end, key_count),
+        out.stride(0), out.stride(1), out.stride(2), _batch_stride(keys), keys.stride(1),
+        _batch_stride(key_end), _batch_stride(key_count),
         bias_heads, bias_mul, h, h // hkv, lq, lk, key_end.shape[2], mask_div, float(scale),
         IS_CAUSAL=is_causal, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=FWD_BLOCK_N,
         D=d, STAGES=FWD_STAGES, num_warps=4, maxnreg=MAXNREG,
@@ -203,19 +200,18 @@ def _hopper_dkdv(
     b, lq, h, d = query.shape
     lk, hkv = key.shape[1], key.shape[2]
     bias_heads, bias_mul = _bias_rows(bias, hkv)
-    keys_b, keys_h, _, count_b = _list_strides(keys, keys, key_count)
     db_strides = (dbias.stride(0), dbias.stride(1)) if dbias is not None else (0, 0)
-    hopper_dkdv_kernel[(cdiv(lk, 2 * DKDV_BLOCK_N), b * hkv * split)](
+    hopper_dkdv_kernel[(dkdv_programs(lk), b * hkv * split)](
         _descriptor(query, DKDV_BLOCK_M), _descriptor(key, DKDV_BLOCK_N),
         _descriptor(value, DKDV_BLOCK_N), _descriptor(grad_out, DKDV_BLOCK_M), stats,
         _or(bias, keys), keys, key_count, dk, dv, _or(dbias, dk), _or(part_dk, stats),
         _or(part_dv, stats), _or(part_db, stats),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        *db_strides, keys_b, keys_h, count_b, bias_heads, bias_mul, h, h // hkv, lq, lk,
-        mask_div, float(scale), split, IS_CAUSAL=is_causal, HAS_BIAS=bias is not None,
-        DBIAS_COLS=dbias is not None or part_db is not None, PARTIAL=split > 1,
-        BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, D=d, STAGES=DKDV_STAGES, num_warps=4,
-        maxnreg=MAXNREG,
+        *db_strides, _batch_stride(keys), keys.stride(1), _batch_stride(key_count), bias_heads,
+        bias_mul, h, h // hkv, lq, lk, mask_div, float(scale), split, IS_CAUSAL=is_causal,
+        HAS_BIAS=bias is not None, DBIAS_COLS=dbias is not None or part_db is not None,
+        PARTIAL=split > 1, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, D=d,
+        STAGES=DKDV_STAGES, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
 
 

@@ -38,7 +38,7 @@ LOG2E = gl.constexpr(1.4426950408889634)
 @gluon.jit
 def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready,
                 kv_empty, b, h, hk, m0, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                STAGES: gl.constexpr):  # fmt: skip
     """Both consumers' Q tiles, then the K and V tiles of list positions [0, n_tiles * BLOCK_N)
     into a STAGES-deep ring; a slot is reused once both consumers released it."""
     for c in gl.static_range(2):
@@ -232,7 +232,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, OUT, LSE, LSE_REM, BIAS, KEYS, KEY
                          stride_ob, stride_om, stride_oh, 1, IS_CAUSAL, HAS_BIAS, BLOCK_M,
                          BLOCK_N, D, STAGES)),
         (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready,
-                       v_ready, kv_empty, b, h, hk, m0, n_tiles, BLOCK_M, BLOCK_N, D, STAGES)),
+                       v_ready, kv_empty, b, h, hk, m0, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip
 
 
@@ -242,8 +242,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, OUT, LSE, LSE_REM, BIAS, KEYS, KEY
 @gluon.jit
 def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar,
                  q_ready, do_ready, qdo_empty, b, hk, G, g0, n0, t_lo, n_q, n_heads,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                 STAGES: gl.constexpr):  # fmt: skip
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """Both consumers' packed K and V rows once, then the Q and dO tiles of n_heads heads from
     g0 and query tiles [t_lo, n_q) into a STAGES-deep ring."""
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
@@ -273,7 +272,7 @@ def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_sme
 @gluon.jit
 def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, k_smem, v_smem, q_smem,
                    do_smem, kv_bar, q_ready, do_ready, qdo_empty, keys, bias_base, count, b, hk,
-                   H, G, g0, n0, t_lo, n_q, n_heads, Lq, Lk, part, scale, bias_heads,
+                   H, G, g0, n0, t_lo, n_q, n_heads, Lq, Lk, part, scale,
                    bias_head_mul, stride_dkb, stride_dkm, stride_dkh, stride_dvb, stride_dvm,
                    stride_dvh, dbias_stride_b, dbias_stride_h, C: gl.constexpr,
                    IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr, DBIAS_COLS: gl.constexpr,
@@ -434,18 +433,18 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, STATS, BIAS, KEYS, KEY_C
         (_dkdv_consumer, (STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, k_smem, v_smem,
                           q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_empty, keys, bias_base,
                           count, b, hk, H, G, g0, n0, t_lo, n_q, n_heads, Lq, Lk, part, scale,
-                          bias_heads, bias_head_mul, stride_dkb, stride_dkm, stride_dkh,
+                          bias_head_mul, stride_dkb, stride_dkm, stride_dkh,
                           stride_dvb, stride_dvm, stride_dvh, dbias_stride_b, dbias_stride_h, 0,
                           IS_CAUSAL, HAS_BIAS, DBIAS_COLS, PARTIAL, BLOCK_M, BLOCK_N, D,
                           STAGES)),
         (_dkdv_consumer, (STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, k_smem, v_smem,
                           q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_empty, keys, bias_base,
                           count, b, hk, H, G, g0, n0, t_lo, n_q, n_heads, Lq, Lk, part, scale,
-                          bias_heads, bias_head_mul, stride_dkb, stride_dkm, stride_dkh,
+                          bias_head_mul, stride_dkb, stride_dkm, stride_dkh,
                           stride_dvb, stride_dvm, stride_dvh, dbias_stride_b, dbias_stride_h, 1,
                           IS_CAUSAL, HAS_BIAS, DBIAS_COLS, PARTIAL, BLOCK_M, BLOCK_N, D,
                           STAGES)),
         (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem,
                         kv_bar, q_ready, do_ready, qdo_empty, b, hk, G, g0, n0, t_lo, n_q,
-                        n_heads, BLOCK_M, BLOCK_N, D, STAGES)),
+                        n_heads, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip
