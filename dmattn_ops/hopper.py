@@ -33,8 +33,8 @@ from dmattn_ops._triton import cdiv, interpreter_on
 # DKDV_BLOCK_N keys (dK/dV); the ring of K/V (forward) or Q/dO (dK/dV) tiles has STAGES slots.
 # Shared memory: forward 32 KB of Q + 3 x 64 KB of K and V; dK/dV 64 KB of K and V + 2 x 32 KB.
 BLOCK_M = 64
-FWD_BLOCK_N, FWD_STAGES = 128, 3
-DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 64, 64, 2
+FWD_BLOCK_N, FWD_STAGES = 64, 4
+DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 32, 64, 2
 HEAD_DIMS = (128,)
 DTYPES = (torch.float16, torch.bfloat16)
 # kernels/hopper.py's register split: the loader warp gives its registers to the consumers.
@@ -61,6 +61,17 @@ def _gluon_found() -> bool:
 
 def _sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device: the persistent forward's program count."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -151,15 +162,16 @@ def _hopper_forward(
     b, lq, h, d = query.shape
     lk, hkv = key.shape[1], key.shape[2]
     bias_heads, bias_mul = _bias_rows(bias, hkv)
-    hopper_fwd_kernel[(cdiv(lq, 2 * BLOCK_M), b * h)](
+    n_items = cdiv(lq, 2 * BLOCK_M) * b * h
+    hopper_fwd_kernel[(min(n_items, _sm_count(query.device)),)](
         _descriptor(query, BLOCK_M), _descriptor(key, FWD_BLOCK_N),
         _descriptor(value, FWD_BLOCK_N), out, lse, lse_rem, _or(bias, keys), keys, key_end,
         key_count,
         out.stride(0), out.stride(1), out.stride(2), _batch_stride(keys), keys.stride(1),
         _batch_stride(key_end), _batch_stride(key_count),
         bias_heads, bias_mul, h, h // hkv, lq, lk, key_end.shape[2], mask_div, float(scale),
-        IS_CAUSAL=is_causal, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=FWD_BLOCK_N,
-        D=d, STAGES=FWD_STAGES, num_warps=4, maxnreg=MAXNREG,
+        n_items, IS_CAUSAL=is_causal, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
+        BLOCK_N=FWD_BLOCK_N, D=d, STAGES=FWD_STAGES, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
 
 
@@ -201,14 +213,17 @@ def _hopper_dkdv(
     lk, hkv = key.shape[1], key.shape[2]
     bias_heads, bias_mul = _bias_rows(bias, hkv)
     db_strides = (dbias.stride(0), dbias.stride(1)) if dbias is not None else (0, 0)
-    hopper_dkdv_kernel[(dkdv_programs(lk), b * hkv * split)](
+    n_parts = b * hkv * split
+    n_items = dkdv_programs(lk) * n_parts
+    hopper_dkdv_kernel[(min(n_items, _sm_count(query.device)),)](
         _descriptor(query, DKDV_BLOCK_M), _descriptor(key, DKDV_BLOCK_N),
         _descriptor(value, DKDV_BLOCK_N), _descriptor(grad_out, DKDV_BLOCK_M), stats,
         _or(bias, keys), keys, key_count, dk, dv, _or(dbias, dk), _or(part_dk, stats),
         _or(part_dv, stats), _or(part_db, stats),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         *db_strides, _batch_stride(keys), keys.stride(1), _batch_stride(key_count), bias_heads,
-        bias_mul, h, h // hkv, lq, lk, mask_div, float(scale), split, IS_CAUSAL=is_causal,
+        bias_mul, h, h // hkv, lq, lk, mask_div, float(scale), split, n_items, n_parts,
+        IS_CAUSAL=is_causal,
         HAS_BIAS=bias is not None, DBIAS_COLS=dbias is not None or part_db is not None,
         PARTIAL=split > 1, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, D=d,
         STAGES=DKDV_STAGES, num_warps=4, maxnreg=MAXNREG,

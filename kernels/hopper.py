@@ -36,27 +36,55 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready,
-                kv_empty, b, h, hk, m0, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr):  # fmt: skip
-    """Both consumers' Q tiles, then the K and V tiles of list positions [0, n_tiles * BLOCK_N)
-    into a STAGES-deep ring; a slot is reused once both consumers released it."""
-    for c in gl.static_range(2):
-        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            q_desc, [b, m0 + c * BLOCK_M, h, 0], q_bars.index(c), q_smem.index(c)
+def _fwd_item(t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N: gl.constexpr):
+    """Work item t of the persistent forward: (b, h, KV group, mask head, query pair, key
+    tiles), the query pairs longest first (under causality the last rows see the most keys)."""
+    n_pairs = gl.cdiv(NQ, 2)
+    pid_m = n_pairs - 1 - t // n_bh
+    pid_bh = t % n_bh
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // G
+    hm = (hk * G) // mask_hdiv
+    last_tile = gl.minimum(2 * pid_m + 1, NQ - 1)
+    n_tiles = gl.cdiv(gl.load(KEY_END + b * end_stride_b + hm * NQ + last_tile), BLOCK_N)
+    return b, h, hk, hm, pid_m, n_tiles
+
+
+@gluon.jit
+def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready,
+                v_ready, kv_empty, KEY_END, end_stride_b, n_items, n_bh, H, G, NQ, mask_hdiv,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """For each work item of this program: both consumers' Q tiles (once each consumer released
+    its previous one), then the K and V tiles of list positions [0, n_tiles * BLOCK_N) into a
+    STAGES-deep ring shared across items; a slot is reused once both consumers released it.
+    So the next item's loads run under the current item's last products and epilogue."""
+    it = 0
+    i = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, hk, _, pid_m, n_tiles = _fwd_item(
+            t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N
         )
-    for j in range(n_tiles):
-        slot = j % STAGES
-        mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(slot), k_smem.index(slot)
-        )
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(slot), v_smem.index(slot)
-        )
+        m0 = pid_m * (2 * BLOCK_M)
+        for c in gl.static_range(2):
+            mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)
+            mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                q_desc, [b, m0 + c * BLOCK_M, h, 0], q_bars.index(c), q_smem.index(c)
+            )
+        for j in range(n_tiles):
+            slot = it % STAGES
+            mbarrier.wait(kv_empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(slot), k_smem.index(slot)
+            )
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(slot), v_smem.index(slot)
+            )
+            it += 1
+        i += 1  # noqa: SIM113 (Gluon loops take no enumerate)
 
 
 @gluon.jit
@@ -86,13 +114,16 @@ def _fwd_scores(s, cols, pos, b_col, count, rows, off, scale, IS_CAUSAL: gl.cons
 
 
 @gluon.jit
-def _fwd_consumer(OUT, LSE, LSE_REM, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, kv_empty,
-                  keys, bias, count, b, h, H, m0, n_tiles, Lq, Lk, scale,
-                  stride_ob, stride_om, stride_oh, C: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Rows m0 + C * BLOCK_M onwards. Per key tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1}
-    issued back to back, then the softmax of S_j while P_{j-1} V_{j-1} runs."""
+def _fwd_consumer(OUT, LSE, LSE_REM, BIAS, KEYS, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
+                  q_bars, q_empty, k_ready, v_ready, kv_empty, n_items, n_bh, H, G, NQ,
+                  mask_hdiv, Lq, Lk, scale, stride_ob, stride_om, stride_oh, keys_stride_b,
+                  keys_stride_h, end_stride_b, count_stride_b, bias_heads, bias_head_mul,
+                  C: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr):  # fmt: skip
+    """Rows C * BLOCK_M onwards of each work item's query pair. Per key tile j: S_j = Q K_j^T
+    and O += P_{j-1} V_{j-1} issued back to back, then the softmax of S_j while P_{j-1} V_{j-1}
+    runs; Q's slot is released once the item's last S is done, before its epilogue."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -104,135 +135,147 @@ def _fwd_consumer(OUT, LSE, LSE_REM, q_smem, k_smem, v_smem, q_bars, k_ready, v_
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
 
-    mr = m0 + C * BLOCK_M
     off = Lk - Lq
-    rows = mr + gl.arange(0, BLOCK_M, layout=row_s)
     q2 = q_smem.index(C).reshape([BLOCK_M, D])
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    mbarrier.wait(q_bars.index(C), 0)
-    if n_tiles > 0:
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(
-            q2, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)),
-            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True,
-        )  # fmt: skip
-        cols, pos, b_col = _fwd_tile_keys(0, keys, bias, count, HAS_BIAS, BLOCK_N, s_layout)
-        s = warpgroup_mma_wait(0, deps=[s])
-        x = _fwd_scores(s, cols, pos, b_col, count, rows, off, scale, IS_CAUSAL, HAS_BIAS)
-        m_i = gl.max(x, axis=1)
-        m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-        p = gl.exp2((x - m_safe[:, None]) * LOG2E)
-        l_i = gl.sum(p, axis=1)
-        p16 = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, n_tiles):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+    it = 0
+    i = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, hk, hm, pid_m, n_tiles = _fwd_item(
+            t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N
+        )
+        count = gl.load(KEY_COUNT + b * count_stride_b + hm)
+        keys = KEYS + b * keys_stride_b + hm * keys_stride_h
+        bias = BIAS
+        if HAS_BIAS:
+            row = (b * (H // G) + hk) * bias_heads + (h % G) * bias_head_mul
+            bias = BIAS + row.to(gl.int64) * Lk
+        mr = pid_m * (2 * BLOCK_M) + C * BLOCK_M
+        rows = mr + gl.arange(0, BLOCK_M, layout=row_s)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+        o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+        mbarrier.wait(q_bars.index(C), i & 1)
+        if n_tiles > 0:
+            cols, pos, b_col = _fwd_tile_keys(0, keys, bias, count, HAS_BIAS, BLOCK_N, s_layout)
+            slot = it % STAGES
+            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
             s = warpgroup_mma(
                 q2, k_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
                 gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
                 is_async=True,
             )  # fmt: skip
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            o = warpgroup_mma(p16, v_smem.index(prev).reshape([BLOCK_N, D]), o, is_async=True)
-            cols, pos, b_col = _fwd_tile_keys(j, keys, bias, count, HAS_BIAS, BLOCK_N, s_layout)
-            s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_{j-1} V_{j-1} may still run
+            s = warpgroup_mma_wait(0, deps=[s])
             x = _fwd_scores(s, cols, pos, b_col, count, rows, off, scale, IS_CAUSAL, HAS_BIAS)
-            m_new = gl.maximum(m_i, gl.max(x, axis=1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            # Subtract first, then scale by log2(e): (x - m) * log2e cannot overflow for finite
-            # x and m, where x * log2e can (a bias of finfo.min).
-            alpha = gl.exp2((m_i - m_safe) * LOG2E)
+            m_i = gl.max(x, axis=1)
+            m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
             p = gl.exp2((x - m_safe[:, None]) * LOG2E)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            o, p16 = warpgroup_mma_wait(0, deps=[o, p16])
-            mbarrier.arrive(kv_empty.index(prev), count=1)
-            o = o * gl.convert_layout(alpha, row_o)[:, None]
+            l_i = gl.sum(p, axis=1)
             p16 = gl.convert_layout(p.to(dtype), p_layout)
-        last = (n_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-        o = warpgroup_mma(p16, v_smem.index(last).reshape([BLOCK_N, D]), o, is_async=True)
-        o, p16 = warpgroup_mma_wait(0, deps=[o, p16])
-        mbarrier.arrive(kv_empty.index(last), count=1)
+            for j in range(1, n_tiles):
+                slot = (it + j) % STAGES
+                prev = (it + j - 1) % STAGES
+                cols, pos, b_col = _fwd_tile_keys(j, keys, bias, count, HAS_BIAS, BLOCK_N, s_layout)
+                mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
+                s = warpgroup_mma(
+                    q2, k_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
+                    gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                    is_async=True,
+                )  # fmt: skip
+                mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+                o = warpgroup_mma(p16, v_smem.index(prev).reshape([BLOCK_N, D]), o, is_async=True)
+                s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_{j-1} V_{j-1} may still run
+                x = _fwd_scores(s, cols, pos, b_col, count, rows, off, scale, IS_CAUSAL, HAS_BIAS)
+                m_new = gl.maximum(m_i, gl.max(x, axis=1))
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                # Subtract first, then scale by log2(e): (x - m) * log2e cannot overflow for
+                # finite x and m, where x * log2e can (a bias of finfo.min).
+                alpha = gl.exp2((m_i - m_safe) * LOG2E)
+                p = gl.exp2((x - m_safe[:, None]) * LOG2E)
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                o, p16 = warpgroup_mma_wait(0, deps=[o, p16])
+                mbarrier.arrive(kv_empty.index(prev), count=1)
+                o = o * gl.convert_layout(alpha, row_o)[:, None]
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
+            mbarrier.arrive(q_empty.index(C), count=1)  # the item's last S is done
+            last = (it + n_tiles - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
+            o = warpgroup_mma(p16, v_smem.index(last).reshape([BLOCK_N, D]), o, is_async=True)
+            o, p16 = warpgroup_mma_wait(0, deps=[o, p16])
+            mbarrier.arrive(kv_empty.index(last), count=1)
+        else:
+            mbarrier.arrive(q_empty.index(C), count=1)
+        it += n_tiles
+        i += 1  # noqa: SIM113 (Gluon loops take no enumerate)
 
-    nonempty = l_i > 0.0
-    l_safe = gl.where(nonempty, l_i, 1.0)
-    o = o / gl.convert_layout(l_safe, row_o)[:, None]
-    # (lse, lse_rem) = m + log(l) split by TwoSum, as kernels/common.py lse_split.
-    m_r = gl.where(nonempty, m_i, 0.0)
-    log_sum = gl.log(l_safe)
-    lse = m_r + log_sum
-    b_virtual = lse - m_r
-    a_virtual = lse - b_virtual
-    lse_rem = (m_r - a_virtual) + (log_sum - b_virtual)
-    lse = gl.where(nonempty, lse, float("-inf"))
-    lse_rem = gl.where(nonempty, lse_rem, 0.0)
-    rows_o = mr + gl.arange(0, BLOCK_M, layout=row_o)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    p_out = OUT + b.to(gl.int64) * stride_ob + h * stride_oh
-    p_out = p_out + rows_o.to(gl.int64)[:, None] * stride_om + cols[None, :]
-    gl.store(p_out, o.to(dtype), mask=(rows_o < Lq)[:, None])
-    o_row = (b * H + h).to(gl.int64) * Lq + rows
-    gl.store(LSE + o_row, lse, mask=rows < Lq)
-    gl.store(LSE_REM + o_row, lse_rem, mask=rows < Lq)
+        nonempty = l_i > 0.0
+        l_safe = gl.where(nonempty, l_i, 1.0)
+        o = o / gl.convert_layout(l_safe, row_o)[:, None]
+        # (lse, lse_rem) = m + log(l) split by TwoSum, as kernels/common.py lse_split.
+        m_r = gl.where(nonempty, m_i, 0.0)
+        log_sum = gl.log(l_safe)
+        lse = m_r + log_sum
+        b_virtual = lse - m_r
+        a_virtual = lse - b_virtual
+        lse_rem = (m_r - a_virtual) + (log_sum - b_virtual)
+        lse = gl.where(nonempty, lse, float("-inf"))
+        lse_rem = gl.where(nonempty, lse_rem, 0.0)
+        rows_o = mr + gl.arange(0, BLOCK_M, layout=row_o)
+        cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        p_out = OUT + b.to(gl.int64) * stride_ob + h * stride_oh
+        p_out = p_out + rows_o.to(gl.int64)[:, None] * stride_om + cols_o[None, :]
+        gl.store(p_out, o.to(dtype), mask=(rows_o < Lq)[:, None])
+        o_row = (b * H + h).to(gl.int64) * Lq + rows
+        gl.store(LSE + o_row, lse, mask=rows < Lq)
+        gl.store(LSE_REM + o_row, lse_rem, mask=rows < Lq)
 
 
 @gluon.jit
 def hopper_fwd_kernel(q_desc, k_desc, v_desc, OUT, LSE, LSE_REM, BIAS, KEYS, KEY_END, KEY_COUNT,
                       stride_ob, stride_om, stride_oh, keys_stride_b, keys_stride_h,
                       end_stride_b, count_stride_b, bias_heads, bias_head_mul, H, G, Lq, Lk, NQ,
-                      mask_hdiv, scale, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                      STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """One program: 2 * BLOCK_M queries of one (batch, head) against its KV group's key list
-    (KEY_END counted per BLOCK_M-row tile). Writes out, lse and lse_rem."""
+                      mask_hdiv, scale, n_items, IS_CAUSAL: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """A persistent program: work items (2 * BLOCK_M queries of one (batch, head) against its KV
+    group's key list, KEY_END counted per BLOCK_M-row tile) t = program_id, + num_programs, ...
+    of n_items = cdiv(NQ, 2) * B * H. Writes out, lse and lse_rem."""
     gl.static_assert(num_warps == 4)
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest causal rows first
-    pid_bh = gl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // G
-    hm = (hk * G) // mask_hdiv
-    m0 = pid_m * (2 * BLOCK_M)
-    last_tile = gl.minimum(2 * pid_m + 1, NQ - 1)
-    n_keys = gl.load(KEY_END + b * end_stride_b + hm * NQ + last_tile)
-    n_tiles = gl.cdiv(n_keys, BLOCK_N)
-    count = gl.load(KEY_COUNT + b * count_stride_b + hm)
-    keys = KEYS + b * keys_stride_b + hm * keys_stride_h
-    bias = BIAS
-    if HAS_BIAS:
-        row = (b * (H // G) + hk) * bias_heads + (h % G) * bias_head_mul
-        bias = BIAS + row.to(gl.int64) * Lk
+    n_bh = n_items // gl.cdiv(NQ, 2)
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
 
     gl.warp_specialize([
-        (_fwd_consumer, (OUT, LSE, LSE_REM, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready,
-                         kv_empty, keys, bias, count, b, h, H, m0, n_tiles, Lq, Lk, scale,
-                         stride_ob, stride_om, stride_oh, 0, IS_CAUSAL, HAS_BIAS, BLOCK_M,
+        (_fwd_consumer, (OUT, LSE, LSE_REM, BIAS, KEYS, KEY_END, KEY_COUNT, q_smem, k_smem,
+                         v_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, n_items, n_bh, H,
+                         G, NQ, mask_hdiv, Lq, Lk, scale, stride_ob, stride_om, stride_oh,
+                         keys_stride_b, keys_stride_h, end_stride_b, count_stride_b, bias_heads,
+                         bias_head_mul, 0, IS_CAUSAL, HAS_BIAS, BLOCK_M,
                          BLOCK_N, D, STAGES)),
-        (_fwd_consumer, (OUT, LSE, LSE_REM, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready,
-                         kv_empty, keys, bias, count, b, h, H, m0, n_tiles, Lq, Lk, scale,
-                         stride_ob, stride_om, stride_oh, 1, IS_CAUSAL, HAS_BIAS, BLOCK_M,
+        (_fwd_consumer, (OUT, LSE, LSE_REM, BIAS, KEYS, KEY_END, KEY_COUNT, q_smem, k_smem,
+                         v_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, n_items, n_bh, H,
+                         G, NQ, mask_hdiv, Lq, Lk, scale, stride_ob, stride_om, stride_oh,
+                         keys_stride_b, keys_stride_h, end_stride_b, count_stride_b, bias_heads,
+                         bias_head_mul, 1, IS_CAUSAL, HAS_BIAS, BLOCK_M,
                          BLOCK_N, D, STAGES)),
-        (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready,
-                       v_ready, kv_empty, b, h, hk, m0, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
+        (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready,
+                       v_ready, kv_empty, KEY_END, end_stride_b, n_items, n_bh, H, G, NQ,
+                       mask_hdiv, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip
 
 
@@ -240,48 +283,93 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, OUT, LSE, LSE_REM, BIAS, KEYS, KEY
 
 
 @gluon.jit
-def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar,
-                 q_ready, do_ready, qdo_empty, b, hk, G, g0, n0, t_lo, n_q, n_heads,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Both consumers' packed K and V rows once, then the Q and dO tiles of n_heads heads from
-    g0 and query tiles [t_lo, n_q) into a STAGES-deep ring."""
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(
-            k_desc, [b, n0 + c * BLOCK_N, hk, 0], kv_bar, k_smem.index(c)
-        )
-        tma.async_copy_global_to_shared(
-            v_desc, [b, n0 + c * BLOCK_N, hk, 0], kv_bar, v_smem.index(c)
-        )
-    steps = n_q - t_lo
-    for i in range(n_heads * steps):
-        h = hk * G + g0 + i // steps
-        m0 = (t_lo + i % steps) * BLOCK_M
-        slot = i % STAGES
-        mbarrier.wait(qdo_empty.index(slot), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            q_desc, [b, m0, h, 0], q_ready.index(slot), q_smem.index(slot)
-        )
-        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            do_desc, [b, m0, h, 0], do_ready.index(slot), do_smem.index(slot)
-        )
+def _dkdv_item(t, n_parts, n_bg, hkv, G, SPLIT, Lq, Lk, KEYS, KEY_COUNT, keys_stride_b,
+               keys_stride_h, count_stride_b, mask_hdiv, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):  # fmt: skip
+    """Work item t of the persistent dK/dV pass: list positions [n0, n0 + 2 * BLOCK_N) of one
+    (batch, KV group) and G / SPLIT of its query heads (part `part`), over the query tiles
+    [t_lo, n_q) that see the first of its keys. Items go by key tile first: under causality
+    the first listed keys are seen by the most queries, so the longest items come first."""
+    n0 = (t // n_parts) * (2 * BLOCK_N)
+    part = t % n_parts
+    i_bg = part % n_bg
+    b = i_bg // hkv
+    hk = i_bg % hkv
+    n_heads = G // SPLIT
+    g0 = (part // n_bg) * n_heads
+    hm = (hk * G) // mask_hdiv
+    count = gl.load(KEY_COUNT + b * count_stride_b + hm)
+    keys = KEYS + b * keys_stride_b + hm * keys_stride_h
+    n_q = gl.cdiv(Lq, BLOCK_M)
+    t_lo = 0
+    if IS_CAUSAL:
+        # The first query that sees the first listed key of the item (positions ascend).
+        first = gl.load(keys + n0, mask=n0 < count, other=0)
+        t_lo = gl.maximum(first - (Lk - Lq), 0) // BLOCK_M
+    t_lo = gl.where(n0 < count, gl.minimum(t_lo, n_q), n_q)
+    return b, hk, g0, n0, part, n_heads, count, keys, t_lo, n_q
 
 
 @gluon.jit
-def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, k_smem, v_smem, q_smem,
-                   do_smem, kv_bar, q_ready, do_ready, qdo_empty, keys, bias_base, count, b, hk,
-                   H, G, g0, n0, t_lo, n_q, n_heads, Lq, Lk, part, scale,
-                   bias_head_mul, stride_dkb, stride_dkm, stride_dkh, stride_dvb, stride_dvm,
-                   stride_dvh, dbias_stride_b, dbias_stride_h, C: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr, DBIAS_COLS: gl.constexpr,
-                   PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """List positions n0 + C * BLOCK_N onwards: S^T = K Q^T and dP^T = V dO^T per query tile,
-    P^T = exp(S^T - lse), dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q, with dK, dV
-    (and the dbias column sums) in registers; stored at the keys' positions (zeros for the
-    list positions past the count), or as float32 parts at list positions (PARTIAL)."""
+def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar,
+                 kv_empty, q_ready, do_ready, qdo_empty, KEYS, KEY_COUNT, keys_stride_b,
+                 keys_stride_h, count_stride_b, mask_hdiv, n_items, n_parts, n_bg, hkv, G,
+                 SPLIT, Lq, Lk, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """For each work item with query tiles to visit: both consumers' packed K and V rows (once
+    both released the previous item's), then the Q and dO tiles of its heads and query tiles
+    into a STAGES-deep ring shared across items. Items with nothing to visit load nothing."""
+    it = 0
+    n_kv = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, hk, g0, n0, _, n_heads, _, _, t_lo, n_q = _dkdv_item(
+            t, n_parts, n_bg, hkv, G, SPLIT, Lq, Lk, KEYS, KEY_COUNT, keys_stride_b,
+            keys_stride_h, count_stride_b, mask_hdiv, BLOCK_M, BLOCK_N, IS_CAUSAL,
+        )  # fmt: skip
+        steps = n_q - t_lo
+        if steps > 0:
+            mbarrier.wait(kv_empty, (n_kv & 1) ^ 1)
+            mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+            for c in gl.static_range(2):
+                tma.async_copy_global_to_shared(
+                    k_desc, [b, n0 + c * BLOCK_N, hk, 0], kv_bar, k_smem.index(c)
+                )
+                tma.async_copy_global_to_shared(
+                    v_desc, [b, n0 + c * BLOCK_N, hk, 0], kv_bar, v_smem.index(c)
+                )
+            n_kv += 1
+            for i in range(n_heads * steps):
+                h = hk * G + g0 + i // steps
+                m0 = (t_lo + i % steps) * BLOCK_M
+                slot = it % STAGES
+                mbarrier.wait(qdo_empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    q_desc, [b, m0, h, 0], q_ready.index(slot), q_smem.index(slot)
+                )
+                mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    do_desc, [b, m0, h, 0], do_ready.index(slot), do_smem.index(slot)
+                )
+                it += 1
+
+
+@gluon.jit
+def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COUNT,
+                   k_smem, v_smem, q_smem, do_smem, kv_bar, kv_empty, q_ready, do_ready,
+                   qdo_empty, keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items,
+                   n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads, bias_head_mul,
+                   stride_dkb, stride_dkm, stride_dkh, stride_dvb, stride_dvm, stride_dvh,
+                   dbias_stride_b, dbias_stride_h, C: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, DBIAS_COLS: gl.constexpr, PARTIAL: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                   STAGES: gl.constexpr):  # fmt: skip
+    """List positions n0 + C * BLOCK_N onwards of each work item: S^T = K Q^T and
+    dP^T = V dO^T per query tile, P^T = exp(S^T - lse), dV += P^T dO,
+    dS^T = P^T (dP^T - delta), dK += dS^T Q, with dK, dV (and the dbias column sums) in
+    registers; stored at the keys' positions (zeros for the list positions past the count), or
+    as float32 parts at list positions (PARTIAL). K and V are released before the epilogue, so
+    the next item's loads run under it."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
     )
@@ -291,91 +379,104 @@ def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, k_smem, v_sm
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     key_l: gl.constexpr = gl.SliceLayout(1, st_layout)
     query_l: gl.constexpr = gl.SliceLayout(0, st_layout)
+    acc_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
     dtype: gl.constexpr = q_smem.dtype
 
     off = Lk - Lq
-    r = n0 + C * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
-    in_list = r < count
-    pos = gl.load(keys + r, mask=r < Lk, other=0)
-    dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-    dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-    db = gl.zeros([BLOCK_N], gl.float32, key_l)
     kc = k_smem.index(C).reshape([BLOCK_N, D])
     vc = v_smem.index(C).reshape([BLOCK_N, D])
-    b_row = gl.zeros([BLOCK_N], gl.float32, key_l)
-    if HAS_BIAS:
-        b_row = gl.load(bias_base + r, mask=in_list, other=0.0).to(gl.float32)
-    mbarrier.wait(kv_bar, 0)
-    steps = n_q - t_lo
-    for i in range(n_heads * steps):
-        g = g0 + i // steps
-        h = hk * G + g
-        m0 = (t_lo + i % steps) * BLOCK_M
-        slot = i % STAGES
-        phase = (i // STAGES) & 1
-        q2 = q_smem.index(slot).reshape([BLOCK_M, D])
-        do2 = do_smem.index(slot).reshape([BLOCK_M, D])
-        # Loads that need no shared memory first, so their latency overlaps the waits.
-        rows = m0 + gl.arange(0, BLOCK_M, layout=query_l)
-        in_q = rows < Lq
-        # Row statistics [lse, lse_rem, delta, 0] of the dq kernel (launch.RowStats).
-        p_stats = STATS + ((b * H + h).to(gl.int64) * Lq + rows) * 4
-        lse = gl.load(p_stats, mask=in_q, other=0.0)
-        lse_rem = gl.load(p_stats + 1, mask=in_q, other=0.0)
-        delta = gl.load(p_stats + 2, mask=in_q, other=0.0)
-        if HAS_BIAS:  # noqa: SIM102 (a constexpr test, then a runtime one)
-            if bias_head_mul != 0:
-                p_bias = bias_base + (h % G).to(gl.int64) * Lk
-                b_row = gl.load(p_bias + r, mask=in_list, other=0.0).to(gl.float32)
-        mbarrier.wait(q_ready.index(slot), phase)
-        st = warpgroup_mma(kc, q2.permute((1, 0)),
-                           gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                           use_acc=False, is_async=True)  # fmt: skip
-        mbarrier.wait(do_ready.index(slot), phase)
-        dpt = warpgroup_mma(vc, do2.permute((1, 0)),
-                            gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                            use_acc=False, is_async=True)  # fmt: skip
-        ok = in_list[:, None] & in_q[None, :]
-        if IS_CAUSAL:
-            ok = ok & (pos[:, None] <= rows[None, :] + off)
-        st = warpgroup_mma_wait(1, deps=[st])
-        x = st * scale
-        if HAS_BIAS:
-            x = x + b_row[:, None]
-        pt = gl.where(ok, gl.exp2(((x - lse[None, :]) - lse_rem[None, :]) * LOG2E), 0.0)
-        pt16 = gl.convert_layout(pt.to(dtype), a_layout)
-        dv = warpgroup_mma(pt16, do2, dv, is_async=True)
-        dpt = warpgroup_mma_wait(1, deps=[dpt])
-        dst = gl.where(ok, pt * (dpt - delta[None, :]), 0.0)
-        if DBIAS_COLS:
-            db += gl.sum(dst, axis=1)
-        ds16 = gl.convert_layout(dst.to(dtype), a_layout)
-        dk = warpgroup_mma(ds16, q2, dk, is_async=True)
-        dv, dk, pt16, ds16 = warpgroup_mma_wait(0, deps=[dv, dk, pt16, ds16])
-        mbarrier.arrive(qdo_empty.index(slot), count=1)
-
-    acc_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-    r_a = gl.convert_layout(r, acc_rows)
-    in_k = (r_a < Lk)[:, None]
-    dk = dk * scale
-    if PARTIAL:
-        # Float32 parts at list positions: attention_bwd_dkdv_reduce_kernel sums them in split
-        # order and stores them at the keys.
-        o_p = (part * Lk + r_a).to(gl.int64)[:, None] * D + cols[None, :]
-        gl.store(PART_DK + o_p, dk, mask=in_k)
-        gl.store(PART_DV + o_p, dv, mask=in_k)
-        if DBIAS_COLS:
-            gl.store(PART_DB + part * Lk + r, db, mask=r < Lk)
-    else:
-        pos_a = gl.convert_layout(pos, acc_rows).to(gl.int64)[:, None]
-        p_dk = DK + b.to(gl.int64) * stride_dkb + hk * stride_dkh + pos_a * stride_dkm
-        gl.store(p_dk + cols[None, :], dk.to(dtype), mask=in_k)
-        p_dv = DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + pos_a * stride_dvm
-        gl.store(p_dv + cols[None, :], dv.to(dtype), mask=in_k)
-        if DBIAS_COLS:
-            p_db = DBIAS + b.to(gl.int64) * dbias_stride_b + hk * dbias_stride_h + pos
-            gl.store(p_db, db.to(DBIAS.dtype.element_ty), mask=r < Lk)
+    it = 0
+    n_kv = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, hk, g0, n0, part, n_heads, count, keys, t_lo, n_q = _dkdv_item(
+            t, n_parts, n_bg, hkv, G, SPLIT, Lq, Lk, KEYS, KEY_COUNT, keys_stride_b,
+            keys_stride_h, count_stride_b, mask_hdiv, BLOCK_M, BLOCK_N, IS_CAUSAL,
+        )  # fmt: skip
+        steps = n_q - t_lo
+        r = n0 + C * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
+        in_list = r < count
+        pos = gl.load(keys + r, mask=r < Lk, other=0)
+        bias_base = BIAS
+        b_row = gl.zeros([BLOCK_N], gl.float32, key_l)
+        if HAS_BIAS:
+            bias_base = BIAS + ((b * hkv + hk) * bias_heads).to(gl.int64) * Lk
+            b_row = gl.load(bias_base + r, mask=in_list, other=0.0).to(gl.float32)
+        dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+        db = gl.zeros([BLOCK_N], gl.float32, key_l)
+        if steps > 0:
+            mbarrier.wait(kv_bar, n_kv & 1)
+            for i in range(n_heads * steps):
+                g = g0 + i // steps
+                h = hk * G + g
+                m0 = (t_lo + i % steps) * BLOCK_M
+                slot = it % STAGES
+                phase = (it // STAGES) & 1
+                q2 = q_smem.index(slot).reshape([BLOCK_M, D])
+                do2 = do_smem.index(slot).reshape([BLOCK_M, D])
+                # Loads that need no shared memory first, so their latency overlaps the waits.
+                rows = m0 + gl.arange(0, BLOCK_M, layout=query_l)
+                in_q = rows < Lq
+                # Row statistics [lse, lse_rem, delta, 0] of the dq kernel (launch.RowStats).
+                p_stats = STATS + ((b * H + h).to(gl.int64) * Lq + rows) * 4
+                lse = gl.load(p_stats, mask=in_q, other=0.0)
+                lse_rem = gl.load(p_stats + 1, mask=in_q, other=0.0)
+                delta = gl.load(p_stats + 2, mask=in_q, other=0.0)
+                if HAS_BIAS:  # noqa: SIM102 (a constexpr test, then a runtime one)
+                    if bias_head_mul != 0:
+                        p_bias = bias_base + (h % G).to(gl.int64) * Lk
+                        b_row = gl.load(p_bias + r, mask=in_list, other=0.0).to(gl.float32)
+                mbarrier.wait(q_ready.index(slot), phase)
+                st = warpgroup_mma(kc, q2.permute((1, 0)),
+                                   gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                                   use_acc=False, is_async=True)  # fmt: skip
+                mbarrier.wait(do_ready.index(slot), phase)
+                dpt = warpgroup_mma(vc, do2.permute((1, 0)),
+                                    gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                                    use_acc=False, is_async=True)  # fmt: skip
+                ok = in_list[:, None] & in_q[None, :]
+                if IS_CAUSAL:
+                    ok = ok & (pos[:, None] <= rows[None, :] + off)
+                st = warpgroup_mma_wait(1, deps=[st])
+                x = st * scale
+                if HAS_BIAS:
+                    x = x + b_row[:, None]
+                pt = gl.where(ok, gl.exp2(((x - lse[None, :]) - lse_rem[None, :]) * LOG2E), 0.0)
+                pt16 = gl.convert_layout(pt.to(dtype), a_layout)
+                dv = warpgroup_mma(pt16, do2, dv, is_async=True)
+                dpt = warpgroup_mma_wait(1, deps=[dpt])
+                dst = gl.where(ok, pt * (dpt - delta[None, :]), 0.0)
+                if DBIAS_COLS:
+                    db += gl.sum(dst, axis=1)
+                ds16 = gl.convert_layout(dst.to(dtype), a_layout)
+                dk = warpgroup_mma(ds16, q2, dk, is_async=True)
+                dv, dk, pt16, ds16 = warpgroup_mma_wait(0, deps=[dv, dk, pt16, ds16])
+                mbarrier.arrive(qdo_empty.index(slot), count=1)
+                it += 1
+            mbarrier.arrive(kv_empty, count=1)
+            n_kv += 1
+
+        r_a = gl.convert_layout(r, acc_rows)
+        in_k = (r_a < Lk)[:, None]
+        dk = dk * scale
+        if PARTIAL:
+            # Float32 parts at list positions: attention_bwd_dkdv_reduce_kernel sums them in
+            # split order and stores them at the keys.
+            o_p = (part * Lk + r_a).to(gl.int64)[:, None] * D + cols[None, :]
+            gl.store(PART_DK + o_p, dk, mask=in_k)
+            gl.store(PART_DV + o_p, dv, mask=in_k)
+            if DBIAS_COLS:
+                gl.store(PART_DB + part * Lk + r, db, mask=r < Lk)
+        else:
+            pos_a = gl.convert_layout(pos, acc_rows).to(gl.int64)[:, None]
+            p_dk = DK + b.to(gl.int64) * stride_dkb + hk * stride_dkh + pos_a * stride_dkm
+            gl.store(p_dk + cols[None, :], dk.to(dtype), mask=in_k)
+            p_dv = DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + pos_a * stride_dvm
+            gl.store(p_dv + cols[None, :], dv.to(dtype), mask=in_k)
+            if DBIAS_COLS:
+                p_db = DBIAS + b.to(gl.int64) * dbias_stride_b + hk * dbias_stride_h + pos
+                gl.store(p_db, db.to(DBIAS.dtype.element_ty), mask=r < Lk)
 
 
 @gluon.jit
@@ -383,36 +484,17 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, STATS, BIAS, KEYS, KEY_C
                        DBIAS, PART_DK, PART_DV, PART_DB, stride_dkb, stride_dkm, stride_dkh,
                        stride_dvb, stride_dvm, stride_dvh, dbias_stride_b, dbias_stride_h,
                        keys_stride_b, keys_stride_h, count_stride_b, bias_heads, bias_head_mul,
-                       H, G, Lq, Lk, mask_hdiv, scale, SPLIT, IS_CAUSAL: gl.constexpr,
-                       HAS_BIAS: gl.constexpr, DBIAS_COLS: gl.constexpr, PARTIAL: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                       STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """One program: list positions [n0, n0 + 2 * BLOCK_N) of one (batch, KV group) and G / SPLIT
-    of its query heads (part `part` of SPLIT), over the query tiles that see the first of its
-    keys. Every list position below Lk is written: keys past the count get zeros."""
+                       H, G, Lq, Lk, mask_hdiv, scale, SPLIT, n_items, n_parts,
+                       IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       DBIAS_COLS: gl.constexpr, PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                       num_warps: gl.constexpr):  # fmt: skip
+    """A persistent program: work items (_dkdv_item) t = program_id, + num_programs, ... of
+    n_items = (list tiles of 2 * BLOCK_N) * n_parts, n_parts = B * Hkv * SPLIT. Every list
+    position below Lk is written: keys past the count get zeros."""
     gl.static_assert(num_warps == 4)
     hkv = H // G
-    n_bg = gl.num_programs(1) // SPLIT
-    part = gl.program_id(1)
-    i_bg = part % n_bg
-    b = i_bg // hkv
-    hk = i_bg % hkv
-    n_heads = G // SPLIT
-    g0 = (part // n_bg) * n_heads
-    hm = (hk * G) // mask_hdiv
-    n0 = gl.program_id(0) * (2 * BLOCK_N)
-    count = gl.load(KEY_COUNT + b * count_stride_b + hm)
-    keys = KEYS + b * keys_stride_b + hm * keys_stride_h
-    n_q = gl.cdiv(Lq, BLOCK_M)
-    t_lo = 0
-    if IS_CAUSAL:
-        # The first query that sees the first listed key of the program (positions ascend).
-        first = gl.load(keys + n0, mask=n0 < count, other=0)
-        t_lo = gl.maximum(first - (Lk - Lq), 0) // BLOCK_M
-    t_lo = gl.where(n0 < count, gl.minimum(t_lo, n_q), n_q)
-    bias_base = BIAS
-    if HAS_BIAS:
-        bias_base = BIAS + ((b * hkv + hk) * bias_heads).to(gl.int64) * Lk
+    n_bg = n_parts // SPLIT
     dtype: gl.constexpr = q_desc.dtype
 
     k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -420,31 +502,37 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, STATS, BIAS, KEYS, KEY_C
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_empty, count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)
 
     gl.warp_specialize([
-        (_dkdv_consumer, (STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, k_smem, v_smem,
-                          q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_empty, keys, bias_base,
-                          count, b, hk, H, G, g0, n0, t_lo, n_q, n_heads, Lq, Lk, part, scale,
-                          bias_head_mul, stride_dkb, stride_dkm, stride_dkh,
+        (_dkdv_consumer, (STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS,
+                          KEY_COUNT, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_empty, q_ready,
+                          do_ready, qdo_empty, keys_stride_b, keys_stride_h, count_stride_b,
+                          mask_hdiv, n_items, n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale,
+                          bias_heads, bias_head_mul, stride_dkb, stride_dkm, stride_dkh,
                           stride_dvb, stride_dvm, stride_dvh, dbias_stride_b, dbias_stride_h, 0,
                           IS_CAUSAL, HAS_BIAS, DBIAS_COLS, PARTIAL, BLOCK_M, BLOCK_N, D,
                           STAGES)),
-        (_dkdv_consumer, (STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, k_smem, v_smem,
-                          q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_empty, keys, bias_base,
-                          count, b, hk, H, G, g0, n0, t_lo, n_q, n_heads, Lq, Lk, part, scale,
-                          bias_head_mul, stride_dkb, stride_dkm, stride_dkh,
+        (_dkdv_consumer, (STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS,
+                          KEY_COUNT, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_empty, q_ready,
+                          do_ready, qdo_empty, keys_stride_b, keys_stride_h, count_stride_b,
+                          mask_hdiv, n_items, n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale,
+                          bias_heads, bias_head_mul, stride_dkb, stride_dkm, stride_dkh,
                           stride_dvb, stride_dvm, stride_dvh, dbias_stride_b, dbias_stride_h, 1,
                           IS_CAUSAL, HAS_BIAS, DBIAS_COLS, PARTIAL, BLOCK_M, BLOCK_N, D,
                           STAGES)),
         (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem,
-                        kv_bar, q_ready, do_ready, qdo_empty, b, hk, G, g0, n0, t_lo, n_q,
-                        n_heads, BLOCK_M, BLOCK_N, STAGES)),
+                        kv_bar, kv_empty, q_ready, do_ready, qdo_empty, KEYS, KEY_COUNT,
+                        keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items,
+                        n_parts, n_bg, hkv, G, SPLIT, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N,
+                        STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip
