@@ -157,6 +157,11 @@ def _fwd_consumer(OUT, LSE, LSE_REM, BIAS, KEYS, KEY_END, KEY_COUNT, q_smem, k_s
         mbarrier.wait(q_bars.index(C), i & 1)
         if n_tiles > 0:
             cols, pos, b_col = _fwd_tile_keys(0, keys, bias, count, HAS_BIAS, BLOCK_N, s_layout)
+            # The next tile's columns are loaded one tile ahead: their latency (an L2 round
+            # trip) would otherwise sit between each S and its softmax.
+            n_cols, n_pos, n_bcol = _fwd_tile_keys(
+                1, keys, bias, count, HAS_BIAS, BLOCK_N, s_layout
+            )
             slot = it % STAGES
             mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
             s = warpgroup_mma(
@@ -174,7 +179,10 @@ def _fwd_consumer(OUT, LSE, LSE_REM, BIAS, KEYS, KEY_END, KEY_COUNT, q_smem, k_s
             for j in range(1, n_tiles):
                 slot = (it + j) % STAGES
                 prev = (it + j - 1) % STAGES
-                cols, pos, b_col = _fwd_tile_keys(j, keys, bias, count, HAS_BIAS, BLOCK_N, s_layout)
+                cols, pos, b_col = n_cols, n_pos, n_bcol
+                n_cols, n_pos, n_bcol = _fwd_tile_keys(
+                    j + 1, keys, bias, count, HAS_BIAS, BLOCK_N, s_layout
+                )
                 mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
                 s = warpgroup_mma(
                     q2, k_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
@@ -311,6 +319,22 @@ def _dkdv_item(t, n_parts, n_bg, hkv, G, SPLIT, Lq, Lk, KEYS, KEY_COUNT, keys_st
 
 
 @gluon.jit
+def _dkdv_stats(STATS, b, hk, G, g0, H, Lq, t_lo, steps, n_steps, i, BLOCK_M: gl.constexpr,
+                query_l: gl.constexpr):  # fmt: skip
+    """Row statistics [lse, lse_rem, delta] of an item's step i of n_steps (the dq kernel's
+    (B, H, Lq, 4) buffer, launch.RowStats); rows past Lq, and a step past the last, read
+    zeros."""
+    h = hk * G + g0 + i // steps
+    rows = (t_lo + i % steps) * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_l)
+    ok = (rows < Lq) & (i < n_steps)
+    p_stats = STATS + ((b * H + h).to(gl.int64) * Lq + rows) * 4
+    lse = gl.load(p_stats, mask=ok, other=0.0)
+    lse_rem = gl.load(p_stats + 1, mask=ok, other=0.0)
+    delta = gl.load(p_stats + 2, mask=ok, other=0.0)
+    return lse, lse_rem, delta
+
+
+@gluon.jit
 def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar,
                  kv_empty, q_ready, do_ready, qdo_empty, KEYS, KEY_COUNT, keys_stride_b,
                  keys_stride_h, count_stride_b, mask_hdiv, n_items, n_parts, n_bg, hkv, G,
@@ -406,6 +430,11 @@ def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, 
         dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
         db = gl.zeros([BLOCK_N], gl.float32, key_l)
         if steps > 0:
+            # Row statistics are loaded one step ahead: their latency would otherwise sit
+            # between each S^T and its exponentials.
+            n_lse, n_rem, n_delta = _dkdv_stats(
+                STATS, b, hk, G, g0, H, Lq, t_lo, steps, n_heads * steps, 0, BLOCK_M, query_l
+            )
             mbarrier.wait(kv_bar, n_kv & 1)
             for i in range(n_heads * steps):
                 g = g0 + i // steps
@@ -415,14 +444,24 @@ def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, 
                 phase = (it // STAGES) & 1
                 q2 = q_smem.index(slot).reshape([BLOCK_M, D])
                 do2 = do_smem.index(slot).reshape([BLOCK_M, D])
-                # Loads that need no shared memory first, so their latency overlaps the waits.
                 rows = m0 + gl.arange(0, BLOCK_M, layout=query_l)
                 in_q = rows < Lq
-                # Row statistics [lse, lse_rem, delta, 0] of the dq kernel (launch.RowStats).
-                p_stats = STATS + ((b * H + h).to(gl.int64) * Lq + rows) * 4
-                lse = gl.load(p_stats, mask=in_q, other=0.0)
-                lse_rem = gl.load(p_stats + 1, mask=in_q, other=0.0)
-                delta = gl.load(p_stats + 2, mask=in_q, other=0.0)
+                lse, lse_rem, delta = n_lse, n_rem, n_delta
+                n_lse, n_rem, n_delta = _dkdv_stats(
+                    STATS,
+                    b,
+                    hk,
+                    G,
+                    g0,
+                    H,
+                    Lq,
+                    t_lo,
+                    steps,
+                    n_heads * steps,
+                    i + 1,
+                    BLOCK_M,
+                    query_l,
+                )
                 if HAS_BIAS:  # noqa: SIM102 (a constexpr test, then a runtime one)
                     if bias_head_mul != 0:
                         p_bias = bias_base + (h % G).to(gl.int64) * Lk
