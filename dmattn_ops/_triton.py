@@ -67,12 +67,13 @@ class LaunchCache:
     A key holds everything Triton specialises a compiled kernel on, or more: the current device,
     the keyword arguments (constexprs, num_warps, num_stages) by value, the type of every
     positional argument, each tensor's dtype and whether its address is 16-byte aligned, and
-    every other argument (ints, floats, bools, None) by value, so a hit is a launch that Triton
-    would compile to the same kernel. Ints by exact value (Triton keys them only on == 1,
-    divisibility by 16 and range) cost more entries for changing sizes, hence the bound of SIZE
-    entries, the oldest evicted. The key is built in few Python steps, as the launches it saves
-    are short: the types, taken in one pass, name the tensor and scalar positions once per
-    layout, and those are then picked out by itemgetters.
+    every other argument (ints, floats, bools, None) by value, and a TMA descriptor's dtype,
+    block shape and shared-memory layout (its shape and strides are runtime values), so a hit is
+    a launch that Triton would compile to the same kernel. Ints by exact value (Triton keys them
+    only on == 1, divisibility by 16 and range) cost more entries for changing sizes, hence the
+    bound of SIZE entries, the oldest evicted. The key is built in few Python steps, as the
+    launches it saves are short: the types, taken in one pass, name the tensor and scalar
+    positions once per layout, and those are then picked out by itemgetters.
 
     A hit launches the CompiledKernel through its own `kernel[grid](*args)`, which takes every
     parameter, constexprs included, in signature order (Triton 3.3 onwards: the kernel's source
@@ -93,13 +94,14 @@ class LaunchCache:
         pickers = self._layouts.get(layout)
         if pickers is None:
             pickers = self._layouts[layout] = _pickers(layout)
-        tensors, scalars = pickers
+        tensors, scalars, descriptors = pickers
         return (
             device,
             layout,
             tuple(kwargs.items()),
             scalars(args),
             tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors(args)]),
+            tuple([_descriptor_key(d) for d in descriptors(args)]),
         )
 
     def launch(self, fn, grid, args, kwargs, device: int):
@@ -144,11 +146,30 @@ class LaunchCache:
 
 
 def _pickers(layout: tuple):
-    """(tensors, scalars): functions returning the tensor and the other arguments of an argument
-    tuple whose types are `layout`, as tuples."""
+    """(tensors, scalars, descriptors): functions returning the tensor, the TMA descriptor and
+    the other arguments of an argument tuple whose types are `layout`, as tuples."""
     tensor = [i for i, t in enumerate(layout) if issubclass(t, torch.Tensor)]
-    other = sorted(set(range(len(layout))) - set(tensor))
-    return _picker(tensor), _picker(other)
+    descriptor = [i for i, t in enumerate(layout) if _is_descriptor(t)]
+    other = sorted(set(range(len(layout))) - set(tensor) - set(descriptor))
+    return _picker(tensor), _picker(other), _picker(descriptor)
+
+
+def _is_descriptor(t: type) -> bool:
+    """Triton's (and Gluon's) host-side TMA descriptors, TensorDescriptor, without importing
+    Triton."""
+    return t.__name__ == "TensorDescriptor" and t.__module__.startswith("triton.")
+
+
+def _descriptor_key(d) -> tuple:
+    """What Triton specialises a kernel on for a descriptor argument (its type string: dtype,
+    block shape, shared-memory layout), and the base's 16-byte alignment."""
+    return (
+        d.base.dtype,
+        d.base.data_ptr() & 15 == 0,
+        tuple(d.block_shape),
+        getattr(d, "layout", None),
+        getattr(d, "padding", None),
+    )
 
 
 def _picker(index: list):

@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from dmattn_ops._triton import cdiv, interpreter_on
+from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on
 
 # Tiles: a consumer warpgroup takes BLOCK_M query rows (forward; a program has two) or
 # DKDV_BLOCK_N keys (dK/dV); the ring of K/V (forward) or Q/dO (dK/dV) tiles has STAGES slots.
@@ -45,6 +45,11 @@ def enabled() -> bool:
     """On where DMATTN_HOPPER=1 (read per call); off by default (module docstring)."""
     return os.environ.get("DMATTN_HOPPER", "0") == "1"
 
+
+# Eager launches go through LazyKernel's launch cache, which skips Triton's binder (~100 us a
+# launch for these kernels' descriptors and ~30 arguments).
+_FORWARD_KERNEL = LazyKernel("hopper", "hopper_fwd_kernel")
+_DKDV_KERNEL = LazyKernel("hopper", "hopper_dkdv_kernel")
 
 _GLUON: list[bool] = []  # found or not, once asked (a plain global: see _triton._FOUND)
 
@@ -105,16 +110,25 @@ def applies(query, key, value, bias, is_causal, softcap, seqused_k, band, sinks,
     return _tma_ready(query) and _sm90(query.device) and _gluon_found()
 
 
+_LAYOUTS: dict = {}  # (dtype, rows, D) -> the shared-memory layout of a [1, rows, 1, D] box
+
+
 def _descriptor(t: torch.Tensor, rows: int):
-    """A TMA descriptor of 4-D t (B, L, heads, D) with [1, rows, 1, D] boxes."""
-    from triton.experimental.gluon import language as gl
+    """A TMA descriptor of 4-D t (B, L, heads, D) with [1, rows, 1, D] boxes. Layouts are made
+    once per box (Gluon's get_default_for takes ~10 us a call, bench/NOTES.md 71)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if not _tma_ready(t):
         t = t.contiguous()
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
     block = [1, rows, 1, t.shape[3]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
+    layout = _LAYOUTS.get((t.dtype, rows, t.shape[3]))
+    if layout is None:
+        from triton.experimental.gluon import language as gl
+
+        gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
+        layout = _LAYOUTS[(t.dtype, rows, t.shape[3])] = gl.NVMMASharedLayout.get_default_for(
+            block, gdt
+        )
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
@@ -137,7 +151,6 @@ def _bias_rows(bias, hkv: int) -> tuple[int, int]:
     return heads, int(heads > 1)
 
 
-@torch.library.custom_op("dmattn::_hopper_forward", mutates_args=("out", "lse", "lse_rem"))
 def _hopper_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -157,13 +170,11 @@ def _hopper_forward(
     (B, Lk, Hkv, D) with V zero past each list; bias the packed (B, Hkv * heads, 1, Lk) or None;
     the key lists (tiles.KeyLists, key_end per BLOCK_M-row tile); out (B, Lq, H, D) contiguous,
     lse and lse_rem (B, H, Lq) float32."""
-    from dmattn_ops.kernels.hopper import hopper_fwd_kernel
-
     b, lq, h, d = query.shape
     lk, hkv = key.shape[1], key.shape[2]
     bias_heads, bias_mul = _bias_rows(bias, hkv)
     n_items = cdiv(lq, 2 * BLOCK_M) * b * h
-    hopper_fwd_kernel[(min(n_items, _sm_count(query.device)),)](
+    _FORWARD_KERNEL[(min(n_items, _sm_count(query.device)),)](
         _descriptor(query, BLOCK_M), _descriptor(key, FWD_BLOCK_N),
         _descriptor(value, FWD_BLOCK_N), out, lse, lse_rem, _or(bias, keys), keys, key_end,
         key_count,
@@ -175,14 +186,6 @@ def _hopper_forward(
     )  # fmt: skip
 
 
-@_hopper_forward.register_fake
-def _(*args) -> None:
-    return None
-
-
-@torch.library.custom_op(
-    "dmattn::_hopper_dkdv", mutates_args=("dk", "dv", "dbias", "part_dk", "part_dv", "part_db")
-)
 def _hopper_dkdv(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -207,15 +210,13 @@ def _hopper_dkdv(
     kernel's (B, H, Lq, 4) row statistics; dk, dv (B, Lk, Hkv, D) and dbias (B, Hkv, 1, Lk)
     written at the keys (zeros at keys no list holds), or with split > 1 the float32 parts
     (split, B * Hkv, Lk, D) at list positions for attention_bwd_dkdv_reduce_kernel."""
-    from dmattn_ops.kernels.hopper import hopper_dkdv_kernel
-
     b, lq, h, d = query.shape
     lk, hkv = key.shape[1], key.shape[2]
     bias_heads, bias_mul = _bias_rows(bias, hkv)
     db_strides = (dbias.stride(0), dbias.stride(1)) if dbias is not None else (0, 0)
     n_parts = b * hkv * split
     n_items = dkdv_programs(lk) * n_parts
-    hopper_dkdv_kernel[(min(n_items, _sm_count(query.device)),)](
+    _DKDV_KERNEL[(min(n_items, _sm_count(query.device)),)](
         _descriptor(query, DKDV_BLOCK_M), _descriptor(key, DKDV_BLOCK_N),
         _descriptor(value, DKDV_BLOCK_N), _descriptor(grad_out, DKDV_BLOCK_M), stats,
         _or(bias, keys), keys, key_count, dk, dv, _or(dbias, dk), _or(part_dk, stats),
@@ -230,7 +231,31 @@ def _hopper_dkdv(
     )  # fmt: skip
 
 
-@_hopper_dkdv.register_fake
+# Registered through torch.library.Library rather than custom_op: custom_op's Python wrappers
+# for mutated arguments cost ~60 us a call (bench/NOTES.md 71), paid on every launch of a
+# compiled graph too.
+_lib = torch.library.Library("dmattn", "FRAGMENT")
+_lib.define(
+    "_hopper_forward(Tensor query, Tensor key, Tensor value, Tensor? bias, Tensor keys, "
+    "Tensor key_end, Tensor key_count, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) lse_rem, "
+    "float scale, bool is_causal, int mask_div) -> ()"
+)
+_lib.define(
+    "_hopper_dkdv(Tensor query, Tensor key, Tensor value, Tensor grad_out, Tensor stats, "
+    "Tensor? bias, Tensor keys, Tensor key_count, Tensor(a!) dk, Tensor(b!) dv, "
+    "Tensor(c!)? dbias, Tensor(d!)? part_dk, Tensor(e!)? part_dv, Tensor(f!)? part_db, "
+    "float scale, bool is_causal, int mask_div, int split) -> ()"
+)
+_lib.impl("_hopper_forward", _hopper_forward, "CUDA")
+_lib.impl("_hopper_dkdv", _hopper_dkdv, "CUDA")
+
+
+@torch.library.register_fake("dmattn::_hopper_forward")
+def _(*args) -> None:
+    return None
+
+
+@torch.library.register_fake("dmattn::_hopper_dkdv")
 def _(*args) -> None:
     return None
 

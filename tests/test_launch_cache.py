@@ -70,6 +70,22 @@ def test_the_key_separates_what_triton_specialises_on():
     assert _key(x) == _key(torch.ones(2)) and _key(3) != _key(4) and _key() == _key()
 
 
+def test_the_key_takes_a_tma_descriptor_by_what_triton_specialises_on():
+    """Descriptors (the Hopper kernels' operands) are keyed by dtype, block shape and layout, not
+    by value: their shape and strides are runtime values, and the dataclass is unhashable."""
+    tensor_descriptor = pytest.importorskip("triton.tools.tensor_descriptor")
+
+    def desc(t, block):
+        return tensor_descriptor.TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    x = torch.zeros(64, 128, dtype=torch.float16)
+    base = _key(desc(x, [16, 128]), 7)
+    assert base == _key(desc(torch.ones(32, 128, dtype=torch.float16), [16, 128]), 7)
+    assert base != _key(desc(x, [32, 128]), 7)  # block shape
+    assert base != _key(desc(x.float(), [16, 128]), 7)  # dtype
+    assert base != _key(x, 7)
+
+
 def test_a_hit_passes_every_parameter_in_signature_order():
     cache, fn = LaunchCache(), _Jit()
     x = torch.zeros(8)
