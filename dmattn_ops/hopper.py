@@ -6,18 +6,23 @@ causal or not, a per-key bias or none) run FlashAttention-3-shaped kernels: a TM
 and two consumer warpgroups per program. The dq pass, the key lists, the packing and the
 reduction of split dK/dV parts stay on the Triton kernels.
 
-Why opt-in (bench/NOTES.md 70): on dense calls these kernels' prototypes run 1.25-1.35x the
-TFLOP/s of our Triton kernels (the forward at cuDNN's rate), but on today's key-list calls they
-are slower (the model's call: forward 0.136 ms against 0.096, dK/dV 0.321 against 0.205): one
-program per SM, short programs whose set-up is not overlapped, list entries and row statistics
-loaded on the consumers' critical path, and spills in the dK/dV consumers. They are exact
-(tests/test_hopper.py, on the GPU), and the plumbing (plan flag, custom ops, packed V rows
-zeroed past each list) is what the next kernels plug into.
+Both kernels are persistent: one program per SM loops over work items, longest first, and its
+loader warp fetches the next item's tiles while the consumers finish the current one.
+
+Why opt-in (bench/NOTES.md 70, 71): on dense calls these kernels' prototypes run 1.25-1.35x the
+TFLOP/s of our Triton kernels (the forward at cuDNN's rate). On key-list calls they are now level
+with the Triton kernels at the model's call (kernel ms, Triton's in parentheses: forward 0.096
+(0.097), dK/dV 0.179 (0.206)) and behind at long lists (case C: 0.478 (0.439) and 1.31 (1.07)),
+and a compiled model step that takes them is slower (B4 L2048: 8.49 ms against 6.86): each
+launch is an extern call of ~65 us of host time where Inductor launches a Triton kernel in
+~15, and the rest of the difference is not yet explained. They are exact (tests/test_hopper.py,
+on the GPU), and the plumbing (plan flag, ops, packed V rows zeroed past each list) is what the
+next kernels plug into.
 
 Gluon kernels cannot go through `torch.library.wrap_triton` (Inductor re-emits a user kernel's
-source under `@triton.jit`), so each launch is a custom op of its own, `dmattn::_hopper_forward`
-and `dmattn::_hopper_dkdv`, mutating the buffers the launcher allocated: eagerly a direct call,
-and in a compiled graph one extern node each.
+source under `@triton.jit`), so each launch is an op of its own, `dmattn::_hopper_forward` and
+`dmattn::_hopper_dkdv`, mutating the buffers the launcher allocated: eagerly a direct call, and
+in a compiled graph one extern node each.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on
 
 # Tiles: a consumer warpgroup takes BLOCK_M query rows (forward; a program has two) or
 # DKDV_BLOCK_N keys (dK/dV); the ring of K/V (forward) or Q/dO (dK/dV) tiles has STAGES slots.
-# Shared memory: forward 32 KB of Q + 3 x 64 KB of K and V; dK/dV 64 KB of K and V + 2 x 32 KB.
+# Shared memory: forward 32 KB of Q + 4 x 32 KB of K and V; dK/dV 64 KB of K and V + 2 x 16 KB.
+# 32-query dK/dV tiles: at 64 the consumers spill 880 bytes (bench/NOTES.md 71).
 BLOCK_M = 64
 FWD_BLOCK_N, FWD_STAGES = 64, 4
 DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 32, 64, 2
