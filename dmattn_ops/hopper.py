@@ -14,10 +14,10 @@ TFLOP/s of our Triton kernels (the forward at cuDNN's rate). On key-list calls t
 with the Triton kernels at the model's call (kernel ms, Triton's in parentheses: forward 0.096
 (0.097), dK/dV 0.179 (0.206)) and behind at long lists (case C: 0.478 (0.439) and 1.31 (1.07)),
 and a compiled model step that takes them is not faster (B4 L2048: 8.49 ms against 6.86 in
-one run, level to +1.7 ms in others): each launch is an extern call of ~65 us of host time where
-Inductor launches a Triton kernel in ~15, and the rest of the difference is not yet explained. They are exact (tests/test_hopper.py,
-on the GPU), and the plumbing (plan flag, ops, packed V rows zeroed past each list) is what the
-next kernels plug into.
+one run, level to +1.7 ms in others): each launch is an extern call of ~65 us of host time
+where Inductor launches a Triton kernel in ~15, and the rest of the difference is not yet
+explained. They are exact (tests/test_hopper.py, on the GPU), and the plumbing (plan flag, ops,
+packed V rows zeroed past each list) is what the next kernels plug into.
 
 Gluon kernels cannot go through `torch.library.wrap_triton` (Inductor re-emits a user kernel's
 source under `@triton.jit`), so each launch is an op of its own, `dmattn::_hopper_forward` and
