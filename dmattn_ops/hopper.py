@@ -237,9 +237,9 @@ def _hopper_dkdv(
     )  # fmt: skip
 
 
-# Registered through torch.library.Library rather than custom_op: custom_op's Python wrappers
-# for mutated arguments cost ~60 us a call (bench/NOTES.md 71), paid on every launch of a
-# compiled graph too.
+# Registered through torch.library.Library rather than custom_op, whose Python wrappers around
+# mutated arguments cost ~60 us a call (bench/NOTES.md 71), paid again at each launch that a
+# compiled graph makes.
 _lib = torch.library.Library("dmattn", "FRAGMENT")
 _lib.define(
     "_hopper_forward(Tensor query, Tensor key, Tensor value, Tensor? bias, Tensor keys, "

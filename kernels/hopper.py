@@ -32,6 +32,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
+@gluon.constexpr_function
+def _mma_layout(n):
+    """The register layout of a [64, n] wgmma accumulator of one warpgroup."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 # Forward ---------------------------------------------------------------------------------------
 
 
@@ -90,7 +96,8 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty,
 @gluon.jit
 def _fwd_tile_keys(j, keys, bias, count, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
                    s_layout: gl.constexpr):  # fmt: skip
-    """List tile j's (list index, key position, bias) columns, loaded while its product runs."""
+    """List tile j's (list index, key position, bias) columns (the consumer loads them a tile
+    ahead of their use)."""
     cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     pos = gl.load(keys + cols, mask=cols < count, other=0)
     b_col = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, s_layout))
@@ -124,12 +131,8 @@ def _fwd_consumer(OUT, LSE, LSE_REM, BIAS, KEYS, KEY_END, KEY_COUNT, q_smem, k_s
     """Rows C * BLOCK_M onwards of each work item's query pair. Per key tile j: S_j = Q K_j^T
     and O += P_{j-1} V_{j-1} issued back to back, then the softmax of S_j while P_{j-1} V_{j-1}
     runs; Q's slot is released once the item's last S is done, before its epilogue."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
-    )
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -319,13 +322,20 @@ def _dkdv_item(t, n_parts, n_bg, hkv, G, SPLIT, Lq, Lk, KEYS, KEY_COUNT, keys_st
 
 
 @gluon.jit
+def _dkdv_step(i, hk, G, g0, t_lo, steps, BLOCK_M: gl.constexpr):
+    """(query head, first row) of an item's step i: its heads in turn, each over the query
+    tiles [t_lo, t_lo + steps)."""
+    return hk * G + g0 + i // steps, (t_lo + i % steps) * BLOCK_M
+
+
+@gluon.jit
 def _dkdv_stats(STATS, b, hk, G, g0, H, Lq, t_lo, steps, n_steps, i, BLOCK_M: gl.constexpr,
                 query_l: gl.constexpr):  # fmt: skip
     """Row statistics [lse, lse_rem, delta] of an item's step i of n_steps (the dq kernel's
     (B, H, Lq, 4) buffer, launch.RowStats); rows past Lq, and a step past the last, read
     zeros."""
-    h = hk * G + g0 + i // steps
-    rows = (t_lo + i % steps) * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_l)
+    h, m0 = _dkdv_step(i, hk, G, g0, t_lo, steps, BLOCK_M)
+    rows = m0 + gl.arange(0, BLOCK_M, layout=query_l)
     ok = (rows < Lq) & (i < n_steps)
     p_stats = STATS + ((b * H + h).to(gl.int64) * Lq + rows) * 4
     lse = gl.load(p_stats, mask=ok, other=0.0)
@@ -363,8 +373,7 @@ def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_sme
                 )
             n_kv += 1
             for i in range(n_heads * steps):
-                h = hk * G + g0 + i // steps
-                m0 = (t_lo + i % steps) * BLOCK_M
+                h, m0 = _dkdv_step(i, hk, G, g0, t_lo, steps, BLOCK_M)
                 slot = it % STAGES
                 mbarrier.wait(qdo_empty.index(slot), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
@@ -394,12 +403,8 @@ def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, 
     registers; stored at the keys' positions (zeros for the list positions past the count), or
     as float32 parts at list positions (PARTIAL). K and V are released before the epilogue, so
     the next item's loads run under it."""
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
-    )
+    st_layout: gl.constexpr = _mma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = _mma_layout(D)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     key_l: gl.constexpr = gl.SliceLayout(1, st_layout)
     query_l: gl.constexpr = gl.SliceLayout(0, st_layout)
@@ -437,9 +442,7 @@ def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, 
             )
             mbarrier.wait(kv_bar, n_kv & 1)
             for i in range(n_heads * steps):
-                g = g0 + i // steps
-                h = hk * G + g
-                m0 = (t_lo + i % steps) * BLOCK_M
+                h, m0 = _dkdv_step(i, hk, G, g0, t_lo, steps, BLOCK_M)
                 slot = it % STAGES
                 phase = (it // STAGES) & 1
                 q2 = q_smem.index(slot).reshape([BLOCK_M, D])
@@ -448,20 +451,9 @@ def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, 
                 in_q = rows < Lq
                 lse, lse_rem, delta = n_lse, n_rem, n_delta
                 n_lse, n_rem, n_delta = _dkdv_stats(
-                    STATS,
-                    b,
-                    hk,
-                    G,
-                    g0,
-                    H,
-                    Lq,
-                    t_lo,
-                    steps,
-                    n_heads * steps,
-                    i + 1,
-                    BLOCK_M,
+                    STATS, b, hk, G, g0, H, Lq, t_lo, steps, n_heads * steps, i + 1, BLOCK_M,
                     query_l,
-                )
+                )  # fmt: skip
                 if HAS_BIAS:  # noqa: SIM102 (a constexpr test, then a runtime one)
                     if bias_head_mul != 0:
                         p_bias = bias_base + (h % G).to(gl.int64) * Lk
