@@ -5,7 +5,8 @@ backward: ours with window_size, ours on full causal attention (the window's tim
 with the window), PyTorch SDPA with the window materialised as a boolean mask, and
 FlexAttention (compiled) with a window mask_mod. Then a GPT-OSS-shaped layer (B1 L8192 H64 Hkv8
 D64, window 128, sinks): ours, eager and compiled, against Flex (compiled) with the same window
-(Flex has no sinks: it computes less). Every implementation is checked against ours on the
+(Flex has no sinks: it computes less); and GPT-OSS's full-attention layer (causal, sinks) on the
+fused kernels' path against our own kernels. Every implementation is checked against ours on the
 output before it is timed. Times are medians of triton.testing.do_bench (ms), each the median
 of three rounds in which the implementations of a shape are timed in turn. ``--profile``:
 then the device time of every kernel of ours and of Flex per forward+backward
@@ -165,6 +166,39 @@ def gpt_oss_case(lq: int, rows: list) -> None:
         rows.append((shape, name, t, t / times["ours window + sinks"]))
 
 
+def gpt_oss_full_case(lq: int, rows: list) -> None:
+    """GPT-OSS's full-attention layers: causal, no window, a sink per head. The fused kernels'
+    path joins the sinks to their result (sdpa.py); against our own kernels (PyTorch's fused
+    backends switched off for the call) and the same call without sinks."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, h, hkv, d = 1, 64, 8, 64
+    q, k, v = _inputs(b, lq, h, hkv, d, seed=2)
+    sinks = torch.randn(h, device="cuda", dtype=torch.float32).requires_grad_()
+    full = functools.partial(dmattn_ops.attention, is_causal=True)
+    full_sinks = functools.partial(full, sinks=sinks)
+
+    def on_ours(step):
+        def run():
+            with sdpa_kernel([SDPBackend.MATH]):  # keeps the call off the fused kernels
+                step()
+
+        return run
+
+    with torch.no_grad():
+        with sdpa_kernel([SDPBackend.MATH]):
+            ours_kernels = full_sinks(q, k, v)
+        _check("fused + sinks", full_sinks(q, k, v), ours_kernels)
+    times = _time_in_turn({
+        "full + sinks": _fwd_bwd(full_sinks, (q, k, v)),
+        "full + sinks, our kernels": on_ours(_fwd_bwd(full_sinks, (q, k, v))),
+        "full, no sinks": _fwd_bwd(full, (q, k, v)),
+    })  # fmt: skip
+    shape = f"GPT-OSS full layer B{b} L{lq} H{h}/{hkv} D{d}"
+    for name, t in times.items():
+        rows.append((shape, name, t, t / times["full + sinks"]))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.window", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="L16384 only")
@@ -176,6 +210,7 @@ def main(argv=None) -> None:
     for lq in (16384,) if args.quick else (16384, 32768):
         window_case(lq, 4096, rows)
     gpt_oss_case(8192, rows)
+    gpt_oss_full_case(8192, rows)
     print(f"{'shape':<42} {'implementation':<24} {'fwd+bwd ms':>10} {'x ours':>7}")
     for shape, name, t, ratio in rows:
         print(f"{shape:<42} {name:<24} {t:>10.3f} {ratio:>7.2f}")

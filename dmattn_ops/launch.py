@@ -48,6 +48,8 @@ from dmattn_ops.tiles import (
 from dmattn_ops.validate import NO_WINDOW
 
 attention_fwd_kernel = LazyKernel("attention_fwd", "attention_fwd_kernel")
+sinks_join_kernel = LazyKernel("attention_fwd", "sinks_join_kernel")
+attention_row_stats_kernel = LazyKernel("attention_bwd", "attention_row_stats_kernel")
 attention_bwd_dbias_kernel = LazyKernel("attention_bwd", "attention_bwd_dbias_kernel")
 attention_bwd_sinks_kernel = LazyKernel("attention_bwd", "attention_bwd_sinks_kernel")
 attention_bwd_dkdv_kernel = LazyKernel("attention_bwd", "attention_bwd_dkdv_kernel")
@@ -146,8 +148,10 @@ def attention_forward(
     if p.path == SDPA:
         tail = sdpa.window_tail(query, key, p.band)
         if tail:
-            return _window_tail_forward(query, key, value, scale, is_causal, p, window, tail)
-        return sdpa.forward(query, key, value, scale, p.band, p.fused)
+            result = _window_tail_forward(query, key, value, scale, is_causal, p, window, tail)
+        else:
+            result = sdpa.forward(query, key, value, scale, p.band, p.fused)
+        return _join_sinks(*result, sinks)
     band = p.band
     if p.path == DECODE:
         result = decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k)
@@ -290,14 +294,23 @@ def attention_backward(
         delta = chunked.row_delta(out, grad_out, grad_lse)
         return (*grads, chunked.sinks_grad(sinks, lse, lse_rem, delta))
     if p.path == SDPA:
+        # With sinks, out and lse are the forward's joined ones: the fused backwards then take
+        # P = exp(s - lse) and delta = rowsum(dO * O) of the sinks' softmax, as ours do.
         tail = sdpa.window_tail(query, key, p.band)
         if tail:
             dq, dk, dvv = _window_tail_backward(
                 grad_out, query, key, value, out, lse, lse_rem, scale, is_causal, p, window, tail
             )
-            return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device), no_sinks
-        dq, dk, dvv = sdpa.backward(grad_out, query, key, value, out, lse, scale, p.band, p.fused)
-        return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device), no_sinks
+        else:
+            dq, dk, dvv = sdpa.backward(
+                grad_out, query, key, value, out, lse, scale, p.band, p.fused
+            )
+        dsinks = (
+            no_sinks
+            if sinks is None
+            else _sinks_grad(sinks, _row_stats(out, grad_out, lse, lse_rem))
+        )
+        return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device), dsinks
     band, dbias_mode, cfgs = p.band, p.dbias, p.configs
     tables = dq_tables = lists = None
     if p.path == KEY_LISTS:
@@ -385,6 +398,38 @@ def _launch_dbias_bcast(
         *band.args(), HAS_MASK=operand_kind(mask), HAS_SEQUSED=seqused_k is not None,
         HAS_SOFTCAP=softcap > 0, **_meta(cfg, d, dv, band, query.dtype),
     )  # fmt: skip
+
+
+def _row_block(dv: int) -> dict:
+    """Tiles of the one-pass row kernels (sinks_join_kernel, attention_row_stats_kernel)."""
+    return dict(
+        BLOCK_M=16 if interpreter_on() else 64, BLOCK_DV=_block(dv), num_warps=4,
+    )  # fmt: skip
+
+
+def _join_sinks(out, lse, lse_rem, sinks):
+    """chunked.join_sinks in one launch, in place, for the fresh (out, lse, lse_rem) of
+    PyTorch's fused kernels (lse and lse_rem contiguous)."""
+    if sinks is None:
+        return out, lse, lse_rem
+    b, lq, h, dv = out.shape
+    meta = _row_block(dv)
+    sinks_join_kernel[(cdiv(lq, meta["BLOCK_M"]), b * h)](
+        out, lse, lse_rem, sinks, h, lq, dv, *out.stride(), **meta
+    )  # fmt: skip
+    return out, lse, lse_rem
+
+
+def _row_stats(out, grad_out, lse, lse_rem) -> torch.Tensor:
+    """The backward's row statistics (RowStats.stats) of a call whose backward runs no dq
+    kernel of ours: one launch over out and grad_out (B, Lq, H, Dv)."""
+    b, lq, h, dv = out.shape
+    stats = empty((b, h, lq, 4), dtype=torch.float32, device=out.device)
+    meta = _row_block(dv)
+    attention_row_stats_kernel[(cdiv(lq, meta["BLOCK_M"]), b * h)](
+        out, grad_out, lse, lse_rem, stats, h, lq, dv, *out.stride(), *grad_out.stride(), **meta
+    )  # fmt: skip
+    return stats
 
 
 def _sinks_grad(sinks, stats) -> torch.Tensor:

@@ -6,9 +6,10 @@ The paths, in the order they are tried:
 * EMPTY: no query row or no key; the results are zeros (lse -inf), with no launch.
 * PYTORCH: chunked.py, where Triton cannot run (float64, CPU without TRITON_INTERPRET=1).
 * SDPA: PyTorch's fused cuDNN or FlashAttention kernels (sdpa.py): dense fp16/bf16 calls on
-  CUDA without sinks, and without a window but a long causal one (sdpa.window_chunk: chunked
-  calls; the rows after the last whole chunk run on our kernels); the backward also needs no
-  lse gradient and deterministic=False (they accumulate dq with atomics).
+  CUDA, without a window but a long causal one (sdpa.window_chunk: chunked calls; the rows
+  after the last whole chunk run on our kernels), sinks joined to the fused forward's result;
+  the backward also needs no lse gradient and deterministic=False (they accumulate dq with
+  atomics).
 * DECODE (forward only): a few queries against a long cache, split over the keys.
 * KEY_LISTS: a mask shared by all queries (B|1, Hkv|1, 1, Lk), or one per head without GQA:
   the kernels step over the sorted list of its allowed keys (tiles.build_key_lists); with
@@ -165,7 +166,7 @@ def forward_plan(
     lk, hkv = key.shape[1], key.shape[2]
     band = Band.of(is_causal, window)
     args = (query, key, value, mask, bias, is_causal, softcap, seqused_k, band)
-    path, fused = _first_paths(*args, fusable=sinks is None)
+    path, fused = _first_paths(*args, fusable=True)
     if path:
         return ForwardPlan(path, band, fused=fused)
     if decode_applies(lq, h, hkv, lk, mask):
@@ -221,9 +222,7 @@ def backward_plan(
     band = Band.of(is_causal, window)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     args = (query, key, value, mask, bias, is_causal, softcap, seqused_k, band)
-    path, fused = _first_paths(
-        *args, fusable=grad_lse is None and not deterministic and sinks is None
-    )
+    path, fused = _first_paths(*args, fusable=grad_lse is None and not deterministic)
     if path:
         return BackwardPlan(path, band, fused=fused)
     dbias = _dbias_mode(bias, b, hkv, h) if compute_dbias else None

@@ -13,6 +13,12 @@ autocast kernels, so every transform keeps its behaviour; only the kernel differ
 The backward falls back to our kernels when it must: a gradient of lse (the fused backwards
 cannot take one), or deterministic=True (they accumulate dq with atomics).
 
+Sinks (a logit per head in each row's denominator) are joined to the fused forward's (out, lse)
+by launch.py (one pass: out rescaled by exp(lse - lse'), lse' = logaddexp(lse, sink)). Given
+that out and lse, a fused backward computes P = exp(s - lse') and delta = rowsum(dO * O'), the
+sinks' softmax, so its dq, dk, dv are exact; dsinks comes from the row statistics (one pass
+over out and dO).
+
 DMATTN_DENSE_SDPA=0 in the environment (read per call) forces our Triton kernels; the test
 suite sets it, so the Triton dense kernels stay tested, and tests/test_sdpa.py covers this path.
 PyTorch's own switches apply: `torch.backends.cuda.enable_cudnn_sdp(False)` /

@@ -1105,3 +1105,50 @@ def attention_bwd_sinks_kernel(
     # A sink of -inf: its shares are exp(-inf) = 0 in every row.
     dsink = tl.where(sink > float("-inf"), -tl.sum(acc, 0), 0.0)
     tl.store(DSINKS + i_h, dsink.to(DSINKS.dtype.element_ty))
+
+
+@triton.jit
+def attention_row_stats_kernel(
+    OUT,
+    GRAD_OUT,
+    LSE,
+    LSE_REM,
+    STATS,
+    H,
+    Lq,
+    Dv,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    stride_od,
+    stride_gb,
+    stride_gm,
+    stride_gh,
+    stride_gd,
+    BLOCK_M: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """The backward's row statistics (_dq_row_stats, without a gradient of lse) on their own,
+    for a backward that runs no dq kernel of ours (PyTorch's fused kernels, sdpa.py) and needs
+    them for dsinks. OUT and GRAD_OUT (B, Lq, H, Dv); LSE, LSE_REM (B, H, Lq) contiguous; STATS
+    (B, H, Lq, 4). Grid: (query row blocks, B * H)."""
+    i_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H).to(tl.int64)
+    i_h = (i_bh % H).to(tl.int64)
+    i_d = tl.arange(0, BLOCK_DV)
+    m_m = i_m < Lq
+    m = m_m[:, None] & (i_d[None, :] < Dv)
+    r_m = i_m.to(tl.int64)[:, None]
+    b_o = tl.load(
+        OUT + i_b * stride_ob + r_m * stride_om + i_h * stride_oh + i_d[None, :] * stride_od,
+        mask=m,
+        other=0.0,
+    )
+    b_do = tl.load(
+        GRAD_OUT + i_b * stride_gb + r_m * stride_gm + i_h * stride_gh + i_d[None, :] * stride_gd,
+        mask=m,
+        other=0.0,
+    )
+    o_row = i_bh.to(tl.int64) * Lq + i_m
+    _dq_row_stats(STATS, LSE, LSE_REM, None, b_o, b_do, o_row, o_row, m_m, False)

@@ -331,3 +331,59 @@ def attention_fwd_kernel(
     o_row = i_b * lse_stride_b + i_h * lse_stride_h + o_m
     tl.store(LSE + o_row, lse, mask=m_m)
     tl.store(LSE_REM + o_row, lse_rem, mask=m_m)
+
+
+@triton.jit
+def sinks_join_kernel(
+    OUT,
+    LSE,
+    LSE_REM,
+    SINKS,
+    H,
+    Lq,
+    Dv,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    stride_od,
+    BLOCK_M: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """Joins sinks to a result computed without them, in place (chunked.join_sinks in one
+    pass; for PyTorch's fused kernels, sdpa.py): lse' = log(exp(lse + lse_rem) + exp(sinks[h]))
+    split as lse_split does, and each row of OUT scaled by exp(lse - lse'). A sink of -inf
+    changes nothing. OUT (B, Lq, H, Dv); LSE, LSE_REM (B, H, Lq) contiguous. Grid: (query row
+    blocks, B * H)."""
+    i_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H).to(tl.int64)
+    i_h = (i_bh % H).to(tl.int64)
+    m_m = i_m < Lq
+    o_row = i_bh.to(tl.int64) * Lq + i_m
+    lse = tl.load(LSE + o_row, mask=m_m, other=float("-inf"))
+    lse_rem = tl.load(LSE_REM + o_row, mask=m_m, other=0.0)
+    sink = tl.load(SINKS + i_h).to(tl.float32)
+    has_sink = sink > float("-inf")
+    # Without a sink the row is kept as it is (below); its placeholders keep the arithmetic
+    # finite: a sink of 0 and no mass in the row.
+    sink_s = tl.where(has_sink, sink, 0.0)
+    lse_s = tl.where(has_sink, lse, float("-inf"))
+    top = tl.maximum(lse_s, sink_s)  # finite; the sum of the exponentials below is >= 1
+    log_sum = tl.log(tl.exp((lse_s - top) + lse_rem) + tl.exp(sink_s - top))
+    new_lse, new_rem = lse_split(top, log_sum, True)
+    # exp(-inf) = 0 for a row with no key; the exponent is <= 0 in exact arithmetic.
+    weight = tl.exp(tl.minimum((lse - new_lse) + (lse_rem - new_rem), 0.0))
+    weight = tl.where(has_sink, weight, 1.0)
+    tl.store(LSE + o_row, tl.where(has_sink, new_lse, lse), mask=m_m)
+    tl.store(LSE_REM + o_row, tl.where(has_sink, new_rem, lse_rem), mask=m_m)
+    i_d = tl.arange(0, BLOCK_DV)
+    m = m_m[:, None] & (i_d[None, :] < Dv)
+    p_out = (
+        OUT
+        + i_b * stride_ob
+        + i_m.to(tl.int64)[:, None] * stride_om
+        + i_h * stride_oh
+        + i_d[None, :] * stride_od
+    )
+    b_o = tl.load(p_out, mask=m, other=0.0).to(tl.float32)
+    tl.store(p_out, (b_o * weight[:, None]).to(OUT.dtype.element_ty), mask=m)

@@ -34,10 +34,12 @@ def forward(q, k, v, mask=None, bias=None, is_causal=True, window=(-1, -1), sink
     return plan.forward_plan(q, k, v, mask, bias, is_causal, 0.0, None, window, sinks)
 
 
-def backward(q, k, v, mask=None, bias=None, compute_dbias=True, grad_lse=None, det=False):
+def backward(
+    q, k, v, mask=None, bias=None, compute_dbias=True, grad_lse=None, det=False, sinks=None
+):  # fmt: skip
     return plan.backward_plan(
         q, k, v, launch.collapse_broadcast(mask), bias, True, 0.0, None, grad_lse, det,
-        compute_dbias and bias is not None,
+        compute_dbias and bias is not None, sinks=sinks,
     )  # fmt: skip
 
 
@@ -129,9 +131,12 @@ def test_dense_half_precision_calls_take_sdpa_unless_told_not_to(monkeypatch):
     q, k, v = qkv(lq=64, lk=64, dtype=torch.bfloat16)
     assert forward(q, k, v).path == SDPA
     assert backward(q, k, v).path == SDPA
+    # Sinks are joined to the fused kernels' results (sdpa.py).
+    sinks = torch.zeros(H, device=DEVICE)
+    assert forward(q, k, v, sinks=sinks).path == SDPA
+    assert backward(q, k, v, sinks=sinks).path == SDPA
     # What the fused kernels cannot do keeps the call on ours.
     assert forward(q, k, v, window=(8, 0)).path == DENSE
-    assert forward(q, k, v, sinks=torch.zeros(H, device=DEVICE)).path == DENSE
     assert forward(q, k, v, mask_of(B, HKV, 1, lk=64)).path == KEY_LISTS
     assert backward(q, k, v, grad_lse=torch.ones(B, H, 64, device=DEVICE)).path == DENSE
     assert backward(q, k, v, det=True).path == DENSE

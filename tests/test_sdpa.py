@@ -91,23 +91,34 @@ def test_the_model_shape_takes_the_kernel_sdpa_picks(monkeypatch):
     assert sdpa.kernel(q, k, k, None, None, True, 0.0, None) == want.get(picked, "flash")
 
 
+def _sinks(h: int, device="cuda") -> torch.Tensor:
+    """float32 sinks (H,) of every kind: ordinary, large (a row's mass mostly in its sink), none
+    (-inf), negative."""
+    kinds = torch.tensor([0.5, 6.0, float("-inf"), -2.0])
+    return kinds.repeat(h // 4 + 1)[:h].to(device)
+
+
 def _check(
     c: Case, dtype, is_causal, *, lse_grad=False, deterministic=False, fn=None, lse=True,
-    window=None,
+    window=None, sinks=False,
 ):  # fmt: skip
     """Runs fn (dmattn_ops.attention, backend auto) and the oracle; checks out, lse, grads.
-    window: window_size for both."""
+    window: window_size for both; sinks: both take _sinks(H), and dsinks is checked too."""
     q = torch.randn(c.b, c.lq, c.h, c.d, dtype=dtype, device="cuda")
     k = torch.randn(c.b, c.lk, c.hkv, c.d, dtype=dtype, device="cuda")
     v = torch.randn(c.b, c.lk, c.hkv, c.dv, dtype=dtype, device="cuda")
     g_out = torch.randn(c.b, c.lq, c.h, c.dv, dtype=dtype, device="cuda")
     g_lse = torch.randn(c.b, c.h, c.lq, device="cuda")
+    s = _sinks(c.h) if sinks else None
 
     def run(fn, cast, **kw):
         leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        if sinks:
+            leaves.append(s.to(torch.float64 if cast == torch.float64 else torch.float32))
+            kw["sinks"] = leaves[-1].requires_grad_()
         if window is not None:
             kw["window_size"] = window
-        out, lse = fn(*leaves, is_causal=is_causal, return_lse=True, **kw)
+        out, lse = fn(*leaves[:3], is_causal=is_causal, return_lse=True, **kw)
         loss = (out * g_out.to(out.dtype)).sum()
         if lse_grad:
             loss = loss + (lse * g_lse.to(lse.dtype)).sum()
@@ -121,8 +132,8 @@ def _check(
         finite = ref64[1].isfinite()
         lse_bound = 2 * (ref_lp[1] - ref64[1])[finite].abs().max().item() + 1e-5
         assert_close(got[1], ref64[1], lse_bound, "lse")
-    for name, g, r, rl in zip(("dq", "dk", "dv"), got[2], ref64[2], ref_lp[2]):
-        assert g.dtype == dtype and g.shape == r.shape
+    for name, g, r, rl in zip(("dq", "dk", "dv", "dsinks"), got[2], ref64[2], ref_lp[2]):
+        assert g.dtype == (torch.float32 if name == "dsinks" else dtype) and g.shape == r.shape
         assert_close(g, r, low_precision_bound(r, rl, dtype), name)
 
 
@@ -152,6 +163,24 @@ def test_dense_calls_run_fused_kernels_and_match_the_oracle(
         if sdpa.kernel(*operands, None, None, is_causal, 0.0, None) is None:
             pytest.skip(f"PyTorch's {which} kernel does not take this call here")
         _check(c, dtype, is_causal)
+    assert dispatch_on == {"forward": [which], "backward": [which]}
+
+
+@gpu
+@pytest.mark.parametrize("which", ["cudnn", "flash"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("c", [CASES[0], CASES[1]])
+def test_dense_calls_with_sinks_run_fused_kernels(dispatch_on, c, is_causal, which):
+    """Sinks joined to the fused forward's (out, lse); the fused backward from those gives the
+    sinks' softmax gradients, and dsinks comes from the row statistics: the oracle's values."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    only = SDPBackend.CUDNN_ATTENTION if which == "cudnn" else SDPBackend.FLASH_ATTENTION
+    with sdpa_kernel([only]):
+        operands = _operands("cuda", torch.bfloat16, c.lq, c.lk, c.d, c.dv, c.h, c.hkv)
+        if sdpa.kernel(*operands, None, None, is_causal, 0.0, None) is None:
+            pytest.skip(f"PyTorch's {which} kernel does not take this call here")
+        _check(c, torch.bfloat16, is_causal, sinks=True)
     assert dispatch_on == {"forward": [which], "backward": [which]}
 
 
@@ -322,6 +351,43 @@ def test_window_tails_run_on_our_kernels(monkeypatch, length, c):
         assert_close(got.double(), w.double(), 1e-4 * max(1.0, w.abs().max().item()), name)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's CPU run of the glue")
+@pytest.mark.parametrize(
+    "length,window", [(24, None), (24, (7, 0)), (30, (7, 0))],
+    ids=["dense", "window-chunks", "window-tail"],
+)  # fmt: skip
+def test_sinks_on_the_fused_path(monkeypatch, length, window):
+    """Sinks on the (stand-in) fused kernels' path: joined to the forward's result, and the
+    backward from the joined out and lse with dsinks from the row statistics, against the
+    oracle; a dense causal call, whole window chunks, and chunks with a tail on our kernels."""
+    _fused_stand_ins(monkeypatch)
+    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 4)
+    monkeypatch.setattr(sdpa, "kernel", lambda *args: "cudnn")
+    calls = []
+    real = sdpa.forward
+    monkeypatch.setattr(sdpa, "forward", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    q = torch.randn(2, length, 4, 16)
+    k, v = torch.randn(2, length, 2, 16), torch.randn(2, length, 2, 16)
+    g = torch.randn(2, length, 4, 16)
+    sinks = _sinks(4, "cpu")
+    kw = dict(is_causal=True, return_lse=True)
+    if window is not None:
+        kw["window_size"] = window
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = dmattn_ops.attention(*leaves[:3], sinks=leaves[3], **kw)
+    grads = torch.autograd.grad(out, leaves, g)
+    assert calls == [length - length % 8 if window else length]
+
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    want, want_lse = reference.attention(*ref_leaves[:3], sinks=ref_leaves[3], **kw)
+    want_grads = torch.autograd.grad(want, ref_leaves, g.double())
+    names = ("out", "lse", "dq", "dk", "dv", "dsinks")
+    for name, got, w in zip(names, (out, lse, *grads), (want, want_lse, *want_grads)):
+        assert got.isfinite().all(), name
+        # float32 kernels and stand-ins: a wrong row or weight errs by the values themselves.
+        assert_close(got.double(), w.double(), 1e-4 * max(1.0, w.abs().max().item()), name)
+
+
 def test_window_chunk_rules(monkeypatch):
     monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 4)
     q, k, _ = _operands("meta", lq=32, lk=32)
@@ -365,6 +431,16 @@ def test_windowed_calls_with_a_partial_chunk(dispatch_on, monkeypatch, tail):
     """The rows after the last whole chunk run on our kernels (decode or dense)."""
     monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 64)
     _check(Case(2, 128 + tail, 128 + tail, 8, 2, 128, 128), torch.bfloat16, True, window=(63, 0))
+    assert len(dispatch_on["forward"]) == 1 and len(dispatch_on["backward"]) == 1
+
+
+@gpu
+@pytest.mark.parametrize("tail", [0, 40], ids=["whole-chunks", "dense-tail"])
+def test_windowed_calls_with_sinks(dispatch_on, monkeypatch, tail):
+    """GPT-OSS's pattern (a causal window and a sink per head) on the chunked fused path."""
+    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 64)
+    c = Case(2, 128 + tail, 128 + tail, 8, 2, 64, 64)
+    _check(c, torch.bfloat16, True, window=(63, 0), sinks=True)
     assert len(dispatch_on["forward"]) == 1 and len(dispatch_on["backward"]) == 1
 
 

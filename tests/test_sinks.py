@@ -219,3 +219,35 @@ def test_the_registered_ops_take_the_sinks(monkeypatch):
     with Spy():
         dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, sinks=sinks)
     assert len(seen) == 1 and seen[0] is not None and torch.equal(seen[0], sinks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_join_kernel_joins_as_join_sinks_does(dtype):
+    """launch._join_sinks (one kernel, in place; the fused kernels' path) against
+    chunked.join_sinks: rows with no key (lse -inf), a sink of -inf, a huge sink, a lse_rem
+    that is not 0, strided rows."""
+    if not TRITON:
+        pytest.skip("needs CUDA or the interpreter")
+    from dmattn_ops import chunked
+
+    g = torch.Generator().manual_seed(5)
+    b, lq, h, dv = 2, 37, 4, 24
+    out = torch.randn(b, lq, h, 2 * dv, generator=g)[..., ::2].to(DEVICE, dtype)  # strided
+    lse = (5 * torch.randn(b, h, lq, generator=g)).to(DEVICE)
+    lse[0, 1, :3] = float("-inf")
+    lse_rem = (1e-7 * torch.randn(b, h, lq, generator=g)).to(DEVICE)
+    lse_rem[0, 1, :3] = 0.0
+    sinks = torch.tensor([0.5, 3.0, float("-inf"), 1e4], device=DEVICE)
+    want = chunked.join_sinks(out.clone(), lse.clone(), lse_rem.clone(), sinks)
+    got = launch._join_sinks(out.clone(), lse.clone(), lse_rem.clone(), sinks)
+    # (lse, lse_rem) is one value split in two (lse_split): compared as their sum.
+    pairs = [got[0], got[1].double() + got[2].double()], [want[0], want[1].double() + want[2]]
+    for name, x, w in zip(("out", "lse + lse_rem"), *pairs):
+        assert x.isfinite().eq(w.isfinite()).all(), name
+        finite = w.isfinite()
+        eps = torch.finfo(dtype if name == "out" else torch.float32).eps
+        bound = 4 * eps * w[finite].abs().max().item()
+        assert_close(x[finite].double(), w[finite].double(), bound, name)
+    assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == torch.float32
+    assert (got[1][0, 1, :3] == 3.0).all() and (got[0][0, :3, 1] == 0).all()  # the sink's rows
+    assert torch.equal(got[0][:, :, 2], out[:, :, 2])  # -inf: no sink
