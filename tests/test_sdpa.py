@@ -209,7 +209,9 @@ def test_switch_forces_our_kernels(dispatch_on, monkeypatch):
 
 
 @gpu
-def test_compiled_dense_call(dispatch_on):
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_compiled_dense_call(dispatch_on, sinks):
+    """Traced into a compiled graph; with sinks, the join and row-statistics kernels too."""
     torch._dynamo.reset()
 
     def attention(*args, **kwargs):
@@ -221,8 +223,9 @@ def test_compiled_dense_call(dispatch_on):
     # Inductor's caches would load the graph of an earlier run on this machine without tracing.
     with torch._inductor.config.patch(force_disable_caches=True):
         _check(
-            c, torch.bfloat16, True, fn=lambda *a, return_lse, **kw: compiled(*a, **kw), lse=False
-        )
+            c, torch.bfloat16, True, fn=lambda *a, return_lse, **kw: compiled(*a, **kw),
+            lse=False, sinks=sinks,
+        )  # fmt: skip
     # Traced once (the graph then launches the kernels itself), forward and backward.
     assert dispatch_on["forward"] and dispatch_on["backward"]
 
