@@ -22,6 +22,7 @@ from dmattn_ops.kernels.common import (
     dense_key_tiles,
     dot,
     dot_acc,
+    head_rows,
     key_count,
     listed_interior_count,
     listed_keys,
@@ -1132,23 +1133,12 @@ def attention_row_stats_kernel(
     for a backward that runs no dq kernel of ours (PyTorch's fused kernels, sdpa.py) and needs
     them for dsinks. OUT and GRAD_OUT (B, Lq, H, Dv); LSE, LSE_REM (B, H, Lq) contiguous; STATS
     (B, H, Lq, 4). Grid: (query row blocks, B * H)."""
-    i_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    i_bh = tl.program_id(1)
-    i_b = (i_bh // H).to(tl.int64)
-    i_h = (i_bh % H).to(tl.int64)
-    i_d = tl.arange(0, BLOCK_DV)
-    m_m = i_m < Lq
-    m = m_m[:, None] & (i_d[None, :] < Dv)
-    r_m = i_m.to(tl.int64)[:, None]
-    b_o = tl.load(
-        OUT + i_b * stride_ob + r_m * stride_om + i_h * stride_oh + i_d[None, :] * stride_od,
-        mask=m,
-        other=0.0,
+    p_o, m, m_m, o_row = head_rows(
+        OUT, H, Lq, Dv, stride_ob, stride_om, stride_oh, stride_od, BLOCK_M, BLOCK_DV
     )
-    b_do = tl.load(
-        GRAD_OUT + i_b * stride_gb + r_m * stride_gm + i_h * stride_gh + i_d[None, :] * stride_gd,
-        mask=m,
-        other=0.0,
+    p_do, _, _, _ = head_rows(
+        GRAD_OUT, H, Lq, Dv, stride_gb, stride_gm, stride_gh, stride_gd, BLOCK_M, BLOCK_DV
     )
-    o_row = i_bh.to(tl.int64) * Lq + i_m
+    b_o = tl.load(p_o, mask=m, other=0.0)
+    b_do = tl.load(p_do, mask=m, other=0.0)
     _dq_row_stats(STATS, LSE, LSE_REM, None, b_o, b_do, o_row, o_row, m_m, False)

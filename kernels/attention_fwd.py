@@ -8,6 +8,7 @@ from dmattn_ops.kernels.common import (
     as_fp32,
     dense_key_tiles,
     dot_acc,
+    head_rows,
     listed_interior_count,
     listed_keys,
     lse_split,
@@ -228,7 +229,7 @@ def attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     if HAS_SINKS:
-        sink = tl.load(SINKS + i_h).to(tl.float32)
+        sink = tl.load(SINKS + tl.program_id(1) % H).to(tl.float32)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
         l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
     if COMPACT:
@@ -354,15 +355,12 @@ def sinks_join_kernel(
     split as lse_split does, and each row of OUT scaled by exp(lse - lse'). A sink of -inf
     changes nothing. OUT (B, Lq, H, Dv); LSE, LSE_REM (B, H, Lq) contiguous. Grid: (query row
     blocks, B * H)."""
-    i_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    i_bh = tl.program_id(1)
-    i_b = (i_bh // H).to(tl.int64)
-    i_h = (i_bh % H).to(tl.int64)
-    m_m = i_m < Lq
-    o_row = i_bh.to(tl.int64) * Lq + i_m
+    p_out, m, m_m, o_row = head_rows(
+        OUT, H, Lq, Dv, stride_ob, stride_om, stride_oh, stride_od, BLOCK_M, BLOCK_DV
+    )
     lse = tl.load(LSE + o_row, mask=m_m, other=float("-inf"))
     lse_rem = tl.load(LSE_REM + o_row, mask=m_m, other=0.0)
-    sink = tl.load(SINKS + i_h).to(tl.float32)
+    sink = tl.load(SINKS + tl.program_id(1) % H).to(tl.float32)
     has_sink = sink > float("-inf")
     # Without a sink the row is kept as it is (below); its placeholders keep the arithmetic
     # finite: a sink of 0 and no mass in the row.
@@ -376,14 +374,5 @@ def sinks_join_kernel(
     weight = tl.where(has_sink, weight, 1.0)
     tl.store(LSE + o_row, tl.where(has_sink, new_lse, lse), mask=m_m)
     tl.store(LSE_REM + o_row, tl.where(has_sink, new_rem, lse_rem), mask=m_m)
-    i_d = tl.arange(0, BLOCK_DV)
-    m = m_m[:, None] & (i_d[None, :] < Dv)
-    p_out = (
-        OUT
-        + i_b * stride_ob
-        + i_m.to(tl.int64)[:, None] * stride_om
-        + i_h * stride_oh
-        + i_d[None, :] * stride_od
-    )
     b_o = tl.load(p_out, mask=m, other=0.0).to(tl.float32)
     tl.store(p_out, (b_o * weight[:, None]).to(OUT.dtype.element_ty), mask=m)

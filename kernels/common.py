@@ -340,3 +340,22 @@ def band_query_tiles(
     qi_lo = tl.minimum(tl.maximum(qi_lo, qb_lo), qb_hi)
     qi_hi = tl.minimum(tl.maximum(qi_hi, qi_lo), qb_hi)
     return qb_lo, qi_lo, qi_hi, qb_hi
+
+
+@triton.jit
+def head_rows(X, H, Lq, Dv, stride_b, stride_m, stride_h, stride_d, BLOCK_M, BLOCK_DV):
+    """The tile of a one-pass row kernel (grid: query row blocks, B * H): pointers to BLOCK_M
+    rows of one (batch, head) of X (B, Lq, H, Dv) and their bounds mask, the rows' bounds, and
+    their offsets in a contiguous (B, H, Lq) statistics tensor."""
+    i_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_bh = tl.program_id(1)
+    i_d = tl.arange(0, BLOCK_DV)
+    m_m = i_m < Lq
+    p_x = (
+        X
+        + (i_bh // H).to(tl.int64) * stride_b
+        + i_m.to(tl.int64)[:, None] * stride_m
+        + (i_bh % H).to(tl.int64) * stride_h
+        + i_d[None, :] * stride_d
+    )
+    return p_x, m_m[:, None] & (i_d[None, :] < Dv), m_m, i_bh.to(tl.int64) * Lq + i_m

@@ -323,18 +323,25 @@ def test_window_chunks_compute_the_window(monkeypatch, b, n, c, h, hkv, d):
         assert_close(got.double(), w, bound, name)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's CPU run of the glue")
-@pytest.mark.parametrize("length,c", [(30, 8), (68, 24)], ids=["decode-tail", "dense-tail"])
-def test_window_tails_run_on_our_kernels(monkeypatch, length, c):
-    """A length that is no multiple of the chunk: the whole chunks through the (stand-in) fused
-    kernels, the rows after them through ours (decode or dense), joined in the op's forward and
-    backward: the causal window of c keys, against the oracle."""
+def _on_stand_in_fused_path(monkeypatch) -> list:
+    """The stand-in fused kernels (_fused_stand_ins) for dense calls and causal windows of 4
+    keys or more; returns the list of the query lengths sdpa.forward is called with."""
     _fused_stand_ins(monkeypatch)
     monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 4)
     monkeypatch.setattr(sdpa, "kernel", lambda *args: "cudnn")
     calls = []
     real = sdpa.forward
     monkeypatch.setattr(sdpa, "forward", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    return calls
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's CPU run of the glue")
+@pytest.mark.parametrize("length,c", [(30, 8), (68, 24)], ids=["decode-tail", "dense-tail"])
+def test_window_tails_run_on_our_kernels(monkeypatch, length, c):
+    """A length that is no multiple of the chunk: the whole chunks through the (stand-in) fused
+    kernels, the rows after them through ours (decode or dense), joined in the op's forward and
+    backward: the causal window of c keys, against the oracle."""
+    calls = _on_stand_in_fused_path(monkeypatch)
     q = torch.randn(1, length, 4, 16)
     k, v = torch.randn(1, length, 2, 16), torch.randn(1, length, 2, 16)
     g = torch.randn(1, length, 4, 16)
@@ -363,12 +370,7 @@ def test_sinks_on_the_fused_path(monkeypatch, length, window):
     """Sinks on the (stand-in) fused kernels' path: joined to the forward's result, and the
     backward from the joined out and lse with dsinks from the row statistics, against the
     oracle; a dense causal call, whole window chunks, and chunks with a tail on our kernels."""
-    _fused_stand_ins(monkeypatch)
-    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 4)
-    monkeypatch.setattr(sdpa, "kernel", lambda *args: "cudnn")
-    calls = []
-    real = sdpa.forward
-    monkeypatch.setattr(sdpa, "forward", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    calls = _on_stand_in_fused_path(monkeypatch)
     q = torch.randn(2, length, 4, 16)
     k, v = torch.randn(2, length, 2, 16), torch.randn(2, length, 2, 16)
     g = torch.randn(2, length, 4, 16)
