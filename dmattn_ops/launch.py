@@ -131,8 +131,9 @@ def attention_forward(
     sinks=None,
 ):  # fmt: skip
     """Returns out (B, Lq, H, Dv), lse and lse_rem, both float32 (B, H, Lq). sinks (H,) or None:
-    the forward kernel starts each row's softmax from its head's sink; the other paths (PyTorch
-    on CPU, decode, an empty call) join it to their result (chunked.join_sinks)."""
+    the forward kernel starts each row's softmax from its head's sink and the decode merge takes
+    it as one more part; PyTorch's fused kernels (SDPA) get it joined in one pass
+    (_join_sinks), the other paths (PyTorch on CPU, an empty call) through chunked.join_sinks."""
     seqused_k, sinks = _dense(seqused_k), _dense(sinks)
     mask, bias = collapse_broadcast(mask), collapse_broadcast(bias)
     p = plan.forward_plan(
@@ -154,8 +155,7 @@ def attention_forward(
         return _join_sinks(*result, sinks)
     band = p.band
     if p.path == DECODE:
-        result = decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k)
-        return chunked.join_sinks(*result, sinks)
+        return decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k, sinks)
     b, lq, h, _ = query.shape
     lk, dv, cfg = key.shape[1], value.shape[3], p.config
     nq = cdiv(lq, cfg.block_m)
@@ -734,8 +734,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_forward(query, key, value, mask, bias, scale, band: Band, softcap, seqused_k):
-    """out, lse, lse_rem as attention_forward, through attention_decode_kernel and its merge.
+def decode_forward(
+    query, key, value, mask, bias, scale, band: Band, softcap, seqused_k, sinks=None
+):  # fmt: skip
+    """out, lse, lse_rem as attention_forward, through attention_decode_kernel and its merge,
+    which joins the sinks (H,) if any.
     Under a window the splits cover the band (at most left + Lq + right keys, from the first
     query's lower bound), not the cache."""
     b, lq, h, d = query.shape
@@ -776,8 +779,8 @@ def decode_forward(query, key, value, mask, bias, scale, band: Band, softcap, se
     lse = empty((b, h, lq), dtype=torch.float32, device=device)
     lse_rem = empty((b, h, lq), dtype=torch.float32, device=device)
     decode_combine_kernel[(rows,)](
-        acc, m, l_part, out, lse, lse_rem, rows, splits, h, lq, dv, *out.stride(),
+        acc, m, l_part, out, lse, lse_rem, sinks, rows, splits, h, lq, dv, *out.stride(),
         BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_DV=_block(dv),
-        num_warps=1 if interpreter_on() else 4,
+        HAS_SINKS=sinks is not None, num_warps=1 if interpreter_on() else 4,
     )  # fmt: skip
     return out, lse, lse_rem

@@ -166,6 +166,7 @@ def decode_combine_kernel(
     OUT,
     LSE,
     LSE_REM,
+    SINKS,
     n_rows,
     S,
     H,
@@ -177,18 +178,29 @@ def decode_combine_kernel(
     stride_od,
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """One program per row (b * H + h) * Lq + q: merges the S partial results of the row."""
+    """One program per row (b * H + h) * Lq + q: merges the S partial results of the row.
+    HAS_SINKS: SINKS (H,) joins as one more part with max sinks[h], sum 1 and no value (a row
+    with no key then has out 0 and lse sinks[h]; a sink of -inf is no part)."""
     row = tl.program_id(0).to(tl.int64)
+    i_b = row // (H * Lq)
+    i_h = (row // Lq) % H
+    i_q = row % Lq
     s = tl.arange(0, BLOCK_S)
     m_s = s < S
     o = s.to(tl.int64) * n_rows + row
     m = tl.load(M + o, mask=m_s, other=float("-inf"))
     l_part = tl.load(L + o, mask=m_s, other=0.0)
     m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + i_h).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2((m - m_safe) * LOG2E)  # 0 for splits without keys
     l_sum = tl.sum(w * l_part, 0)
+    if HAS_SINKS:
+        l_sum += tl.exp2((sink - m_safe) * LOG2E)  # 0 for a sink of -inf
     i_dv = tl.arange(0, BLOCK_DV)
     acc = tl.load(
         ACC + o[:, None] * Dv + i_dv[None, :], mask=m_s[:, None] & (i_dv[None, :] < Dv), other=0.0
@@ -196,9 +208,6 @@ def decode_combine_kernel(
     nonempty = l_sum > 0.0
     l_safe = tl.where(nonempty, l_sum, 1.0)
     out = tl.sum(acc * w[:, None], 0) / l_safe
-    i_b = row // (H * Lq)
-    i_h = (row // Lq) % H
-    i_q = row % Lq
     tl.store(
         OUT + i_b * stride_ob + i_h * stride_oh + i_q * stride_om + i_dv * stride_od,
         out.to(OUT.dtype.element_ty),
