@@ -185,11 +185,14 @@ def test_dense_calls_with_sinks_run_fused_kernels(dispatch_on, c, is_causal, whi
 
 
 @gpu
-def test_lse_gradient_and_deterministic_take_our_backward(dispatch_on):
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_lse_gradient_and_deterministic_take_our_backward(dispatch_on, sinks):
+    """Our backward after the fused forward, from its (joined, with sinks) out, lse and
+    lse_rem."""
     c = Case(2, 200, 200, 8, 2, 64, 64)
-    _check(c, torch.bfloat16, True, lse_grad=True)
+    _check(c, torch.bfloat16, True, lse_grad=True, sinks=sinks)
     assert len(dispatch_on["forward"]) == 1 and dispatch_on["backward"] == []
-    _check(c, torch.bfloat16, True, deterministic=True)
+    _check(c, torch.bfloat16, True, deterministic=True, sinks=sinks)
     assert len(dispatch_on["forward"]) == 2 and dispatch_on["backward"] == []
 
 
