@@ -229,7 +229,7 @@ def attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     if HAS_SINKS:
-        sink = tl.load(SINKS + tl.program_id(1) % H).to(tl.float32)
+        sink = tl.load(SINKS + i_h).to(tl.float32)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
         l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
     if COMPACT:
