@@ -237,35 +237,40 @@ def _chunks(t, c):
     return t.view(-1, c, *t.shape[2:])
 
 
-def _reversed(src, c, chunk0, row0, rows, chunks):
+def _reversed(src, c, chunk0, row0, rows, chunks, keep=None):
     """(B * chunks, rows, heads, D): rows row0.. row0 + rows - 1 of chunks chunk0.. of src (B,
-    n * c, heads, D), contiguous, in reversed order within each chunk."""
+    n * c, heads, D), contiguous, in reversed order within each chunk; row0 = -1 starts at the
+    previous chunk's last row. The last rows - keep rows are zeros instead (keep: all)."""
     b, length = src.shape[:2]
     dst = empty((b * chunks, rows, *src.shape[2:]), dtype=src.dtype, device=src.device)
-    _launch_reverse(src, dst, b, chunks, length // c, c, chunk0, row0, chunks, rows, 0, 0, rows)
+    _launch_reverse(
+        src, dst, b, chunks, length // c, c, chunk0, row0, chunks, rows, 0, 0, rows,
+        rows if keep is None else keep,
+    )  # fmt: skip
     return dst
 
 
 def _add_reversed(dst, c, chunk0, row0, src, rows, chunks):
-    """dst (B, n * c, heads, D) rows row0.. of chunks chunk0.. += src (B * chunks, rows, heads,
-    D) in reversed order within each chunk: _reversed's inverse, added."""
+    """dst (B, n * c, heads, D) rows row0.. row0 + rows - 1 of chunks chunk0.. += the first rows
+    rows of each chunk of src (B * chunks, c, heads, D) in reversed order: _reversed's inverse,
+    added."""
     b, length = dst.shape[:2]
     _launch_reverse(
-        src, dst, b, chunks, chunks, rows, 0, 0, length // c, c, chunk0, row0, rows,
+        src, dst, b, chunks, chunks, c, 0, 0, length // c, c, chunk0, row0, rows, rows,
         accumulate=True,
     )  # fmt: skip
 
 
 def _launch_reverse(
     src, dst, b, chunks, n_src, c_src, src_chunk0, src_row0, n_dst, c_dst, dst_chunk0, dst_row0,
-    rows, accumulate=False,
+    rows, keep, accumulate=False,
 ):  # fmt: skip
     width = src[0, 0].numel()
     block_r, block_w = (4, 64) if interpreter_on() else (8, 512)
     grid = (cdiv(rows, block_r), b * chunks, cdiv(width, block_w))
     reverse_rows_kernel[grid](
         src, dst, chunks, n_src, c_src, src_chunk0, src_row0, n_dst, c_dst, dst_chunk0,
-        dst_row0, rows, width, ACCUMULATE=accumulate, BLOCK_R=block_r, BLOCK_W=block_w,
+        dst_row0, rows, keep, width, ACCUMULATE=accumulate, BLOCK_R=block_r, BLOCK_W=block_w,
         num_warps=4,
     )  # fmt: skip
 
@@ -278,16 +283,21 @@ def _window_forward(query, key, value, scale, c, which):
     out, lse_diag = _forward(_chunks(q, c), _chunks(k, c), _chunks(v, c), scale, True, which)
     if n == 1:
         return out, lse_diag
-    rows = c - 1  # a chunk's last query sees no key of the previous chunk
-    q_prev = _reversed(q, c, 1, 0, rows, n - 1)
-    k_prev = _reversed(k, c, 0, 1, rows, n - 1)
-    v_prev = _reversed(v, c, 0, 1, rows, n - 1)
+    # Chunk t's queries 0..c-2 against chunk t-1's keys 1..c-1, reversed (a chunk's last query
+    # sees no key of the previous chunk), padded to c rows (bench/NOTES.md 75: the fused
+    # backward is 4% slower at c - 1 rows): the queries from the previous chunk's last row, the
+    # keys from row 0. That padding query sees all of the previous chunk's keys (its own
+    # window, which the diagonal part has), the padding key is seen by it alone, and the merge
+    # ignores its row.
+    q_prev = _reversed(q, c, 1, -1, c, n - 1)
+    k_prev = _reversed(k, c, 0, 0, c, n - 1)
+    v_prev = _reversed(v, c, 0, 0, c, n - 1)
     out_prev, lse_prev = _forward(q_prev, k_prev, v_prev, scale, True, which)
     out = out.view(b, length, h, d)
     lse = empty((b, h, length), dtype=torch.float32, device=query.device)
     block_r = 16 if interpreter_on() else 64
     window_merge_kernel[(cdiv(length, block_r), b * h)](
-        out, lse_diag, out_prev, lse_prev, lse, h, length, n, c, rows, d,
+        out, lse_diag, out_prev, lse_prev, lse, h, length, n, c, c - 1, c, d,
         BLOCK_R=block_r, BLOCK_D=next_power_of_2(d), num_warps=4,
     )  # fmt: skip
     return out, lse
@@ -308,14 +318,18 @@ def _window_backward(grad_out, query, key, value, out, lse, scale, c, which):
     dq, dk, dv = dq.view(b, length, h, d), dk.view(b, length, hkv, d), dv.view(b, length, hkv, d)
     if n == 1:
         return dq, dk, dv
-    rows = c - 1
-    lse_prev = by_chunk[:, :, 1:, :rows].flip(-1).transpose(1, 2).reshape(b * (n - 1), h, rows)
+    # The forward's padded layout. The padding query (the previous chunk's last row) gets dO = 0,
+    # so it adds nothing to dk, dv; its lse is its own row's (it saw that row's keys), so its
+    # probabilities stay finite.
+    shifted = lse.view(b, h, length)[:, :, c - 1 : length - 1].reshape(b, h, n - 1, c)
+    lse_prev = shifted.flip(-1).transpose(1, 2).reshape(b * (n - 1), h, c)
     dq_prev, dk_prev, dv_prev = _backward(
-        _reversed(grad_out, c, 1, 0, rows, n - 1), _reversed(q, c, 1, 0, rows, n - 1),
-        _reversed(k, c, 0, 1, rows, n - 1), _reversed(v, c, 0, 1, rows, n - 1),
-        _reversed(out, c, 1, 0, rows, n - 1), lse_prev, scale, True, which,
+        _reversed(grad_out, c, 1, -1, c, n - 1, keep=c - 1), _reversed(q, c, 1, -1, c, n - 1),
+        _reversed(k, c, 0, 0, c, n - 1), _reversed(v, c, 0, 0, c, n - 1),
+        _reversed(out, c, 1, -1, c, n - 1), lse_prev, scale, True, which,
     )  # fmt: skip
-    _add_reversed(dq, c, 1, 0, dq_prev, rows, n - 1)
-    _add_reversed(dk, c, 0, 1, dk_prev, rows, n - 1)
-    _add_reversed(dv, c, 0, 1, dv_prev, rows, n - 1)
+    # Back without the padding rows: prev row i is query row c - 2 - i and key row c - 1 - i.
+    _add_reversed(dq, c, 1, 0, dq_prev, c - 1, n - 1)
+    _add_reversed(dk, c, 0, 1, dk_prev, c - 1, n - 1)
+    _add_reversed(dv, c, 0, 1, dv_prev, c - 1, n - 1)
     return dq, dk, dv

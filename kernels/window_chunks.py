@@ -24,15 +24,17 @@ def reverse_rows_kernel(
     dst_chunk0,
     dst_row0,
     rows,
+    keep,
     width,
     ACCUMULATE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
     """For each batch b and chunk t < chunks: DST row dst_row0 + i of chunk dst_chunk0 + t gets
-    SRC row src_row0 + rows - 1 - i of chunk src_chunk0 + t, for i < rows (ACCUMULATE: added to
-    it, in float32). SRC and DST are row-major (B, n * c, width) with n_src / n_dst chunks of
-    c_src / c_dst rows. Grid: (row blocks, B * chunks, width blocks)."""
+    SRC row src_row0 + rows - 1 - i of chunk src_chunk0 + t, for i < keep, and zeros for keep <= i
+    < rows (ACCUMULATE: added to it, in float32). SRC and DST are row-major (B, n * c, width) with
+    n_src / n_dst chunks of c_src / c_dst rows; src_row0 may be -1 (the previous chunk's last
+    row) for a chunk t past the first. Grid: (row blocks, B * chunks, width blocks)."""
     i_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     i_b = tl.program_id(1) // chunks
     i_t = tl.program_id(1) % chunks
@@ -41,7 +43,9 @@ def reverse_rows_kernel(
     src_row = (i_b * n_src + src_chunk0 + i_t).to(tl.int64) * c_src + src_row0 + (rows - 1 - i_r)
     dst_row = (i_b * n_dst + dst_chunk0 + i_t).to(tl.int64) * c_dst + dst_row0 + i_r
     m = m_r[:, None] & (i_w[None, :] < width)
-    x = tl.load(SRC + src_row[:, None] * width + i_w[None, :], mask=m, other=0.0)
+    x = tl.load(
+        SRC + src_row[:, None] * width + i_w[None, :], mask=m & (i_r < keep)[:, None], other=0.0
+    )
     p_dst = DST + dst_row[:, None] * width + i_w[None, :]
     if ACCUMULATE:
         x = x.to(tl.float32) + tl.load(p_dst, mask=m, other=0.0).to(tl.float32)
@@ -60,6 +64,7 @@ def window_merge_kernel(
     n,
     C,
     rows_prev,
+    stride_prev,
     D,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -67,10 +72,11 @@ def window_merge_kernel(
     """Merges the two parts of a chunked window, for BLOCK_R positions of one (batch, head).
 
     OUT (B, L, H, D) holds the own-chunk part (causal within each chunk of C rows), whose
-    logsumexps LSE_DIAG are (B * n, H, C); OUT_PREV (B * (n - 1), rows_prev, H, D) and LSE_PREV
-    (B * (n - 1), H, rows_prev) the previous-chunk part of chunks 1.. in reversed row order, for
-    their first rows_prev rows (the chunk's last rows see no key of the previous chunk). OUT
-    gets the merged rows in place, LSE (B, H, L) every row's logsumexp."""
+    logsumexps LSE_DIAG are (B * n, H, C); OUT_PREV (B * (n - 1), stride_prev, H, D) and LSE_PREV
+    (B * (n - 1), H, stride_prev) the previous-chunk part of chunks 1.. in reversed row order,
+    for their first rows_prev rows (the chunk's last rows see no key of the previous chunk; rows
+    past rows_prev are padding). OUT gets the merged rows in place, LSE (B, H, L) every row's
+    logsumexp."""
     i_l = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
@@ -81,9 +87,9 @@ def window_merge_kernel(
     a = i_l % C
     lse_d = tl.load(LSE_DIAG + ((i_b * n + t) * H + i_h) * C + a, mask=m_l, other=0.0)
     m_prev = m_l & (t >= 1) & (a < rows_prev)
-    prev = (i_b * (n - 1) + t - 1) * rows_prev + (rows_prev - 1 - a)  # its row in OUT_PREV
+    prev = (i_b * (n - 1) + t - 1) * stride_prev + (rows_prev - 1 - a)  # its row in OUT_PREV
     lse_p = tl.load(
-        LSE_PREV + ((i_b * (n - 1) + t - 1) * H + i_h) * rows_prev + (rows_prev - 1 - a),
+        LSE_PREV + ((i_b * (n - 1) + t - 1) * H + i_h) * stride_prev + (rows_prev - 1 - a),
         mask=m_prev,
         other=float("-inf"),
     )

@@ -272,13 +272,16 @@ def test_traces_take_the_kernel_eager_calls_take(monkeypatch):
 # Sliding windows as chunked causal calls (sdpa.window_chunk).
 
 
-def _fused_stand_ins(monkeypatch):
+def _fused_stand_ins(monkeypatch) -> list:
     """sdpa's two calls of PyTorch's fused kernels replaced by float64 stand-ins, so that the
     chunking, the row reversals and the merge run on the CPU (through the interpreter) and are
     checked without the fused kernels' rounding: the oracle's forward, and the chunked PyTorch
-    backward, which like the fused backwards works from the out and lse it is given."""
+    backward, which like the fused backwards works from the out and lse it is given. Returns
+    the list of (batch, query rows, key rows) of the forward calls."""
+    shapes = []
 
     def forward(q, k, v, scale, is_causal, which):
+        shapes.append((q.shape[0], q.shape[1], k.shape[1]))
         out, lse = reference.attention_forward(q, k, v, scale=scale, is_causal=is_causal)
         return out.contiguous(), lse.contiguous()
 
@@ -291,6 +294,7 @@ def _fused_stand_ins(monkeypatch):
 
     monkeypatch.setattr(sdpa, "_forward", forward)
     monkeypatch.setattr(sdpa, "_backward", backward)
+    return shapes
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's CPU run of the glue")
@@ -301,8 +305,10 @@ def _fused_stand_ins(monkeypatch):
 )
 def test_window_chunks_compute_the_window(monkeypatch, b, n, c, h, hkv, d):
     """Chunks of c = left + 1 rows against themselves and (reversed) against the previous
-    chunk, merged: exactly the causal window of c keys, forward and backward."""
-    _fused_stand_ins(monkeypatch)
+    chunk, merged: exactly the causal window of c keys, forward and backward. Both fused calls
+    take whole chunks of c rows (the reversed one padded: the fused backward is slower at c - 1
+    rows), and the padding row adds nothing to any gradient."""
+    shapes = _fused_stand_ins(monkeypatch)
     length, scale = n * c, d**-0.5
     q = torch.randn(b, length, h, d, dtype=torch.float64)
     k = torch.randn(b, length, hkv, d, dtype=torch.float64)
@@ -310,6 +316,7 @@ def test_window_chunks_compute_the_window(monkeypatch, b, n, c, h, hkv, d):
     g = torch.randn(b, length, h, d, dtype=torch.float64)
     out, lse = sdpa._window_forward(q, k, v, scale, c, "cudnn")
     grads = sdpa._window_backward(g, q, k, v, out, lse, scale, c, "cudnn")
+    assert shapes == [(b * n, c, c)] + ([(b * (n - 1), c, c)] if n > 1 else [])
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     want, want_lse = reference.attention_forward(
