@@ -22,6 +22,7 @@ from dmattn_ops.kernels.common import (
     dense_key_tiles,
     dot,
     dot_acc,
+    grid_tile,
     head_rows,
     key_count,
     listed_interior_count,
@@ -284,9 +285,11 @@ def attention_bwd_dkdv_kernel(
     VARLEN as in the forward kernel. A mask that is not compacted is then read per tile (it is
     per key token, so there are no tile tables)."""
     scale, softcap = as_fp32(scale), as_fp32(softcap)
-    i_nb = tl.program_id(0)
-    i_bg = tl.program_id(1) // SPLIT
-    i_split = tl.program_id(1) % SPLIT
+    # Under causality the first key tiles see the most query tiles: each key tile over every
+    # (batch, KV head, part) before the next, longest first (grid_tile).
+    i_nb, i_row = grid_tile(IS_CAUSAL and not HAS_WINDOW and not VARLEN, False)
+    i_bg = i_row // SPLIT
+    i_split = i_row % SPLIT
     G_PART = G // SPLIT
     i_b = (i_bg // Hkv).to(tl.int64)
     i_g = (i_bg % Hkv).to(tl.int64)
@@ -764,8 +767,11 @@ def attention_bwd_dq_kernel(
     (_dq_row_stats), from OUT, dO, GRAD_LSE (strides stride_g*, as dO's rows) and the forward's
     LSE and LSE_REM, for the dk/dv, dbias and sinks kernels launched after it."""
     scale, softcap = as_fp32(scale), as_fp32(softcap)
-    i_mb = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    # A causal call's last query tiles see the most keys: each tile over every (batch, head),
+    # last first (grid_tile); not with key lists, whose consecutive query tiles of one head
+    # share the packed rows in L2 (bench/NOTES.md 77).
+    tile_major = IS_CAUSAL and not HAS_WINDOW and not VARLEN and not COMPACT
+    i_mb, i_bh = grid_tile(tile_major, tile_major)
     i_b = (i_bh // H).to(tl.int64)
     i_h = (i_bh % H).to(tl.int64)
     i_g = i_h // G

@@ -8,6 +8,7 @@ from dmattn_ops.kernels.common import (
     as_fp32,
     dense_key_tiles,
     dot_acc,
+    grid_tile,
     head_rows,
     listed_interior_count,
     listed_keys,
@@ -188,11 +189,11 @@ def attention_fwd_kernel(
     batch b's rows start at cu_seqlens[b]; mask and bias are per key token.
 
     Query tiles launch last first: under causality the last tiles have the most keys, and
-    launching them first leaves the short ones for the tail of the grid.
+    launching them first leaves the short ones for the tail of the grid; for a causal call
+    without window or varlen, each tile over every (batch, head) before the next (grid_tile).
     """
     scale, softcap = as_fp32(scale), as_fp32(softcap)
-    i_mb = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_mb, i_bh = grid_tile(IS_CAUSAL and not HAS_WINDOW and not VARLEN, True)
     i_b = (i_bh // H).to(tl.int64)
     i_h = (i_bh % H).to(tl.int64)
     i_g = i_h // G

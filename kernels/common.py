@@ -33,6 +33,28 @@ def as_fp32(x):
 
 
 @triton.jit
+def grid_tile(TILE_MAJOR: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """(tile, row) of this program in a grid of (tiles, rows): query or key tiles times
+    (batch, head) rows. Programs start in launch order, axis 0 fastest. TILE_MAJOR: one tile
+    over every row, then the next, so tiles of equal work start together and, where a causal
+    mask makes the work grow or shrink with the tile (LAST_FIRST where it grows), the longest
+    programs start first and the short ones fill the tail of the grid. Otherwise a row's tiles
+    run side by side, sharing its K and V in L2 (the better order for windows and varlen,
+    whose tiles carry alike or uneven work; bench/NOTES.md 77)."""
+    tiles = tl.num_programs(0)
+    if TILE_MAJOR:
+        i_lin = tl.program_id(1) * tiles + tl.program_id(0)
+        tile = i_lin // tl.num_programs(1)
+        row = i_lin % tl.num_programs(1)
+    else:
+        tile = tl.program_id(0)
+        row = tl.program_id(1)
+    if LAST_FIRST:
+        tile = tiles - 1 - tile
+    return tile, row
+
+
+@triton.jit
 def dot(a, b, DOT_PRECISION: tl.constexpr):
     """tl.dot with fp32 accumulation. DOT_PRECISION "upcast" multiplies the (already rounded)
     operands in fp32: Triton 3.9's interpreter computes bfloat16 tl.dot wrongly (error ~3e10 on
