@@ -9,6 +9,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import (
     DTYPES,
     PATTERNS,
@@ -23,6 +25,7 @@ from helpers import (
 
 import dmattn_ops
 from dmattn_ops import configs, launch, plan, reference
+from dmattn_ops.kernels.common import grid_tile
 from dmattn_ops.tiles import Band, PackFrom
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -791,3 +794,35 @@ def test_varlen_key_lists_kernel_matches_direct_counting(is_causal):
     assert torch.equal(got.keys.cpu(), keys)
     assert torch.equal(got.key_end.cpu().reshape(key_end.shape), key_end)
     assert torch.equal(got.key_count.cpu().reshape(key_count.shape), key_count)
+
+
+# The grid order of the causal kernels (kernels/common.py grid_tile, bench/NOTES.md 77).
+
+
+@triton.jit
+def _order_kernel(OUT, TILE_MAJOR: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """OUT[launch index] = (tile, row) that grid_tile gives this program."""
+    tile, row = grid_tile(TILE_MAJOR, LAST_FIRST)
+    launch = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(OUT + 2 * launch, tile)
+    tl.store(OUT + 2 * launch + 1, row)
+
+
+@pytest.mark.parametrize("tile_major", [False, True], ids=["row-major", "tile-major"])
+@pytest.mark.parametrize("last_first", [False, True], ids=["first-first", "last-first"])
+def test_grid_tile_maps_launch_order_onto_every_tile_once(tile_major, last_first):
+    """Each program of a (tiles, rows) grid gets a distinct (tile, row), every pair once; in
+    launch order (axis 0 fastest) the tile-major order runs one tile over every row before the
+    next, starting from the last tile with last_first, and the row-major one keeps a row's
+    tiles together."""
+    tiles, rows = 5, 3
+    out = torch.full((tiles * rows, 2), -1, dtype=torch.int32, device=DEVICE)
+    _order_kernel[(tiles, rows)](out, TILE_MAJOR=tile_major, LAST_FIRST=last_first)
+    got = [tuple(p) for p in out.tolist()]  # (tile, row) of each program, in launch order
+    assert sorted(got) == [(t, r) for t in range(tiles) for r in range(rows)]
+    order = list(range(tiles))[::-1] if last_first else list(range(tiles))
+    if tile_major:
+        want = [(t, r) for t in order for r in range(rows)]
+    else:
+        want = [(t, r) for r in range(rows) for t in order]
+    assert got == want
