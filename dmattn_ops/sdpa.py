@@ -29,7 +29,8 @@ Sliding windows. A causal window of C = left + 1 keys over L = n * C positions (
 is two batched causal calls of the same kernels (`window_chunk` says when): the n chunks of C
 rows against themselves, and each chunk's queries against the previous chunk's keys, which a
 query at row a of its chunk sees from row a + 1 on: reversed, the rows 0..C-2 of the queries and
-1..C-1 of the keys are causal again. (The rows after the last whole chunk of a longer sequence
+1..C-1 of the keys are causal again (the call is padded to C rows, the fused backward's faster
+length; bench/NOTES.md 75). (The rows after the last whole chunk of a longer sequence
 run on our kernels: launch.py.) The two parts are merged through their logsumexps
 (kernels/window_chunks.py, which also reverses the rows); the backward runs both kernels'
 backwards with the merged out and lse, which gives each part its exact share of the gradients
