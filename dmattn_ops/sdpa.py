@@ -298,7 +298,7 @@ def _window_forward(query, key, value, scale, c, which):
     lse = empty((b, h, length), dtype=torch.float32, device=query.device)
     block_r = 16 if interpreter_on() else 64
     window_merge_kernel[(cdiv(length, block_r), b * h)](
-        out, lse_diag, out_prev, lse_prev, lse, h, length, n, c, c - 1, c, d,
+        out, lse_diag, out_prev, lse_prev, lse, h, length, n, c, d,
         BLOCK_R=block_r, BLOCK_D=next_power_of_2(d), num_warps=4,
     )  # fmt: skip
     return out, lse

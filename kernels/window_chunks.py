@@ -63,8 +63,6 @@ def window_merge_kernel(
     L,
     n,
     C,
-    rows_prev,
-    stride_prev,
     D,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -72,11 +70,11 @@ def window_merge_kernel(
     """Merges the two parts of a chunked window, for BLOCK_R positions of one (batch, head).
 
     OUT (B, L, H, D) holds the own-chunk part (causal within each chunk of C rows), whose
-    logsumexps LSE_DIAG are (B * n, H, C); OUT_PREV (B * (n - 1), stride_prev, H, D) and LSE_PREV
-    (B * (n - 1), H, stride_prev) the previous-chunk part of chunks 1.. in reversed row order,
-    for their first rows_prev rows (the chunk's last rows see no key of the previous chunk; rows
-    past rows_prev are padding). OUT gets the merged rows in place, LSE (B, H, L) every row's
-    logsumexp."""
+    logsumexps LSE_DIAG are (B * n, H, C); OUT_PREV (B * (n - 1), C, H, D) and LSE_PREV
+    (B * (n - 1), H, C) the previous-chunk part of chunks 1.. in reversed row order: row
+    C - 2 - a holds chunk row a, for a < C - 1 (a chunk's last row sees no key of the previous
+    chunk; the part's last row is padding). OUT gets the merged rows in place, LSE (B, H, L)
+    every row's logsumexp."""
     i_l = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H).to(tl.int64)
@@ -86,10 +84,10 @@ def window_merge_kernel(
     t = i_l // C
     a = i_l % C
     lse_d = tl.load(LSE_DIAG + ((i_b * n + t) * H + i_h) * C + a, mask=m_l, other=0.0)
-    m_prev = m_l & (t >= 1) & (a < rows_prev)
-    prev = (i_b * (n - 1) + t - 1) * stride_prev + (rows_prev - 1 - a)  # its row in OUT_PREV
+    m_prev = m_l & (t >= 1) & (a < C - 1)
+    prev = (i_b * (n - 1) + t - 1) * C + (C - 2 - a)  # its row in OUT_PREV
     lse_p = tl.load(
-        LSE_PREV + ((i_b * (n - 1) + t - 1) * H + i_h) * stride_prev + (rows_prev - 1 - a),
+        LSE_PREV + ((i_b * (n - 1) + t - 1) * H + i_h) * C + (C - 2 - a),
         mask=m_prev,
         other=float("-inf"),
     )
