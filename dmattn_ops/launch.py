@@ -158,11 +158,12 @@ def attention_forward(
         return decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k, sinks)
     b, lq, h, _ = query.shape
     lk, dv, cfg = key.shape[1], value.shape[3], p.config
-    nq = cdiv(lq, cfg.block_m)
+    nq = cdiv(lq, cfg.block_m // p.heads)
     tables = lists = None
     if p.path == KEY_LISTS:
         lists = build_key_lists(
-            mask, seqused_k, b, lq, lk, band, hopper.BLOCK_M if p.hopper else cfg.block_m,
+            mask, seqused_k, b, lq, lk, band,
+            hopper.BLOCK_M if p.hopper else cfg.block_m // p.heads,
             PackFrom(key, value, bias, h, zero_tail=p.hopper) if p.pack else None,
         )  # fmt: skip
     elif p.path == TILE_TABLES:
@@ -177,6 +178,7 @@ def attention_forward(
     _launch_forward(
         query, key, value, mask, bias, seqused_k, None, None, out, lse, lse_rem,
         b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, band, softcap, sinks,
+        pack_heads=p.heads,
     )  # fmt: skip
     return out, lse, lse_rem
 
@@ -196,6 +198,7 @@ def _key_operands(key, value, bias, lists):
 def _launch_forward(
     query, key, value, mask, bias, seqused_k, cu_q, cu_k, out, lse, lse_rem,
     b, lq, lk, nq, lse_strides, tables, lists, cfg, scale, band, softcap, sinks=None,
+    pack_heads=1,
 ):  # fmt: skip
     """query/key/value/out 4-D, mask/bias 4-D broadcast operands. Varlen: (1, total, H, D)
     views, Lq/Lk the totals, cu_q/cu_k the cu_seqlens, and nq tiles of the longest sequence.
@@ -203,7 +206,7 @@ def _launch_forward(
     h, d = query.shape[2], query.shape[3]
     hkv, dv = key.shape[2], value.shape[3]
     key, value, bias, compact = _key_operands(key, value, bias, lists)
-    attention_fwd_kernel[(nq, b * h)](
+    attention_fwd_kernel[(nq, b * h // pack_heads)](
         query, key, value, None if lists else mask, bias, seqused_k, cu_q, cu_k,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
         tables.kv_int if tables else None,
@@ -219,7 +222,8 @@ def _launch_forward(
         **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(query.dtype),
         HAS_MASK=0 if lists else operand_kind(mask), HAS_BIAS=operand_kind(bias),
         HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0, COMPACT=compact,
-        VARLEN=cu_q is not None, HAS_SINKS=sinks is not None, num_warps=cfg.num_warps,
+        VARLEN=cu_q is not None, HAS_SINKS=sinks is not None, PACK_G=pack_heads,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -315,7 +319,7 @@ def attention_backward(
     tables = dq_tables = lists = None
     if p.path == KEY_LISTS:
         lists = build_key_lists(
-            mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m,
+            mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m // p.heads,
             PackFrom(key, value, bias, h) if p.pack else None,
         )  # fmt: skip
     elif p.path == TILE_TABLES:
@@ -344,6 +348,7 @@ def attention_backward(
         RowStats(stats, out, grad_lse, lse, lse_rem), dq, dk, dvv, dbias_cols, dbias_direct,
         b, lq, lk, lq, lk, (h * lq, lq), col_strides, tables, dq_tables, lists, lists, cfgs,
         scale, band, softcap, group_cols=dbias_mode == "group", on_hopper=p.hopper,
+        pack_heads=p.heads,
     )  # fmt: skip
     if dbias_bcast is not None:
         _launch_dbias_bcast(
@@ -472,7 +477,7 @@ def _launch_backward(
     query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, rows: RowStats,
     dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
     tables, dq_tables, lists, dkdv_lists, cfgs, scale, band, softcap, group_cols=False,
-    on_hopper=False,
+    on_hopper=False, pack_heads=1,
 ):  # fmt: skip
     """The dq kernel, which also writes rows.stats, then the dk/dv kernels that read them, over
     4-D views as in _launch_forward, with their own tile configs (cfgs: BackwardConfigs). The
@@ -500,9 +505,9 @@ def _launch_backward(
         HAS_BIAS=operand_kind(bias), HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0,
         VARLEN=cu_q is not None,
     )  # fmt: skip
-    nq = cdiv(span_q, qc.block_m)
+    nq = cdiv(span_q, qc.block_m // pack_heads)
     dq_key, dq_value, dq_bias, compact = _key_operands(key, value, bias, lists)
-    attention_bwd_dq_kernel[(nq, b * h)](
+    attention_bwd_dq_kernel[(nq, b * h // pack_heads)](
         query, dq_key, dq_value, grad_out, None if lists else mask, dq_bias,
         seqused_k, cu_q, cu_k, rows.stats, rows.out, rows.grad_lse, rows.lse, rows.lse_rem,
         dq_tables.kv_num if dq_tables else None, dq_tables.kv_idx if dq_tables else None,
@@ -517,7 +522,7 @@ def _launch_backward(
         head_div(dq_bias, h, hkv), float(scale), float(softcap), *band.args(),
         HAS_MASK=0 if lists else operand_kind(mask),
         DBIAS_DIRECT=dbias_direct is not None, COMPACT=compact,
-        HAS_GRAD_LSE=rows.grad_lse is not None, **flags,
+        HAS_GRAD_LSE=rows.grad_lse is not None, PACK_G=pack_heads, **flags,
         **_meta(qc, d, d_v, band, query.dtype),
     )  # fmt: skip
 

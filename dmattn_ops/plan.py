@@ -147,7 +147,8 @@ class ForwardPlan:
     """path (above); band: causality and the window as the kernels take them; fused: SDPA's
     kernel ("cudnn" or "flash"); pack: a key-list call copies its keys' rows; hopper: a packed
     key-list call runs hopper.py's forward; config: the forward kernel's tiles (Triton paths
-    but DECODE, whose launcher picks its own)."""
+    but DECODE, whose launcher picks its own); heads: query heads per forward program
+    (_pack_heads)."""
 
     path: str
     band: Band
@@ -155,6 +156,29 @@ class ForwardPlan:
     pack: bool = False
     hopper: bool = False
     config: Config | None = None
+    heads: int = 1
+
+
+# Packed key-list calls with more queries than this take a KV group's query heads per program
+# in the forward and dq kernels (_pack_heads).
+PACK_HEADS_MIN_LQ = configs.SHORT_PACKED + 1
+
+
+def _pack_heads(lq: int, h: int, hkv: int, mask, bias, cfg: Config) -> int:
+    """How many query heads one program of the forward or dq kernel takes on a packed key-list
+    call: G, the KV group's, where the group shares its key list and bias and the call is
+    long (PACK_HEADS_MIN_LQ queries), else 1. The G heads then share every K, V and bias tile
+    the program loads, at cfg.block_m // G positions per tile. `bench.tune`-style timing on the
+    H100 (bench/NOTES.md 79), forward / dq ms, one head per program against G: the model's B1
+    L32768 call 3.17 / 3.55 against 2.94 / 3.37, B1 L8192 0.234 / 0.298 against 0.223 / 0.285,
+    case D (G = 8) 0.915 / 1.064 against 0.845 / 1.021; its short calls lose in the forward
+    (B4 L2048 0.092 against 0.110, B16 L512 0.053 against 0.064) and are level in dq."""
+    g = h // hkv
+    if g == 1 or lq < PACK_HEADS_MIN_LQ or cfg.block_m % g:
+        return 1
+    if mask.shape[1] == h or (bias is not None and bias.shape[1] == h):
+        return 1
+    return g
 
 
 def forward_plan(
@@ -177,7 +201,8 @@ def forward_plan(
         query, key, value, bias, is_causal, softcap, seqused_k, band, sinks, None
     )
     cfg = config("fwd", query, value, mask, bias, lq, band, _key_reads(path, pack))
-    return ForwardPlan(path, band, pack=pack, hopper=on_hopper, config=cfg)
+    heads = _pack_heads(lq, h, hkv, mask, bias, cfg) if pack and not on_hopper else 1
+    return ForwardPlan(path, band, pack=pack, hopper=on_hopper, config=cfg, heads=heads)
 
 
 # How the backward writes dbias (BackwardPlan.dbias), by the bias's shape:
@@ -198,7 +223,8 @@ def _dbias_mode(bias, b: int, hkv: int, h: int) -> str:
 class BackwardPlan:
     """path (above); band; fused: SDPA's kernel; dbias: DBIAS_MODES or None (no dbias); pack:
     the dq kernel reads packed keys; hopper: the dK/dV pass runs hopper.py's kernel on them;
-    configs: the dk/dv and dq kernels' tiles (Triton paths)."""
+    configs: the dk/dv and dq kernels' tiles (Triton paths); heads: query heads per dq
+    program (_pack_heads)."""
 
     path: str
     band: Band
@@ -207,6 +233,7 @@ class BackwardPlan:
     pack: bool = False
     hopper: bool = False
     configs: BackwardConfigs | None = None
+    heads: int = 1
 
 
 def backward_plan(
@@ -234,4 +261,7 @@ def backward_plan(
         query, key, value, bias, is_causal, softcap, seqused_k, band, sinks, dbias
     )
     cfgs = backward_configs(query, value, mask, bias, lq, band, _key_reads(path, pack))
-    return BackwardPlan(path, band, dbias=dbias, pack=pack, hopper=on_hopper, configs=cfgs)
+    heads = _pack_heads(lq, h, hkv, mask, bias, cfgs.dq) if pack else 1
+    return BackwardPlan(
+        path, band, dbias=dbias, pack=pack, hopper=on_hopper, configs=cfgs, heads=heads
+    )

@@ -759,9 +759,12 @@ def attention_bwd_dq_kernel(
     COMPACT: tl.constexpr,
     VARLEN: tl.constexpr,
     HAS_GRAD_LSE: tl.constexpr,
+    PACK_G: tl.constexpr = 1,
 ):
     """One program: dq for BLOCK_M queries of one (batch, head). When the bias has its own
     (batch, head, query) entries, dS is also stored straight into DBIAS (B, H, Lq, Lk).
+    PACK_G = G > 1 (key lists only): the G query heads of a KV group at BLOCK_M // G positions,
+    as in the forward kernel.
 
     It runs first in the backward: it also writes its rows' statistics into STATS (B, H, Lq, 4)
     (_dq_row_stats), from OUT, dO, GRAD_LSE (strides stride_g*, as dO's rows) and the forward's
@@ -772,9 +775,21 @@ def attention_bwd_dq_kernel(
     # share the packed rows in L2 (bench/NOTES.md 77).
     tile_major = IS_CAUSAL and not HAS_WINDOW and not VARLEN and not COMPACT
     i_mb, i_bh = grid_tile(tile_major, tile_major)
-    i_b = (i_bh // H).to(tl.int64)
-    i_h = (i_bh % H).to(tl.int64)
-    i_g = i_h // G
+    POS_M: tl.constexpr = BLOCK_M // PACK_G  # positions per tile
+    if PACK_G > 1:
+        i_b = (i_bh // (H // PACK_G)).to(tl.int64)
+        i_g = (i_bh % (H // PACK_G)).to(tl.int64)
+        i_h = i_g * PACK_G  # the group's first head: mask, bias and lists are the group's
+        i_hr = i_h + tl.arange(0, BLOCK_M) % PACK_G  # each row's head
+        i_hc = i_hr[:, None]  # as a column of a [BM, D] tile
+        i_m = i_mb * POS_M + tl.arange(0, BLOCK_M) // PACK_G
+    else:
+        i_b = (i_bh // H).to(tl.int64)
+        i_h = (i_bh % H).to(tl.int64)
+        i_g = i_h // G
+        i_hr = i_h
+        i_hc = i_h
+        i_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
     q_start, Lq, k_start, n_keys, Lk = seq_extent(
         CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED, VARLEN
     )
@@ -785,35 +800,38 @@ def attention_bwd_dq_kernel(
         q_row0 = 0
         k_row0 = 0
 
-    i_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_m = i_m < Lq
     o_m = q_row0 + i_m.to(tl.int64)
     b_q = tl.load(
-        Q + i_b * stride_qb + i_h * stride_qh + o_m[:, None] * stride_qm + i_d[None, :] * stride_qd,
+        Q
+        + i_b * stride_qb
+        + i_hc * stride_qh
+        + o_m[:, None] * stride_qm
+        + i_d[None, :] * stride_qd,
         mask=m_m[:, None] & (i_d[None, :] < D),
         other=0.0,
     )  # [BM, BD]
     b_do = tl.load(
         DO
         + i_b * stride_dob
-        + i_h * stride_doh
+        + i_hc * stride_doh
         + o_m[:, None] * stride_dom
         + i_dv[None, :] * stride_dod,
         mask=m_m[:, None] & (i_dv[None, :] < Dv),
         other=0.0,
     )  # [BM, BDV]
     b_o = tl.load(
-        OUT + i_b * stride_ob + i_h * stride_oh + o_m[:, None] * stride_om
+        OUT + i_b * stride_ob + i_hc * stride_oh + o_m[:, None] * stride_om
         + i_dv[None, :] * stride_od,
         mask=m_m[:, None] & (i_dv[None, :] < Dv),
         other=0.0,
     )  # fmt: skip
-    o_row = i_b * lse_stride_b + i_h * lse_stride_h + o_m
+    o_row = i_b * lse_stride_b + i_hr * lse_stride_h + o_m
     lse_row, lse_rem, delta = _dq_row_stats(
         STATS, LSE, LSE_REM, GRAD_LSE, b_o, b_do, o_row,
-        i_b * stride_gb + i_h * stride_gh + o_m * stride_gm, m_m, HAS_GRAD_LSE,
+        i_b * stride_gb + i_hr * stride_gh + o_m * stride_gm, m_m, HAS_GRAD_LSE,
     )  # fmt: skip
     p_k = K + i_b * stride_kb + k_row0 * stride_kn + i_g * stride_kh
     p_v = V + i_b * stride_vb + k_row0 * stride_vn + i_g * stride_vh
@@ -839,7 +857,7 @@ def attention_bwd_dq_kernel(
         if HAS_WINDOW:
             pos0 = tl.load(KEY_START + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
         else:
-            kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, BLOCK_M, IS_CAUSAL) // BLOCK_N
+            kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, POS_M, IS_CAUSAL) // BLOCK_N
         for kb in range(0, kb_int):
             dq = _dq_tile(
                 dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
@@ -916,7 +934,7 @@ def attention_bwd_dq_kernel(
                 BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
             )  # fmt: skip
     # dq is (B, Lq, H, D) or (total_q, H, D), contiguous.
-    o_dq = ((q_start + i_m.to(tl.int64)[:, None]) * H + i_h) * D + i_d[None, :]
+    o_dq = ((q_start + i_m.to(tl.int64)[:, None]) * H + i_hc) * D + i_d[None, :]
     tl.store(
         DQ + o_dq, (dq * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & (i_d[None, :] < D)
     )

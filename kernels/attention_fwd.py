@@ -173,8 +173,14 @@ def attention_fwd_kernel(
     COMPACT: tl.constexpr,
     VARLEN: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    PACK_G: tl.constexpr = 1,
 ):
     """One program: BLOCK_M queries of one (batch, head). Writes out, lse and lse_rem.
+
+    PACK_G = G > 1 (key lists only): one program takes the G query heads of a KV group at
+    BLOCK_M // G positions, row r being position r // G of head r % G: the heads share every K,
+    V and bias tile it loads, and a tile spans G times fewer positions. Grid (position tiles,
+    B * Hkv); the key lists were built for tiles of BLOCK_M // G positions.
 
     HAS_SINKS: SINKS (H,) holds a logit per query head that joins every row's denominator as
     a key whose value is 0: the online softmax starts from it (max = sink, sum = 1) instead of
@@ -194,9 +200,21 @@ def attention_fwd_kernel(
     """
     scale, softcap = as_fp32(scale), as_fp32(softcap)
     i_mb, i_bh = grid_tile(IS_CAUSAL and not HAS_WINDOW and not VARLEN, True)
-    i_b = (i_bh // H).to(tl.int64)
-    i_h = (i_bh % H).to(tl.int64)
-    i_g = i_h // G
+    POS_M: tl.constexpr = BLOCK_M // PACK_G  # positions per tile
+    if PACK_G > 1:
+        i_b = (i_bh // (H // PACK_G)).to(tl.int64)
+        i_g = (i_bh % (H // PACK_G)).to(tl.int64)
+        i_h = i_g * PACK_G  # the group's first head: mask, bias and lists are the group's
+        i_hr = i_h + tl.arange(0, BLOCK_M) % PACK_G  # each row's head
+        i_hc = i_hr[:, None]  # as a column of a [BM, D] tile
+        i_m = i_mb * POS_M + tl.arange(0, BLOCK_M) // PACK_G
+    else:
+        i_b = (i_bh // H).to(tl.int64)
+        i_h = (i_bh % H).to(tl.int64)
+        i_g = i_h // G
+        i_hr = i_h
+        i_hc = i_h
+        i_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
     q_start, Lq, k_start, n_keys, Lk = seq_extent(
         CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED, VARLEN
     )
@@ -207,13 +225,16 @@ def attention_fwd_kernel(
         q_row0 = 0
         k_row0 = 0
 
-    i_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_m = i_m < Lq
     o_m = q_row0 + i_m.to(tl.int64)
     b_q = tl.load(
-        Q + i_b * stride_qb + i_h * stride_qh + o_m[:, None] * stride_qm + i_d[None, :] * stride_qd,
+        Q
+        + i_b * stride_qb
+        + i_hc * stride_qh
+        + o_m[:, None] * stride_qm
+        + i_d[None, :] * stride_qd,
         mask=m_m[:, None] & (i_d[None, :] < D),
         other=0.0,
     )  # [BM, BD]
@@ -230,7 +251,7 @@ def attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     if HAS_SINKS:
-        sink = tl.load(SINKS + i_h).to(tl.float32)
+        sink = tl.load(SINKS + i_hr).to(tl.float32)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
         l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
     if COMPACT:
@@ -247,7 +268,7 @@ def attention_fwd_kernel(
             # The band's listed keys start at KEY_START: every tile is a boundary tile.
             pos0 = tl.load(KEY_START + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
         else:
-            kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, BLOCK_M, IS_CAUSAL) // BLOCK_N
+            kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, POS_M, IS_CAUSAL) // BLOCK_N
         for kb in range(0, kb_int):
             acc, l_i, m_i = _fwd_tile(
                 acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
@@ -325,12 +346,12 @@ def attention_fwd_kernel(
     b_out = acc / l_safe[:, None]
     lse, lse_rem = lse_split(tl.where(nonempty, m_i, 0.0), tl.log(l_safe), nonempty)
     tl.store(
-        OUT + i_b * stride_ob + i_h * stride_oh + o_m[:, None] * stride_om
+        OUT + i_b * stride_ob + i_hc * stride_oh + o_m[:, None] * stride_om
         + i_dv[None, :] * stride_od,
         b_out.to(OUT.dtype.element_ty),
         mask=m_m[:, None] & (i_dv[None, :] < Dv),
     )  # fmt: skip
-    o_row = i_b * lse_stride_b + i_h * lse_stride_h + o_m
+    o_row = i_b * lse_stride_b + i_hr * lse_stride_h + o_m
     tl.store(LSE + o_row, lse, mask=m_m)
     tl.store(LSE_REM + o_row, lse_rem, mask=m_m)
 

@@ -112,6 +112,27 @@ def test_pack_keys_switch(monkeypatch):
 
 
 @needs_triton
+def test_long_packed_calls_take_a_kv_groups_heads_per_program(monkeypatch):
+    """Packed key lists of long calls run G = H / Hkv query heads per forward and dq program,
+    where the group shares one key list and bias; short calls, a bias per query head and
+    gathered keys keep one head per program."""
+    q, k, v = qkv()
+    mask, bias = mask_of(B, HKV, 1), torch.randn(B, HKV, 1, LK, device=DEVICE)
+    assert forward(q, k, v, mask, bias).heads == 1  # LQ = 40 is short
+    assert backward(q, k, v, mask, bias).heads == 1
+    monkeypatch.setattr(plan, "PACK_HEADS_MIN_LQ", LQ)
+    g = H // HKV
+    assert forward(q, k, v, mask, bias).heads == g
+    assert backward(q, k, v, mask, bias).heads == g
+    assert forward(q, k, v, mask_of(1, 1, 1), None).heads == g
+    per_head = torch.randn(B, H, 1, LK, device=DEVICE)
+    assert forward(q, k, v, mask, per_head).heads == 1
+    assert backward(q, k, v, mask, per_head).heads == 1
+    monkeypatch.setattr(plan, "PACK_KEYS", False)
+    assert forward(q, k, v, mask, bias).heads == 1
+
+
+@needs_triton
 def test_dense_and_decode():
     q, k, v = qkv()
     assert forward(q, k, v).path == DENSE

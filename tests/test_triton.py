@@ -580,6 +580,74 @@ def test_key_lists_never_load_unlisted_keys(bias_pattern, pack_spy):
     assert len(packed) == 4 and sum(packed) == (4 if pack and bias_pattern != "BHQ" else 0)
 
 
+@pytest.fixture
+def heads_spy(monkeypatch):
+    """Packs a KV group's query heads into one forward / dq program at every length
+    (plan.PACK_HEADS_MIN_LQ = 0; on the GPU only long calls do) and records the heads per
+    program of every forward and backward plan."""
+    monkeypatch.setattr(plan, "PACK_HEADS_MIN_LQ", 0)
+    heads = []
+    for name in ("forward_plan", "backward_plan"):
+        real = getattr(plan, name)
+
+        def spy(*args, real=real, **kwargs):
+            p = real(*args, **kwargs)
+            heads.append(p.heads)
+            return p
+
+        monkeypatch.setattr(plan, name, spy)
+    return heads
+
+
+@pytest.mark.parametrize(
+    "case",
+    [param(Case(2, 40, 40, 4, 2, 16, 16)), param(Case(1, 37, 70, 8, 2, 32, 24))],
+)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shared", ["Hkv", "1"], ids=["per-group", "one-for-all"])
+def test_packed_heads_match_the_oracle(case, is_causal, shared, heads_spy):
+    """Key lists with the G query heads of a KV group in one forward / dq program (rows:
+    position r // G of head r % G): every result against the float64 oracle, with seqused_k
+    cutting one batch's list short, a mask and bias per KV group or one for all heads, and
+    Lq != Lk (the causal diagonal then runs through the packed tiles' positions)."""
+    c = case
+    hm = c.hkv if shared == "Hkv" else 1
+    mask = make_mask((c.b, hm, 1, c.lk), density=0.7, device=DEVICE)
+    seqused = torch.tensor([c.lk, c.lk - 7][: c.b], dtype=torch.int32)
+    run_case(
+        c, torch.float32, bias_shape=(c.b, hm, 1, c.lk), mask=mask, is_causal=is_causal,
+        seqused=seqused,
+    )  # fmt: skip
+    g = c.h // c.hkv
+    assert heads_spy == [g, g], heads_spy
+
+
+def test_packed_heads_with_sinks_window_and_poisoned_keys(heads_spy):
+    """Packed heads with a sink per head (each row starts from its own head's), a window
+    whose listed keys start mid-list, NaN in K and V at every unlisted key, and an empty
+    row (a query whose window holds no listed key): finite, and equal to the oracle."""
+    c = Case(2, 48, 48, 4, 1, 16, 16)
+    mask = make_mask((c.b, c.hkv, 1, c.lk), density=0.5, device=DEVICE)
+    mask[0, :, 0, 20:40] = False  # rows 27..39 of batch 0: no listed key in their window
+    q = torch.randn(c.b, c.lq, c.h, c.d, device=DEVICE, requires_grad=True)
+    k = torch.randn(c.b, c.lk, c.hkv, c.d, device=DEVICE)
+    v = torch.randn(c.b, c.lk, c.hkv, c.dv, device=DEVICE)
+    unlisted = (~mask[:, :, 0, :]).transpose(1, 2)[..., None]
+    k_bad, v_bad = torch.where(unlisted, math.nan, k), torch.where(unlisted, math.nan, v)
+    bias = make_bias((c.b, c.hkv, 1, c.lk), dtype=torch.float32, device=DEVICE).requires_grad_()
+    sinks = torch.tensor([0.5, -1.0, float("-inf"), 2.0], device=DEVICE, requires_grad=True)
+    kw = dict(is_causal=True, window_size=(7, 0))
+    out = dmattn_ops.attention(q, k_bad, v_bad, mask, bias, sinks=sinks, backend="triton", **kw)
+    grads = torch.autograd.grad(out.square().sum(), (q, bias, sinks))
+    ref = reference.attention(q, k, v, mask, bias, sinks=sinks, **kw)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, bias, sinks))
+    assert out.isfinite().all() and all(g.isfinite().all() for g in grads)
+    assert_close(out, ref, 1e-5, "out")
+    for name, g, r in zip(("dq", "dbias", "dsinks"), grads, ref_grads):
+        assert_close(g, r, 1e-4, name)
+    assert heads_spy == [4, 4], heads_spy
+
+
 # Split-K decoding (Lq <= 16 against a long cache).
 
 DECODE = [
