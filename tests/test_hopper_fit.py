@@ -75,6 +75,9 @@ def _flags(kind, jit, args, ops) -> dict:
         COMPACT=(2 if ops.mask == "packed" and kind in ("fwd", "dq") else 1)
         if args.get("KEYS") is not None
         else 0,
+        # Packed keys with a KV group's four query heads per program (plan._pack_heads: long
+        # calls, whose tiles these are); one head per program loads the same tiles.
+        PACK_G=4 if ops.mask == "packed" and kind in ("fwd", "dq") else 1,
         VARLEN=args.get("CU_Q") is not None,
         HAS_SINKS=args.get("SINKS") is not None,
         HAS_GRAD_LSE=args.get("GRAD_LSE") is not None,
