@@ -11,7 +11,7 @@ import torch
 from helpers import Case, assert_close, low_precision_bound, make_bias, make_mask, make_qkv
 
 import dmattn_ops
-from dmattn_ops import inductor, reference
+from dmattn_ops import inductor, plan, reference
 from dmattn_ops.masks import topk_mask
 
 gpu = pytest.mark.gpu
@@ -174,20 +174,26 @@ def _gpu_case(kind: str):
     c = Case(2, 300, 300, 8, 2, 64, 64)
     q, k, v = (t.cuda().bfloat16() for t in make_qkv(c))
     mask = bias = None
-    if kind in ("keys", "tables"):
+    if kind in ("keys", "keys-heads", "tables"):
         bias = make_bias((c.b, c.hkv, 1, c.lk), device="cuda").bfloat16()
         mask = (
-            topk_mask(bias, 96) if kind == "keys" else make_mask((c.b, 1, c.lq, c.lk), 0.3, "cuda")
+            make_mask((c.b, 1, c.lq, c.lk), 0.3, "cuda")
+            if kind == "tables"
+            else topk_mask(bias, 96)
         )
     return q, k, v, mask, bias
 
 
 @gpu
-@pytest.mark.parametrize("kind", ["dense", "keys", "tables"])
+@pytest.mark.parametrize("kind", ["dense", "keys", "keys-heads", "tables"])
 def test_compiled_kernels_match_eager_exactly(kind, monkeypatch, inductor_kernels):
+    """keys-heads: the key lists' forward and dq kernels with a KV group's query heads per
+    program (plan._pack_heads), which long calls take, at this short length."""
     from torch._inductor.utils import run_and_get_code
 
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "0")
+    if kind == "keys-heads":
+        monkeypatch.setattr(plan, "PACK_HEADS_MIN_LQ", 0)
     torch._dynamo.reset()
     q, k, v, mask, bias = _gpu_case(kind)
 
