@@ -166,13 +166,14 @@ PACK_HEADS_MIN_LQ = configs.SHORT_PACKED + 1
 
 def _pack_heads(lq: int, h: int, hkv: int, mask, bias, cfg: Config) -> int:
     """How many query heads one program of the forward or dq kernel takes on a packed key-list
-    call: G, the KV group's, where the group shares its key list and bias and the call is
-    long (PACK_HEADS_MIN_LQ queries), else 1. The G heads then share every K, V and bias tile
-    the program loads, at cfg.block_m // G positions per tile. `bench.tune`-style timing on the
-    H100 (bench/NOTES.md 79), forward / dq ms, one head per program against G: the model's B1
-    L32768 call 3.17 / 3.55 against 2.94 / 3.37, B1 L8192 0.234 / 0.298 against 0.223 / 0.285,
-    case D (G = 8) 0.915 / 1.064 against 0.845 / 1.021; its short calls lose in the forward
-    (B4 L2048 0.092 against 0.110, B16 L512 0.053 against 0.064) and are level in dq."""
+    call: G, the KV group's, where the group shares its key list and bias, G divides the
+    tile's rows and the call has at least PACK_HEADS_MIN_LQ queries; else 1. The G heads then
+    share every K, V and bias tile the program loads, at cfg.block_m // G positions per tile.
+    Kernel timing on the H100 (bench/NOTES.md 79), forward / dq ms, one head per program
+    against G: the model's B1 L32768 call 3.17 / 3.55 against 2.94 / 3.37, B1 L8192 0.234 /
+    0.298 against 0.223 / 0.285, case D (G = 8) 0.915 / 1.064 against 0.845 / 1.021; its
+    short calls lose in the forward (B4 L2048 0.092 against 0.110, B16 L512 0.053 against
+    0.064) and are level in dq."""
     g = h // hkv
     if g == 1 or lq < PACK_HEADS_MIN_LQ or cfg.block_m % g:
         return 1
