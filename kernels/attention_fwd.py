@@ -13,6 +13,7 @@ from dmattn_ops.kernels.common import (
     listed_interior_count,
     listed_keys,
     lse_split,
+    query_rows,
     score_tile,
     seq_extent,
 )
@@ -201,20 +202,7 @@ def attention_fwd_kernel(
     scale, softcap = as_fp32(scale), as_fp32(softcap)
     i_mb, i_bh = grid_tile(IS_CAUSAL and not HAS_WINDOW and not VARLEN, True)
     POS_M: tl.constexpr = BLOCK_M // PACK_G  # positions per tile
-    if PACK_G > 1:
-        i_b = (i_bh // (H // PACK_G)).to(tl.int64)
-        i_g = (i_bh % (H // PACK_G)).to(tl.int64)
-        i_h = i_g * PACK_G  # the group's first head: mask, bias and lists are the group's
-        i_hr = i_h + tl.arange(0, BLOCK_M) % PACK_G  # each row's head
-        i_hc = i_hr[:, None]  # as a column of a [BM, D] tile
-        i_m = i_mb * POS_M + tl.arange(0, BLOCK_M) // PACK_G
-    else:
-        i_b = (i_bh // H).to(tl.int64)
-        i_h = (i_bh % H).to(tl.int64)
-        i_g = i_h // G
-        i_hr = i_h
-        i_hc = i_h
-        i_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_b, i_g, i_h, i_hr, i_hc, i_m = query_rows(i_mb, i_bh, H, G, BLOCK_M, PACK_G)
     q_start, Lq, k_start, n_keys, Lk = seq_extent(
         CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED, VARLEN
     )

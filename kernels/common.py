@@ -55,6 +55,32 @@ def grid_tile(TILE_MAJOR: tl.constexpr, LAST_FIRST: tl.constexpr):
 
 
 @triton.jit
+def query_rows(i_mb, i_bh, H, G, BLOCK_M: tl.constexpr, PACK_G: tl.constexpr):
+    """(i_b, i_g, i_h, i_hr, i_hc, i_m) of query tile i_mb of grid row i_bh in the forward and dq
+    kernels: the batch, the KV head, the query head whose mask, bias and key list the tile
+    reads, each row's head (i_hr, and i_hc as a column of a [BM, D] tile) and each row's query
+    position (i_m, [BM]). One head per program (PACK_G == 1): grid rows are (batch, head) and
+    i_hr = i_hc = i_h. PACK_G = G: grid rows are (batch, KV head) and the tile holds the G heads
+    of the group at BLOCK_M // G positions, row r being position r // G of head r % G; i_h is
+    the group's first head, whose mask, bias and key list all its heads share."""
+    if PACK_G > 1:
+        i_b = (i_bh // (H // PACK_G)).to(tl.int64)
+        i_g = (i_bh % (H // PACK_G)).to(tl.int64)
+        i_h = i_g * PACK_G
+        i_hr = i_h + tl.arange(0, BLOCK_M) % PACK_G
+        i_hc = i_hr[:, None]
+        i_m = i_mb * (BLOCK_M // PACK_G) + tl.arange(0, BLOCK_M) // PACK_G
+    else:
+        i_b = (i_bh // H).to(tl.int64)
+        i_h = (i_bh % H).to(tl.int64)
+        i_g = i_h // G
+        i_hr = i_h
+        i_hc = i_h
+        i_m = i_mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    return i_b, i_g, i_h, i_hr, i_hc, i_m
+
+
+@triton.jit
 def dot(a, b, DOT_PRECISION: tl.constexpr):
     """tl.dot with fp32 accumulation. DOT_PRECISION "upcast" multiplies the (already rounded)
     operands in fp32: Triton 3.9's interpreter computes bfloat16 tl.dot wrongly (error ~3e10 on
