@@ -158,12 +158,12 @@ def attention_forward(
         return decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k, sinks)
     b, lq, h, _ = query.shape
     lk, dv, cfg = key.shape[1], value.shape[3], p.config
-    nq = cdiv(lq, cfg.block_m // p.heads)
+    positions = cfg.block_m // p.heads  # query positions per tile (plan._pack_heads)
+    nq = cdiv(lq, positions)
     tables = lists = None
     if p.path == KEY_LISTS:
         lists = build_key_lists(
-            mask, seqused_k, b, lq, lk, band,
-            hopper.BLOCK_M if p.hopper else cfg.block_m // p.heads,
+            mask, seqused_k, b, lq, lk, band, hopper.BLOCK_M if p.hopper else positions,
             PackFrom(key, value, bias, h, zero_tail=p.hopper) if p.pack else None,
         )  # fmt: skip
     elif p.path == TILE_TABLES:

@@ -177,9 +177,9 @@ def _pack_heads(lq: int, h: int, hkv: int, mask, bias, cfg: Config) -> int:
     g = h // hkv
     if g == 1 or lq < PACK_HEADS_MIN_LQ or cfg.block_m % g:
         return 1
-    if mask.shape[1] == h or (bias is not None and bias.shape[1] == h):
-        return 1
-    return g
+    # A packed call's mask has one key list per KV group or one in all (tiles.compactable); a
+    # bias per query head would differ between the rows of a tile.
+    return 1 if bias is not None and bias.shape[1] == h else g
 
 
 def forward_plan(
