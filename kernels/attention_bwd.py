@@ -28,6 +28,8 @@ from dmattn_ops.kernels.common import (
     listed_interior_count,
     listed_keys,
     query_rows,
+    run_end,
+    run_tile,
     score_tile,
     seq_extent,
 )
@@ -360,48 +362,21 @@ def attention_bwd_dkdv_kernel(
             p_bias = BIAS + i_b * stride_bb + (i_h // bias_hdiv) * stride_bh + k_row0 * stride_bn
         row_base = i_b * lse_stride_b + i_h * lse_stride_h + q_row0
         dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
-        if HAS_MASK and not VARLEN and not COMPACT:
+        # The query tiles in two runs (common.run_end).
+        p_idx = Q_IDX
+        TABLE: tl.constexpr = HAS_MASK and not VARLEN and not COMPACT
+        if TABLE:
+            # The tile table lists the query tiles that see any key of this tile; [Q_LO, Q_HI)
+            # of the list are interior (unpredicated mask and bias loads).
             col = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_nb
-            num = tl.load(Q_NUM + col)
-            # Listed query tiles [Q_LO, Q_HI) are interior: unpredicated mask and bias loads.
-            q_lo = tl.load(Q_LO + col)
-            q_hi = tl.load(Q_HI + col)
-            for it in range(0, q_lo):
-                qb = tl.load(Q_IDX + col * NQ + it)
-                dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
-                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    STATS, row_base,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
-                    win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
-                )  # fmt: skip
-            for it in range(q_lo, q_hi):
-                qb = tl.load(Q_IDX + col * NQ + it)
-                dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
-                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    STATS, row_base,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
-                    win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
-                )  # fmt: skip
-            for it in range(q_hi, num):
-                qb = tl.load(Q_IDX + col * NQ + it)
-                dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
-                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    STATS, row_base,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
-                    win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
-                )  # fmt: skip
+            p_idx = Q_IDX + col * NQ
+            qb_lo, qi_lo = 0, tl.load(Q_LO + col)
+            qi_hi, qb_hi = tl.load(Q_HI + col), tl.load(Q_NUM + col)
         else:
-            # Query tiles in three runs: boundary tiles before the first one whose rows all see
-            # the whole key tile, interior tiles (no bounds or causal arithmetic), then the
-            # boundary tiles after the last full one. Nothing past seqused_k. A tile of listed
-            # keys (COMPACT) spans its first and last key; one with unused list entries has
-            # no interior run.
+            # Boundary tiles before the first one whose rows all see the whole key tile, the
+            # interior tiles, boundary tiles after the last full one; nothing past seqused_k.
+            # A tile of listed keys (COMPACT) spans its first and last key; one with unused
+            # list entries has no interior run.
             if COMPACT:
                 k_lo = j_first
                 k_hi = tl.max(i_n, 0)
@@ -413,49 +388,42 @@ def attention_bwd_dkdv_kernel(
                 k_any = k_lo < n_keys
                 k_full = k_lo + BLOCK_N <= n_keys
             if HAS_WINDOW:
-                qb_start, qi_start, qi_end, qb_end = band_query_tiles(
+                qb_lo, qi_lo, qi_hi, qb_hi = band_query_tiles(
                     k_lo, k_hi, k_full, NQ, n_keys, Lq, win_left, win_right, BLOCK_M
                 )
-                qb_end = tl.where(k_any, qb_end, qb_start)
-                qi_start = tl.minimum(qi_start, qb_end)
-                qi_end = tl.minimum(qi_end, qb_end)
+                qb_hi = tl.where(k_any, qb_hi, qb_lo)
+                qi_lo = tl.minimum(qi_lo, qb_hi)
+                qi_hi = tl.minimum(qi_hi, qb_hi)
             else:
-                qb_start = 0
-                qi_start = 0
+                qb_lo = 0
+                qi_lo = 0
                 if IS_CAUSAL:
-                    qb_start = tl.maximum(k_lo - n_keys + Lq, 0) // BLOCK_M
-                    qi_start = tl.cdiv(tl.maximum(k_hi - n_keys + Lq, 0), BLOCK_M)
-                qb_end = tl.where(k_any, NQ, 0)
-                qi_end = tl.where(k_full, Lq // BLOCK_M, 0)
-                qi_start = tl.minimum(tl.maximum(qi_start, qb_start), qb_end)
-                qi_end = tl.minimum(tl.maximum(qi_end, qi_start), qb_end)
-            for qb in range(qb_start, qi_start):
-                dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
-                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    STATS, row_base,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
-                    win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
-                )  # fmt: skip
-            for qb in range(qi_start, qi_end):
-                dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
-                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    STATS, row_base,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
-                    win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
-                )  # fmt: skip
-            for qb in range(qi_end, qb_end):
-                dk, dv, dbias_col = _dkdv_tile(
-                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
-                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod,
-                    STATS, row_base,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
-                    win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                    BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
-                )  # fmt: skip
+                    qb_lo = tl.maximum(k_lo - n_keys + Lq, 0) // BLOCK_M
+                    qi_lo = tl.cdiv(tl.maximum(k_hi - n_keys + Lq, 0), BLOCK_M)
+                qb_hi = tl.where(k_any, NQ, 0)
+                qi_hi = tl.where(k_full, Lq // BLOCK_M, 0)
+                qi_lo = tl.minimum(tl.maximum(qi_lo, qb_lo), qb_hi)
+                qi_hi = tl.minimum(tl.maximum(qi_hi, qi_lo), qb_hi)
+        # The boundary run first: the tiles before the interior ones (the diagonal, under
+        # causality), then those after them; the interior run last.
+        for it in range(qb_lo, run_end(qi_lo, qi_hi, qb_hi)):
+            qb = run_tile(it, qi_lo, qi_hi, p_idx, True, TABLE)
+            dk, dv, dbias_col = _dkdv_tile(
+                dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
+                p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod, STATS, row_base,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
+                win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
+            )  # fmt: skip
+        for it in range(qi_lo, qi_hi):
+            qb = run_tile(it, qi_hi, qi_hi, p_idx, False, TABLE)
+            dk, dv, dbias_col = _dkdv_tile(
+                dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
+                p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod, STATS, row_base,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
+                win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
+                BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
+            )  # fmt: skip
         if GROUP_COLS:
             dbias_group += dbias_col
         elif DBIAS_COLS:
@@ -834,93 +802,53 @@ def attention_bwd_dq_kernel(
         p_dbias = DBIAS + i_bh.to(tl.int64) * Lq * Lk
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # The key tiles in two runs, as in the forward kernel.
+    p_keys = KEYS
+    pos0 = 0
+    n_pos = 0
+    p_idx = KV_IDX
     if COMPACT:
-        # As in the forward kernel: listed tiles every row sees in full first.
         i_hm = i_h // mask_hdiv
         p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + k_row0
         p_end = KEY_END + i_b * table_stride_b + i_hm * table_stride_h
         n_pos = tl.load(p_end + i_mb)
-        pos0 = 0
         kb_int = 0
         if HAS_WINDOW:
             pos0 = tl.load(KEY_START + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
         else:
             kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, POS_M, IS_CAUSAL) // BLOCK_N
-        for kb in range(0, kb_int):
-            dq = _dq_tile(
-                dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-                win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, 0, n_pos, COMPACT,
-            )  # fmt: skip
-        for kb in range(kb_int, tl.cdiv(n_pos - pos0, BLOCK_N)):
-            dq = _dq_tile(
-                dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-                win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, COMPACT,
-            )  # fmt: skip
+        kb_lo, ki_lo, ki_hi, kb_hi = 0, 0, kb_int, tl.cdiv(n_pos - pos0, BLOCK_N)
     elif HAS_MASK:
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
-        num = tl.load(KV_NUM + row)
-        n_int = tl.load(KV_INT + row)  # as in the forward kernel
-        for it in range(0, n_int):
-            kb = tl.load(KV_IDX + row * NK + it)
-            dq = _dq_tile(
-                dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-                win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, 0, False,
-            )  # fmt: skip
-        for it in range(n_int, num):
-            kb = tl.load(KV_IDX + row * NK + it)
-            dq = _dq_tile(
-                dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-                win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
-            )  # fmt: skip
+        p_idx = KV_IDX + row * NK
+        kb_lo, ki_lo, ki_hi, kb_hi = 0, 0, tl.load(KV_INT + row), tl.load(KV_NUM + row)
     else:
-        kb_start, kb_int0, kb_int, kb_end = dense_key_tiles(
+        kb_lo, ki_lo, ki_hi, kb_hi = dense_key_tiles(
             i_mb * BLOCK_M, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL,
             HAS_WINDOW,
         )  # fmt: skip
-        if HAS_WINDOW:
-            for kb in range(kb_start, kb_int0):
-                dq = _dq_tile(
-                    dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                    scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-                    win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                    DBIAS_DIRECT,
-                    BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
-                )  # fmt: skip
-        for kb in range(kb_int0, kb_int):
-            dq = _dq_tile(
-                dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-                win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, 0, False,
-            )  # fmt: skip
-        for kb in range(kb_int, kb_end):
-            dq = _dq_tile(
-                dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-                win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                DBIAS_DIRECT,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
-            )  # fmt: skip
+    TABLE: tl.constexpr = HAS_MASK and not COMPACT
+    WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
+    for it in range(ki_lo, ki_hi):
+        kb = run_tile(it, ki_hi, kb_lo, p_idx, False, TABLE)
+        dq = _dq_tile(
+            dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+            scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+            p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
+            win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+            DBIAS_DIRECT,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, pos0, n_pos, COMPACT,
+        )  # fmt: skip
+    for it in range(ki_hi, run_end(kb_hi, kb_lo, ki_lo)):
+        kb = run_tile(it, kb_hi, kb_lo, p_idx, WRAP, TABLE)
+        dq = _dq_tile(
+            dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+            scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+            p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
+            win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+            DBIAS_DIRECT,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, COMPACT,
+        )  # fmt: skip
     # dq is (B, Lq, H, D) or (total_q, H, D), contiguous.
     o_dq = ((q_start + i_m.to(tl.int64)[:, None]) * H + i_hc) * D + i_d[None, :]
     tl.store(

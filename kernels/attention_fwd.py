@@ -14,6 +14,8 @@ from dmattn_ops.kernels.common import (
     listed_keys,
     lse_split,
     query_rows,
+    run_end,
+    run_tile,
     score_tile,
     seq_extent,
 )
@@ -242,92 +244,60 @@ def attention_fwd_kernel(
         sink = tl.load(SINKS + i_hr).to(tl.float32)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
         l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
+    # The key tiles in two runs (common.run_end): the interior ones, then the boundary ones
+    # after them and (under a window) before them.
+    p_keys = KEYS
+    pos0 = 0
+    n_pos = 0
+    p_idx = KV_IDX
     if COMPACT:
-        # The mask is the same for every query: iterate over tiles of its sorted allowed keys,
-        # up to the last one this query tile may see (KEY_END, from causality and seqused_k),
-        # the tiles every row sees in full first (no bounds or causal arithmetic).
+        # The mask is the same for every query: tiles of its sorted allowed keys, up to the last
+        # one this query tile may see (KEY_END, from causality and seqused_k); the interior ones
+        # are those every row sees in full.
         i_hm = i_h // mask_hdiv
         p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + k_row0
         p_end = KEY_END + i_b * table_stride_b + i_hm * table_stride_h
         n_pos = tl.load(p_end + i_mb)
-        pos0 = 0
         kb_int = 0
         if HAS_WINDOW:
             # The band's listed keys start at KEY_START: every tile is a boundary tile.
             pos0 = tl.load(KEY_START + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
         else:
             kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, POS_M, IS_CAUSAL) // BLOCK_N
-        for kb in range(0, kb_int):
-            acc, l_i, m_i = _fwd_tile(
-                acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
-                p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
-                IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, 0, n_pos, COMPACT,
-            )  # fmt: skip
-        for kb in range(kb_int, tl.cdiv(n_pos - pos0, BLOCK_N)):
-            acc, l_i, m_i = _fwd_tile(
-                acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
-                p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
-                IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, COMPACT,
-            )  # fmt: skip
+        kb_lo, ki_lo, ki_hi, kb_hi = 0, 0, kb_int, tl.cdiv(n_pos - pos0, BLOCK_N)
     elif HAS_MASK:
+        # The tile table lists the key tiles holding any allowed key, the KV_INT interior ones
+        # (unpredicated mask and bias loads) first; tiles outside it are never loaded.
         row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
-        num = tl.load(KV_NUM + row)
-        # The first KV_INT listed tiles are interior: unpredicated mask and bias loads.
-        n_int = tl.load(KV_INT + row)
-        for it in range(0, n_int):
-            kb = tl.load(KV_IDX + row * NK + it)
-            acc, l_i, m_i = _fwd_tile(
-                acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
-                p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
-                IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, 0, False,
-            )  # fmt: skip
-        for it in range(n_int, num):
-            kb = tl.load(KV_IDX + row * NK + it)
-            acc, l_i, m_i = _fwd_tile(
-                acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
-                p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
-                IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
-            )  # fmt: skip
+        p_idx = KV_IDX + row * NK
+        kb_lo, ki_lo, ki_hi, kb_hi = 0, 0, tl.load(KV_INT + row), tl.load(KV_NUM + row)
     else:
-        # Interior key tiles first (no bounds or causal arithmetic), then the boundary ones;
-        # under a window, boundary tiles below the interior ones too.
-        kb_start, kb_int0, kb_int, kb_end = dense_key_tiles(
+        # The loop bounds come from causality, the window and seqused_k; under a window,
+        # boundary tiles lie on both sides of the interior ones.
+        kb_lo, ki_lo, ki_hi, kb_hi = dense_key_tiles(
             i_mb * BLOCK_M, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL,
             HAS_WINDOW,
         )  # fmt: skip
-        if HAS_WINDOW:
-            for kb in range(kb_start, kb_int0):
-                acc, l_i, m_i = _fwd_tile(
-                    acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
-                    p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn,
-                    win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                    BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
-                )  # fmt: skip
-        for kb in range(kb_int0, kb_int):
-            acc, l_i, m_i = _fwd_tile(
-                acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
-                p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
-                IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, KEYS, 0, 0, False,
-            )  # fmt: skip
-        for kb in range(kb_int, kb_end):
-            acc, l_i, m_i = _fwd_tile(
-                acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
-                p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
-                IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, KEYS, 0, 0, False,
-            )  # fmt: skip
+    TABLE: tl.constexpr = HAS_MASK and not COMPACT
+    WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
+    for it in range(ki_lo, ki_hi):
+        kb = run_tile(it, ki_hi, kb_lo, p_idx, False, TABLE)
+        acc, l_i, m_i = _fwd_tile(
+            acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
+            p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+            p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
+            IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, pos0, n_pos, COMPACT,
+        )  # fmt: skip
+    for it in range(ki_hi, run_end(kb_hi, kb_lo, ki_lo)):
+        kb = run_tile(it, kb_hi, kb_lo, p_idx, WRAP, TABLE)
+        acc, l_i, m_i = _fwd_tile(
+            acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
+            p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+            p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
+            IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, COMPACT,
+        )  # fmt: skip
 
     nonempty = l_i > 0.0
     l_safe = tl.where(nonempty, l_i, 1.0)

@@ -371,6 +371,31 @@ def dense_key_tiles(
 
 
 @triton.jit
+def run_end(a_end, b_start, b_end):
+    """Where a run of iterations over the tiles [a_start, a_end) and then [b_start, b_end)
+    ends; it starts at a_start (run_tile maps an iteration to its tile).
+
+    Every kernel walks the tiles a program sees in two runs, and so calls its tile function
+    twice: the interior run (whole tiles every row or column sees: no bounds, causal or window
+    arithmetic) and the boundary run, which holds the tiles on both sides of the interior ones:
+    [lo, int_lo) and [int_hi, hi) of tiles [lo, hi) with interior tiles [int_lo, int_hi)."""
+    return a_end + (b_end - b_start)
+
+
+@triton.jit
+def run_tile(it, a_end, b_start, p_idx, WRAP: tl.constexpr, TABLE: tl.constexpr):
+    """The tile of iteration `it` of a run (run_end): `it` itself, or with WRAP, where the run
+    has a second range, b_start + (it - a_end) from iteration a_end on. TABLE: the tiles are
+    entries of a list at p_idx (tile tables), which `it` then indexes."""
+    idx = it
+    if WRAP:
+        idx = tl.where(it < a_end, it, it - a_end + b_start)
+    if TABLE:
+        idx = tl.load(p_idx + idx)
+    return idx
+
+
+@triton.jit
 def band_query_tiles(
     k_lo, k_hi, k_full, NQ, n_keys, Lq, win_left, win_right, BLOCK_M: tl.constexpr
 ):
