@@ -416,7 +416,7 @@ def attention_bwd_dkdv_kernel(
                 BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
             )  # fmt: skip
         for it in range(qi_lo, qi_hi):
-            qb = run_tile(it, qi_hi, qi_hi, p_idx, False, TABLE)
+            qb = run_tile(it, 0, 0, p_idx, False, TABLE)
             dk, dv, dbias_col = _dkdv_tile(
                 dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
                 p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod, STATS, row_base,
@@ -830,7 +830,7 @@ def attention_bwd_dq_kernel(
     TABLE: tl.constexpr = HAS_MASK and not COMPACT
     WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
     for it in range(ki_lo, ki_hi):
-        kb = run_tile(it, ki_hi, kb_lo, p_idx, False, TABLE)
+        kb = run_tile(it, 0, 0, p_idx, False, TABLE)
         dq = _dq_tile(
             dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
             scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,

@@ -281,7 +281,7 @@ def attention_fwd_kernel(
     TABLE: tl.constexpr = HAS_MASK and not COMPACT
     WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
     for it in range(ki_lo, ki_hi):
-        kb = run_tile(it, ki_hi, kb_lo, p_idx, False, TABLE)
+        kb = run_tile(it, 0, 0, p_idx, False, TABLE)
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
             p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
