@@ -25,7 +25,7 @@ from helpers import (
 
 import dmattn_ops
 from dmattn_ops import configs, launch, plan, reference
-from dmattn_ops.kernels.common import grid_tile
+from dmattn_ops.kernels.common import grid_tile, run_end, run_tile
 from dmattn_ops.tiles import Band, PackFrom
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -894,3 +894,49 @@ def test_grid_tile_maps_launch_order_onto_every_tile_once(tile_major, last_first
     else:
         want = [(t, r) for r in range(rows) for t in order]
     assert got == want
+
+
+# The two runs every kernel walks its tiles in (kernels/common.py run_end, run_tile).
+
+
+@triton.jit
+def _runs_kernel(BOUNDS, LIST, OUT, AFTER_FIRST: tl.constexpr, TABLE: tl.constexpr):
+    """OUT: the tiles of the interior run, then those of the boundary run, of tiles [lo, hi)
+    with interior tiles [int_lo, int_hi) (BOUNDS), as the kernels walk them; -1 after them.
+    AFTER_FIRST: the boundary run takes the tiles after the interior ones first (the forward
+    and dq kernels), else those before them (the dk/dv kernel). TABLE: tiles are LIST entries."""
+    lo, int_lo = tl.load(BOUNDS), tl.load(BOUNDS + 1)
+    int_hi, hi = tl.load(BOUNDS + 2), tl.load(BOUNDS + 3)
+    n = 0
+    for it in range(int_lo, int_hi):
+        tl.store(OUT + n, run_tile(it, 0, 0, LIST, False, TABLE))
+        n += 1
+    if AFTER_FIRST:
+        start, a_end, b_start, b_end = int_hi, hi, lo, int_lo
+    else:
+        start, a_end, b_start, b_end = lo, int_lo, int_hi, hi
+    for it in range(start, run_end(a_end, b_start, b_end)):
+        tl.store(OUT + n, run_tile(it, a_end, b_start, LIST, True, TABLE))
+        n += 1
+
+
+@pytest.mark.parametrize("after_first", [True, False], ids=["after-first", "before-first"])
+@pytest.mark.parametrize("table", [False, True], ids=["tiles", "table"])
+def test_tile_runs_visit_every_tile_once(after_first, table):
+    """The interior run visits [int_lo, int_hi) in order; the boundary run visits the tiles on
+    both sides of it, each once, in the kernel's order; empty sides and empty runs included.
+    With a table the same positions index a list of tiles."""
+    cases = [(0, 0, 0, 0), (0, 0, 5, 5), (0, 3, 3, 3), (2, 2, 2, 7), (0, 2, 6, 9), (3, 5, 5, 8),
+             (1, 1, 4, 4), (4, 6, 9, 9)]  # fmt: skip
+    entries = torch.tensor([17, 3, 11, 8, 0, 5, 14, 2, 9, 6], dtype=torch.int32, device=DEVICE)
+    for lo, int_lo, int_hi, hi in cases:
+        bounds = torch.tensor([lo, int_lo, int_hi, hi], dtype=torch.int32, device=DEVICE)
+        out = torch.full((16,), -1, dtype=torch.int32, device=DEVICE)
+        _runs_kernel[(1,)](bounds, entries, out, AFTER_FIRST=after_first, TABLE=table)
+        before, inner, after = range(lo, int_lo), range(int_lo, int_hi), range(int_hi, hi)
+        want = [*inner, *after, *before] if after_first else [*inner, *before, *after]
+        if table:
+            want = [entries[i].item() for i in want]
+        got = out.tolist()
+        assert got[: len(want)] == want, (lo, int_lo, int_hi, hi)
+        assert all(t == -1 for t in got[len(want) :]), (lo, int_lo, int_hi, hi)
