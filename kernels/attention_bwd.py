@@ -27,6 +27,7 @@ from dmattn_ops.kernels.common import (
     key_count,
     listed_interior_count,
     listed_keys,
+    load_rows,
     query_rows,
     run_end,
     run_tile,
@@ -135,6 +136,7 @@ def _dkdv_tile(
     BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BOUNDARY: tl.constexpr,
+    FULL: tl.constexpr,
 ):
     """One query tile against this program's key tile, in transposed form: S^T = K Q^T is
     [BN, BM], so P^T and dS^T are the left operands of the dV and dK products as they stand
@@ -156,8 +158,8 @@ def _dkdv_tile(
     else:
         p_qt = p_q + o_m[None, :] * stride_qm + i_d[:, None] * stride_qd
         p_dot = p_do + o_m[:, None] * stride_dom + i_dv[None, :] * stride_dod
-    b_qt = tl.load(p_qt, mask=m_m[None, :] & (i_d[:, None] < D), other=0.0)  # [BD, BM]
-    b_do = tl.load(p_dot, mask=m_m[:, None] & (i_dv[None, :] < Dv), other=0.0)  # [BM, BDV]
+    b_qt = load_rows(p_qt, m_m[None, :], i_d[:, None] < D, BOUNDARY, FULL)  # [BD, BM]
+    b_do = load_rows(p_dot, m_m[:, None], i_dv[None, :] < Dv, BOUNDARY, FULL)  # [BM, BDV]
     lse_row, lse_rem, delta = _row_stats(STATS, row_base + o_m, m_m, True)
     s, m_allowed, t = score_tile(
         b_k, b_qt, i_m[None, :], i_n[:, None], i_n[:, None], n_keys, Lq, scale, softcap,
@@ -240,8 +242,8 @@ def attention_bwd_dkdv_kernel(
     G,
     Lq,
     Lk,
-    D,
-    Dv,
+    D: tl.constexpr,
+    Dv: tl.constexpr,
     NQ,
     mask_hdiv,
     bias_hdiv,
@@ -363,6 +365,7 @@ def attention_bwd_dkdv_kernel(
         row_base = i_b * lse_stride_b + i_h * lse_stride_h + q_row0
         dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
         # The query tiles in two runs (common.run_end).
+        FULL: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV
         p_idx = Q_IDX
         TABLE: tl.constexpr = HAS_MASK and not VARLEN and not COMPACT
         if TABLE:
@@ -413,7 +416,7 @@ def attention_bwd_dkdv_kernel(
                 p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod, STATS, row_base,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
                 win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True,
+                BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, FULL,
             )  # fmt: skip
         for it in range(qi_lo, qi_hi):
             qb = run_tile(it, 0, 0, p_idx, False, TABLE)
@@ -422,7 +425,7 @@ def attention_bwd_dkdv_kernel(
                 p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod, STATS, row_base,
                 p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
                 win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False,
+                BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, FULL,
             )  # fmt: skip
         if GROUP_COLS:
             dbias_group += dbias_col
@@ -601,22 +604,21 @@ def _dq_tile(
     pos0,
     n_pos,
     COMPACT: tl.constexpr,
+    FULL: tl.constexpr,
 ):
     i_n, i_r = listed_keys(kb, pos0, n_pos, n_keys, p_keys, BLOCK_N, BOUNDARY, COMPACT)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_n = i_n < n_keys
     o_n = i_r.to(tl.int64)
-    b_kt = tl.load(
-        p_k + o_n[None, :] * stride_kn + i_d[:, None] * stride_kd,
-        mask=m_n[None, :] & (i_d[:, None] < D),
-        other=0.0,
-    )  # [BD, BN]
-    b_vt = tl.load(
-        p_v + o_n[None, :] * stride_vn + i_dv[:, None] * stride_vd,
-        mask=m_n[None, :] & (i_dv[:, None] < Dv),
-        other=0.0,
-    )  # [BDV, BN]
+    b_kt = load_rows(  # [BD, BN]
+        p_k + o_n[None, :] * stride_kn + i_d[:, None] * stride_kd, m_n[None, :],
+        i_d[:, None] < D, BOUNDARY, FULL,
+    )  # fmt: skip
+    b_vt = load_rows(  # [BDV, BN]
+        p_v + o_n[None, :] * stride_vn + i_dv[:, None] * stride_vd, m_n[None, :],
+        i_dv[:, None] < Dv, BOUNDARY, FULL,
+    )  # fmt: skip
     s, m_allowed, t = score_tile(
         b_q, b_kt, i_m[:, None], i_n[None, :], i_r[None, :], n_keys, Lq, scale, softcap,
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
@@ -704,8 +706,8 @@ def attention_bwd_dq_kernel(
     G,
     Lq,
     Lk,
-    D,
-    Dv,
+    D: tl.constexpr,
+    Dv: tl.constexpr,
     NK,
     mask_hdiv,
     bias_hdiv,
@@ -829,6 +831,7 @@ def attention_bwd_dq_kernel(
         )  # fmt: skip
     TABLE: tl.constexpr = HAS_MASK and not COMPACT
     WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
+    FULL: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV
     for it in range(ki_lo, ki_hi):
         kb = run_tile(it, 0, 0, p_idx, False, TABLE)
         dq = _dq_tile(
@@ -837,7 +840,7 @@ def attention_bwd_dq_kernel(
             p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
             win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
             DBIAS_DIRECT,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, pos0, n_pos, COMPACT,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, pos0, n_pos, COMPACT, FULL,
         )  # fmt: skip
     for it in range(ki_hi, run_end(kb_hi, kb_lo, ki_lo)):
         kb = run_tile(it, kb_hi, kb_lo, p_idx, WRAP, TABLE)
@@ -847,7 +850,7 @@ def attention_bwd_dq_kernel(
             p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
             win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
             DBIAS_DIRECT,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, COMPACT,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, COMPACT, FULL,
         )  # fmt: skip
     # dq is (B, Lq, H, D) or (total_q, H, D), contiguous.
     o_dq = ((q_start + i_m.to(tl.int64)[:, None]) * H + i_hc) * D + i_d[None, :]

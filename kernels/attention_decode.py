@@ -145,7 +145,7 @@ def attention_decode_kernel(
             scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
             BIAS, 0, 0, p_bias, stride_bm, stride_bn, win_left, win_right,
             IS_CAUSAL, HAS_WINDOW, False, HAS_BIAS, HAS_SOFTCAP,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, base, end, COMPACT,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, base, end, COMPACT, False,
         )  # fmt: skip
     row = (i_b * H + i_h) * Lq + i_q
     o_split = i_s.to(tl.int64) * n_rows

@@ -12,6 +12,7 @@ from dmattn_ops.kernels.common import (
     head_rows,
     listed_interior_count,
     listed_keys,
+    load_rows,
     lse_split,
     query_rows,
     run_end,
@@ -63,21 +64,21 @@ def _fwd_tile(
     pos0,
     n_pos,
     COMPACT: tl.constexpr,
+    FULL: tl.constexpr,
 ):
     """One key tile of the online softmax, in natural units (so that backward recomputes the
     very scores whose max the forward stored). COMPACT: list positions pos0 + kb * BLOCK_N
-    onwards, those below n_pos."""
+    onwards, those below n_pos. FULL: the head dims fill their blocks (load_rows)."""
     i_n, i_r = listed_keys(kb, pos0, n_pos, n_keys, p_keys, BLOCK_N, BOUNDARY, COMPACT)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)
     m_n = i_n < n_keys
     o_n = i_r.to(tl.int64)
-    # Keys at or beyond n are never loaded: other=0 keeps 0 * NaN out of the products.
-    b_kt = tl.load(
-        p_k + o_n[None, :] * stride_kn + i_d[:, None] * stride_kd,
-        mask=m_n[None, :] & (i_d[:, None] < D),
-        other=0.0,
-    )  # [BD, BN]
+    # Keys at or beyond n are never loaded (load_rows).
+    b_kt = load_rows(  # [BD, BN]
+        p_k + o_n[None, :] * stride_kn + i_d[:, None] * stride_kd, m_n[None, :],
+        i_d[:, None] < D, BOUNDARY, FULL,
+    )  # fmt: skip
     s, _, _ = score_tile(
         b_q, b_kt, i_m[:, None], i_n[None, :], i_r[None, :], n_keys, Lq, scale, softcap,
         p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
@@ -90,11 +91,10 @@ def _fwd_tile(
     alpha = tl.exp2((m_i - m_safe) * LOG2E)  # [BM]
     p = tl.exp2((s - m_safe[:, None]) * LOG2E)  # [BM, BN]
     l_i = l_i * alpha + tl.sum(p, 1)
-    b_v = tl.load(
-        p_v + o_n[:, None] * stride_vn + i_dv[None, :] * stride_vd,
-        mask=m_n[:, None] & (i_dv[None, :] < Dv),
-        other=0.0,
-    )  # [BN, BDV]
+    b_v = load_rows(  # [BN, BDV]
+        p_v + o_n[:, None] * stride_vn + i_dv[None, :] * stride_vd, m_n[:, None],
+        i_dv[None, :] < Dv, BOUNDARY, FULL,
+    )  # fmt: skip
     acc = dot_acc(p.to(b_v.dtype), b_v, acc * alpha[:, None], DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -153,8 +153,8 @@ def attention_fwd_kernel(
     G,
     Lq,
     Lk,
-    D,
-    Dv,
+    D: tl.constexpr,
+    Dv: tl.constexpr,
     NK,
     mask_hdiv,
     bias_hdiv,
@@ -280,6 +280,7 @@ def attention_fwd_kernel(
         )  # fmt: skip
     TABLE: tl.constexpr = HAS_MASK and not COMPACT
     WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
+    FULL: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV
     for it in range(ki_lo, ki_hi):
         kb = run_tile(it, 0, 0, p_idx, False, TABLE)
         acc, l_i, m_i = _fwd_tile(
@@ -287,7 +288,7 @@ def attention_fwd_kernel(
             p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
             p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
             IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, pos0, n_pos, COMPACT,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, pos0, n_pos, COMPACT, FULL,
         )  # fmt: skip
     for it in range(ki_hi, run_end(kb_hi, kb_lo, ki_lo)):
         kb = run_tile(it, kb_hi, kb_lo, p_idx, WRAP, TABLE)
@@ -296,7 +297,7 @@ def attention_fwd_kernel(
             p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
             p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
             IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, COMPACT,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, COMPACT, FULL,
         )  # fmt: skip
 
     nonempty = l_i > 0.0

@@ -223,6 +223,17 @@ def load_operand(
 
 
 @triton.jit
+def load_rows(ptr, m_rows, m_cols, BOUNDARY: tl.constexpr, FULL: tl.constexpr):
+    """A K, V, Q or dO tile of the kernels' inner loops. Predicated on its rows (m_rows: keys
+    below n, or query rows below Lq) and its head-dim columns (m_cols), zeros outside (other=0
+    keeps 0 * NaN out of the products), except in an interior tile whose head dims fill their
+    blocks (FULL): every row and column of it exists, so its loads are unpredicated."""
+    if BOUNDARY or not FULL:
+        return tl.load(ptr, mask=m_rows & m_cols, other=0.0)
+    return tl.load(ptr)
+
+
+@triton.jit
 def listed_keys(
     kb, pos0, n_pos, n_keys, p_keys, BLOCK_N: tl.constexpr, BOUNDARY: tl.constexpr,
     COMPACT: tl.constexpr,

@@ -145,6 +145,7 @@ def _arguments(kind, jit, cfg, width, ops, float_type="fp32"):
     meta = dict(
         IS_CAUSAL=True, HAS_WINDOW=False, BLOCK_M=cfg.block_m or 64, BLOCK_N=cfg.block_n, BLOCK_D=block,
         BLOCK_DV=block, DOT_PRECISION="ieee" if ops.itemsize == 4 else "tf32",
+        D=width, Dv=width,  # constexprs of the forward and backward kernels
     )  # fmt: skip
     args.update({k: v for k, v in meta.items() if k in jit.arg_names})
     return args, sig
