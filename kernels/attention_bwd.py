@@ -352,6 +352,7 @@ def attention_bwd_dkdv_kernel(
         i_pos = i_nb * BLOCK_N + tl.arange(0, BLOCK_N)
         i_out = tl.load(p_keys + i_pos, mask=i_pos < Lk, other=Lk)
 
+    FULL: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV  # load_rows
     for hh in range(i_split * G_PART, (i_split + 1) * G_PART):
         i_h = i_g * G + hh
         p_q = Q + i_b * stride_qb + q_row0 * stride_qm + i_h * stride_qh
@@ -365,7 +366,6 @@ def attention_bwd_dkdv_kernel(
         row_base = i_b * lse_stride_b + i_h * lse_stride_h + q_row0
         dbias_col = tl.zeros([BLOCK_N], dtype=tl.float32)
         # The query tiles in two runs (common.run_end).
-        FULL: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV
         p_idx = Q_IDX
         TABLE: tl.constexpr = HAS_MASK and not VARLEN and not COMPACT
         if TABLE:
