@@ -19,13 +19,12 @@ from dmattn_ops.kernels.common import (
     band_key_tiles,
     band_query_tiles,
     causal_key_end,
-    dense_key_tiles,
     dot,
     dot_acc,
     grid_tile,
     head_rows,
     key_count,
-    listed_interior_count,
+    key_tile_bounds,
     listed_keys,
     load_rows,
     query_rows,
@@ -805,31 +804,20 @@ def attention_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # The key tiles in two runs, as in the forward kernel.
-    p_keys = KEYS
-    pos0 = 0
-    n_pos = 0
-    p_idx = KV_IDX
-    if COMPACT:
-        i_hm = i_h // mask_hdiv
-        p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + k_row0
-        p_end = KEY_END + i_b * table_stride_b + i_hm * table_stride_h
-        n_pos = tl.load(p_end + i_mb)
-        kb_int = 0
-        if HAS_WINDOW:
-            pos0 = tl.load(KEY_START + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
-        else:
-            kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, POS_M, IS_CAUSAL) // BLOCK_N
-        kb_lo, ki_lo, ki_hi, kb_hi = 0, 0, kb_int, tl.cdiv(n_pos - pos0, BLOCK_N)
-    elif HAS_MASK:
-        row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
-        p_idx = KV_IDX + row * NK
-        kb_lo, ki_lo, ki_hi, kb_hi = 0, 0, tl.load(KV_INT + row), tl.load(KV_NUM + row)
-    else:
-        kb_lo, ki_lo, ki_hi, kb_hi = dense_key_tiles(
-            i_mb * BLOCK_M, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL,
-            HAS_WINDOW,
-        )  # fmt: skip
     TABLE: tl.constexpr = HAS_MASK and not COMPACT
+    i_hm = i_h // mask_hdiv
+    p_keys = KEYS
+    if COMPACT:
+        p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + k_row0
+    row = i_b * table_stride_b + i_hm * table_stride_h + i_mb  # in the tile tables
+    p_idx = KV_IDX
+    if TABLE:
+        p_idx = KV_IDX + row * NK
+    pos0, n_pos, kb_lo, ki_lo, ki_hi, kb_hi = key_tile_bounds(
+        KEY_START, KEY_END, KV_INT, KV_NUM, row, i_b, i_hm, i_mb, n_keys, Lq, table_stride_b,
+        table_stride_h, win_left, win_right, BLOCK_M, POS_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
+        HAS_MASK, COMPACT,
+    )  # fmt: skip
     WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
     FULL: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV
     for it in range(ki_lo, ki_hi):

@@ -6,11 +6,10 @@ import triton.language as tl
 from dmattn_ops.kernels.common import (
     LOG2E,
     as_fp32,
-    dense_key_tiles,
     dot_acc,
     grid_tile,
     head_rows,
-    listed_interior_count,
+    key_tile_bounds,
     listed_keys,
     load_rows,
     lse_split,
@@ -246,39 +245,20 @@ def attention_fwd_kernel(
         l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
     # The key tiles in two runs (common.run_end): the interior ones, then the boundary ones
     # after them and (under a window) before them.
-    p_keys = KEYS
-    pos0 = 0
-    n_pos = 0
-    p_idx = KV_IDX
-    if COMPACT:
-        # The mask is the same for every query: tiles of its sorted allowed keys, up to the last
-        # one this query tile may see (KEY_END, from causality and seqused_k); the interior ones
-        # are those every row sees in full.
-        i_hm = i_h // mask_hdiv
-        p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + k_row0
-        p_end = KEY_END + i_b * table_stride_b + i_hm * table_stride_h
-        n_pos = tl.load(p_end + i_mb)
-        kb_int = 0
-        if HAS_WINDOW:
-            # The band's listed keys start at KEY_START: every tile is a boundary tile.
-            pos0 = tl.load(KEY_START + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
-        else:
-            kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, POS_M, IS_CAUSAL) // BLOCK_N
-        kb_lo, ki_lo, ki_hi, kb_hi = 0, 0, kb_int, tl.cdiv(n_pos - pos0, BLOCK_N)
-    elif HAS_MASK:
-        # The tile table lists the key tiles holding any allowed key, the KV_INT interior ones
-        # (unpredicated mask and bias loads) first; tiles outside it are never loaded.
-        row = i_b * table_stride_b + (i_h // mask_hdiv) * table_stride_h + i_mb
-        p_idx = KV_IDX + row * NK
-        kb_lo, ki_lo, ki_hi, kb_hi = 0, 0, tl.load(KV_INT + row), tl.load(KV_NUM + row)
-    else:
-        # The loop bounds come from causality, the window and seqused_k; under a window,
-        # boundary tiles lie on both sides of the interior ones.
-        kb_lo, ki_lo, ki_hi, kb_hi = dense_key_tiles(
-            i_mb * BLOCK_M, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL,
-            HAS_WINDOW,
-        )  # fmt: skip
     TABLE: tl.constexpr = HAS_MASK and not COMPACT
+    i_hm = i_h // mask_hdiv
+    p_keys = KEYS
+    if COMPACT:
+        p_keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h + k_row0
+    row = i_b * table_stride_b + i_hm * table_stride_h + i_mb  # in the tile tables
+    p_idx = KV_IDX
+    if TABLE:
+        p_idx = KV_IDX + row * NK
+    pos0, n_pos, kb_lo, ki_lo, ki_hi, kb_hi = key_tile_bounds(
+        KEY_START, KEY_END, KV_INT, KV_NUM, row, i_b, i_hm, i_mb, n_keys, Lq, table_stride_b,
+        table_stride_h, win_left, win_right, BLOCK_M, POS_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
+        HAS_MASK, COMPACT,
+    )  # fmt: skip
     WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
     FULL: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV
     for it in range(ki_lo, ki_hi):

@@ -407,6 +407,44 @@ def run_tile(it, a_end, b_start, p_idx, WRAP: tl.constexpr, TABLE: tl.constexpr)
 
 
 @triton.jit
+def key_tile_bounds(
+    KEY_START, KEY_END, KV_INT, KV_NUM, row, i_b, i_hm, i_mb, n_keys, Lq, table_stride_b,
+    table_stride_h, win_left, win_right, BLOCK_M: tl.constexpr, POS_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_MASK: tl.constexpr, COMPACT: tl.constexpr,
+):  # fmt: skip
+    """(pos0, n_pos, kb_lo, ki_lo, ki_hi, kb_hi): the key tiles of query tile i_mb (POS_M
+    positions) for the forward and dq kernels, interior tiles [ki_lo, ki_hi) of [kb_lo, kb_hi)
+    (run_end), mask head i_hm.
+
+    COMPACT: tiles of the sorted allowed-key list from list position pos0 (KEY_START under a
+    window, else 0) up to n_pos, the entries this tile may see (KEY_END, from causality,
+    seqused_k and the window); the interior ones are those every row sees in full (none under a
+    window). HAS_MASK (tile tables): positions in the table row `row`, the KV_INT interior
+    tiles first, KV_NUM in all; tiles outside it are never loaded. Otherwise the tiles come
+    from causality, the window and seqused_k (dense_key_tiles)."""
+    pos0 = 0
+    n_pos = 0
+    if COMPACT:
+        p_end = KEY_END + i_b * table_stride_b + i_hm * table_stride_h
+        n_pos = tl.load(p_end + i_mb)
+        kb_int = 0
+        if HAS_WINDOW:
+            pos0 = tl.load(KEY_START + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
+        else:
+            kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, POS_M, IS_CAUSAL) // BLOCK_N
+        kb_lo, ki_lo, ki_hi, kb_hi = 0, 0, kb_int, tl.cdiv(n_pos - pos0, BLOCK_N)
+    elif HAS_MASK:
+        kb_lo, ki_lo, ki_hi, kb_hi = 0, 0, tl.load(KV_INT + row), tl.load(KV_NUM + row)
+    else:
+        kb_lo, ki_lo, ki_hi, kb_hi = dense_key_tiles(
+            i_mb * BLOCK_M, n_keys, Lq, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL,
+            HAS_WINDOW,
+        )  # fmt: skip
+    return pos0, n_pos, kb_lo, ki_lo, ki_hi, kb_hi
+
+
+@triton.jit
 def band_query_tiles(
     k_lo, k_hi, k_full, NQ, n_keys, Lq, win_left, win_right, BLOCK_M: tl.constexpr
 ):
