@@ -6,8 +6,9 @@ The paths, in the order they are tried:
 * EMPTY: no query row or no key; the results are zeros (lse -inf), with no launch.
 * PYTORCH: chunked.py, where Triton cannot run (float64, CPU without TRITON_INTERPRET=1).
 * SDPA: PyTorch's fused cuDNN or FlashAttention kernels (sdpa.py): dense fp16/bf16 calls on
-  CUDA, without a window but a long causal one (sdpa.window_chunk: chunked calls; the rows
-  after the last whole chunk run on our kernels), sinks joined to the fused forward's result;
+  CUDA, without a window but a causal one that cuDNN's own graphs take (cudnn_graphs.py, with
+  the optional cuDNN frontend) or a long one (sdpa.window_chunk: chunked calls; the rows after
+  the last whole chunk run on our kernels), sinks joined to the fused forward's result;
   the backward also needs no lse gradient and deterministic=False (they accumulate dq with
   atomics).
 * DECODE (forward only): a few queries against a long cache, split over the keys.
@@ -129,9 +130,9 @@ def _first_paths(query, key, value, mask, bias, is_causal, softcap, seqused_k, b
         return EMPTY, None
     if not use_triton(query):
         return PYTORCH, None
-    if fusable and (not band.has_window or sdpa.window_chunk(query, key, band)):
+    if fusable and sdpa.may_take(query, key, band):
         fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
-        if fused:
+        if fused and sdpa.takes(query, key, value, band, fused):
             return SDPA, fused
     return None, None
 

@@ -47,6 +47,7 @@ import os
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from dmattn_ops import cudnn_graphs
 from dmattn_ops._alloc import empty
 from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
 from dmattn_ops.tiles import UNBOUNDED, Band
@@ -158,27 +159,58 @@ def window_chunk(query, key, band: Band) -> int | None:
     return min(c, length)
 
 
-def window_tail(query, key, band: Band) -> int:
+def may_take(query, key, band: Band) -> bool:
+    """The shape test of `takes`, before `kernel` is asked: no window, or one this module
+    could run."""
+    return (
+        not band.has_window
+        or cudnn_graphs.window_of(query, key, band) is not None
+        or window_chunk(query, key, band) is not None
+    )
+
+
+def takes(query, key, value, band: Band, which) -> bool:
+    """Whether a dense call that `kernel` gave to `which` runs here with this band: no window,
+    a window cuDNN's own graphs take (cudnn_graphs.py), or one in chunks (window_chunk)."""
+    return (
+        not band.has_window
+        or _graphs(query, key, value, band, which)
+        or window_chunk(query, key, band) is not None
+    )
+
+
+def _graphs(query, key, value, band: Band, which) -> bool:
+    return which == CUDNN and cudnn_graphs.supports(query, key, value, band)
+
+
+def window_tail(query, key, value, band: Band, which) -> int:
     """How many query rows of a chunked window call (window_chunk) follow its last whole chunk;
-    0 for any other call."""
+    0 for any other call, and for windows cuDNN's graphs take whole."""
     c = window_chunk(query, key, band)
-    return query.shape[1] % c if c else 0
+    if not c or _graphs(query, key, value, band, which):
+        return 0
+    return query.shape[1] % c
 
 
 def forward(query, key, value, scale, band: Band, which):
     """(out (B, Lq, H, D), lse (B, H, Lq) float32, lse_rem zeros) of a dense call through the
-    kernel `which` ("cudnn" or "flash"); a windowed one (window_chunk) in chunks."""
-    c = _whole_chunks(query, key, band)
-    if c is None:
-        out, lse = _forward(query, key, value, scale, band.is_causal, which)
-    else:
+    kernel `which` ("cudnn" or "flash"); a windowed one through cuDNN's graphs where they take
+    it, else in chunks (window_chunk)."""
+    if band.has_window and _graphs(query, key, value, band, which):
+        out, lse = cudnn_graphs.forward(query, key, value, scale, band)
+    elif (c := _whole_chunks(query, key, band)) is not None:
         out, lse = _window_forward(query, key, value, scale, c, which)
+    else:
+        out, lse = _forward(query, key, value, scale, band.is_causal, which)
     return out, lse, torch.zeros_like(lse)
 
 
 def backward(grad_out, query, key, value, out, lse, scale, band: Band, which):
     """dq, dk, dv of a dense call (no lse gradient), contiguous, in the inputs' dtypes, through
-    the kernel `which`; a windowed one (window_chunk) in chunks."""
+    the kernel `which`; a windowed one as `forward` runs it (either way is exact from the
+    forward's out and lse)."""
+    if band.has_window and _graphs(query, key, value, band, which):
+        return cudnn_graphs.backward(grad_out, query, key, value, out, lse, scale, band)
     c = _whole_chunks(query, key, band)
     if c is None:
         return _backward(grad_out, query, key, value, out, lse, scale, band.is_causal, which)

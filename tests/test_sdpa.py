@@ -10,7 +10,7 @@ import torch
 from helpers import Case, assert_close, low_precision_bound, param
 
 import dmattn_ops
-from dmattn_ops import chunked, reference, sdpa
+from dmattn_ops import chunked, cudnn_graphs, reference, sdpa
 from dmattn_ops.tiles import Band
 
 gpu = pytest.mark.gpu
@@ -19,8 +19,10 @@ gpu = pytest.mark.gpu
 @pytest.fixture
 def dispatch_on(monkeypatch):
     """DMATTN_DENSE_SDPA=1, and the fused forward and backward calls, each by the kernel it ran
-    ("cudnn" or "flash", its last argument)."""
+    ("cudnn" or "flash", its last argument). Windows stay off cuDNN's graphs (their tests are
+    below), so that these tests check the chunked calls wherever the frontend is installed."""
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
+    monkeypatch.setenv("DMATTN_CUDNN_GRAPHS", "0")
     calls = {"forward": [], "backward": []}
     for name in calls:
         real = getattr(sdpa, name)
@@ -411,8 +413,8 @@ def test_window_chunk_rules(monkeypatch):
     assert sdpa.window_chunk(q, k, Band.of(False, (7, 0))) == 8
     assert sdpa.window_chunk(q, k, Band.of(True, (40, 0))) == 32  # the whole sequence: causal
     assert sdpa.window_chunk(q, k, Band.of(True, (6, 0))) == 7  # 4 rows after 4 chunks:
-    assert sdpa.window_tail(q, k, Band.of(True, (6, 0))) == 4  # those run on our kernels
-    assert sdpa.window_tail(q, k, Band.of(True, (7, 0))) == 0
+    assert sdpa.window_tail(q, k, k, Band.of(True, (6, 0)), "cudnn") == 4  # on our kernels
+    assert sdpa.window_tail(q, k, k, Band.of(True, (7, 0)), "cudnn") == 0
     assert sdpa.window_chunk(q, k, Band.of(False, (7, 2))) is None  # keys right of the query
     assert sdpa.window_chunk(q, k, Band.of(True, (-1, 0))) is None  # no window at all
     assert sdpa.window_chunk(q, k, Band.of(True, (2, 0))) is None  # under WINDOW_MIN_KEYS
@@ -485,3 +487,142 @@ def test_compiled_windowed_call_with_a_partial_chunk(dispatch_on, monkeypatch):
             fn=lambda *a, return_lse, **kw: compiled(*a, **kw), lse=False, window=(63, 0),
         )  # fmt: skip
     assert dispatch_on["forward"] and dispatch_on["backward"]
+
+
+# Causal windows through cuDNN's own graphs (cudnn_graphs.py, with the optional frontend).
+
+
+def test_graph_window_rules(monkeypatch):
+    """Which bands the graphs could take (window_of: shapes only; `supports` then asks cuDNN):
+    a causal window shorter than the sequence and not under MIN_KEYS, with Lq == Lk; C = left
+    + 1 keys."""
+    q, k, _ = _operands("meta", lq=32, lk=32)
+    assert cudnn_graphs.window_of(q, k, Band.of(True, (7, 0))) is None  # under MIN_KEYS
+    monkeypatch.setattr(cudnn_graphs, "MIN_KEYS", 1)
+    assert cudnn_graphs.window_of(q, k, Band.of(True, (7, 0))) == 8
+    assert cudnn_graphs.window_of(q, k, Band.of(True, (7, -1))) == 8  # causal caps the right
+    assert cudnn_graphs.window_of(q, k, Band.of(False, (7, 0))) == 8
+    assert cudnn_graphs.window_of(q, k, Band.of(True, (0, 0))) == 1  # only the query's own key
+    assert cudnn_graphs.window_of(q, k, Band.of(True, (31, 0))) is None  # the whole sequence
+    assert cudnn_graphs.window_of(q, k, Band.of(False, (7, 2))) is None  # keys right of it
+    assert cudnn_graphs.window_of(q, k, Band.of(True, (-1, 0))) is None  # no window
+    assert cudnn_graphs.window_of(q, k, Band.of(False, (-1, 0))) is None  # no lower bound
+    q16, _, _ = _operands("meta", lq=16, lk=32)
+    assert cudnn_graphs.window_of(q16, k, Band.of(True, (7, 0))) is None  # Lq != Lk
+    assert not cudnn_graphs.supports(q, k, k, Band.of(True, (7, 0)))  # not CUDA
+
+
+def test_graph_windows_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("DMATTN_CUDNN_GRAPHS", "0")
+    assert not cudnn_graphs.enabled()
+
+
+needs_graphs = pytest.mark.skipif(
+    not cudnn_graphs.enabled(),
+    reason="needs the cuDNN frontend (pip install nvidia-cudnn-frontend)",
+)
+
+
+@pytest.fixture
+def graphs_on(monkeypatch):
+    """DMATTN_DENSE_SDPA=1 and DMATTN_CUDNN_GRAPHS=1, windows of any width (MIN_KEYS = 1);
+    returns the calls of cudnn_graphs' forward and backward (the window's C each) and of sdpa's
+    chunked calls."""
+    monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
+    monkeypatch.setenv("DMATTN_CUDNN_GRAPHS", "1")
+    monkeypatch.setattr(cudnn_graphs, "MIN_KEYS", 1)
+    calls = {"forward": [], "backward": [], "chunks": []}
+    for name in ("forward", "backward"):
+        real = getattr(cudnn_graphs, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls[_name].append(args[-1].left + 1)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(cudnn_graphs, name, spy)
+    real_chunks = sdpa._window_forward
+    monkeypatch.setattr(
+        sdpa, "_window_forward", lambda *a: calls["chunks"].append(a[4]) or real_chunks(*a)
+    )
+    return calls
+
+
+@gpu
+@needs_graphs
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "case,left",
+    [
+        (Case(2, 256, 256, 8, 2, 128, 128), 63),  # GQA, whole tiles
+        (Case(1, 300, 300, 4, 4, 64, 64), 99),  # a partial tile, a window across tiles
+        (Case(1, 200, 200, 8, 1, 128, 128), 0),  # MQA, each query sees only itself
+        (Case(2, 384, 384, 4, 2, 64, 64), 250),  # a window no multiple of anything
+    ],
+    ids=["gqa", "partial-tile", "self-only", "odd-window"],
+)
+def test_graph_windows_compute_the_window(graphs_on, case, left, dtype):
+    """One forward and one backward graph compute the causal window of left + 1 keys: out, lse,
+    dq, dk and dv against the float64 oracle, within PyTorch's own error in the dtype."""
+    _check(case, dtype, True, window=(left, 0))
+    assert graphs_on == {"forward": [left + 1], "backward": [left + 1], "chunks": []}
+
+
+@gpu
+@needs_graphs
+def test_graph_windows_with_sinks(graphs_on):
+    """GPT-OSS's pattern (a narrow causal window and a sink per head): the sinks joined to the
+    graph's out and lse, dsinks from the row statistics."""
+    _check(Case(2, 256, 256, 8, 2, 64, 64), torch.bfloat16, True, window=(127, 0), sinks=True)
+    assert graphs_on["forward"] == [128] and graphs_on["backward"] == [128]
+
+
+@gpu
+@needs_graphs
+def test_graph_windows_leave_other_calls(graphs_on):
+    """Calls the graphs do not take: an lse gradient or deterministic=True (the backward on our
+    kernels, from the graph's forward), a window with keys right of the query, Lq != Lk."""
+    _check(Case(1, 256, 256, 4, 2, 64, 64), torch.bfloat16, True, window=(63, 0), lse_grad=True)
+    _check(
+        Case(1, 256, 256, 4, 2, 64, 64), torch.bfloat16, True, window=(63, 0), deterministic=True
+    )
+    assert graphs_on == {"forward": [64, 64], "backward": [], "chunks": []}
+    _check(Case(1, 256, 256, 4, 2, 64, 64), torch.bfloat16, False, window=(63, 5))
+    _check(Case(1, 128, 256, 4, 2, 64, 64), torch.bfloat16, True, window=(63, 0))
+    assert graphs_on == {"forward": [64, 64], "backward": [], "chunks": []}
+
+
+@gpu
+@needs_graphs
+def test_graph_windows_compiled_and_in_cuda_graphs(graphs_on):
+    """Inside torch.compile(fullgraph=True), and captured in a CUDA graph and replayed: the
+    eager call's results (up to the order of cuDNN's dq atomics: a rounding of the dtype)."""
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 512, h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+    g = torch.randn_like(q)
+
+    def step(fn):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, is_causal=True, window_size=(99, 0))
+        return (out, *torch.autograd.grad(out, leaves, g))
+
+    want = step(dmattn_ops.attention)
+    got = step(torch.compile(dmattn_ops.attention, fullgraph=True))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(dmattn_ops.attention)  # warm-up off the capture, as CUDA graphs want
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(dmattn_ops.attention)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, want):
+        assert a.isfinite().all()
+        torch.testing.assert_close(a, b)
+    # (compiling also traces the launcher: one more call on fake tensors)
+    assert graphs_on["chunks"] == [] and set(graphs_on["forward"]) == {100}
+    assert len(graphs_on["backward"]) >= 4
