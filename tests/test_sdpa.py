@@ -623,6 +623,8 @@ def test_graph_windows_compiled_and_in_cuda_graphs(graphs_on):
     for a, b in zip(captured, want):
         assert a.isfinite().all()
         torch.testing.assert_close(a, b)
-    # (compiling also traces the launcher: one more call on fake tensors)
-    assert graphs_on["chunks"] == [] and set(graphs_on["forward"]) == {100}
-    assert len(graphs_on["backward"]) >= 4
+    # The eager, warm-up and captured calls at least (the compiled graph's runs bypass the spy:
+    # they run the graph op its trace recorded).
+    assert graphs_on["chunks"] == []
+    for name in ("forward", "backward"):
+        assert len(graphs_on[name]) >= 3 and set(graphs_on[name]) == {100}, name
