@@ -25,18 +25,20 @@ PyTorch's own switches apply: `torch.backends.cuda.enable_cudnn_sdp(False)` /
 `enable_flash_sdp(False)` or an `sdpa_kernel` context rule the kernel out, and GPUs before sm_80
 (no flash kernels) never take this path.
 
-Sliding windows. A causal window of C = left + 1 keys over L = n * C positions (self-attention)
-is two batched causal calls of the same kernels (`window_chunk` says when): the n chunks of C
-rows against themselves, and each chunk's queries against the previous chunk's keys, which a
-query at row a of its chunk sees from row a + 1 on: reversed, the rows 0..C-2 of the queries and
-1..C-1 of the keys are causal again (the call is padded to C rows, the fused backward's faster
-length; bench/NOTES.md 75). (The rows after the last whole chunk of a longer sequence
-run on our kernels: launch.py.) The two parts are merged through their logsumexps
-(kernels/window_chunks.py, which also reverses the rows); the backward runs both kernels'
-backwards with the merged out and lse, which gives each part its exact share of the gradients
-(the probabilities exp(s - lse) and delta = rowsum(dO * O) are those of the whole row), and
-adds the reversed part back. The work is the window's own, at the fused kernels' speed
-(bench/NOTES.md 69); narrow windows stay on our kernels, where the chunks would be too short.
+Sliding windows. A causal window in self-attention runs as one graph of cuDNN's own
+(cudnn_graphs.py) where the optional cuDNN frontend is installed and takes it. Otherwise, a
+causal window of C = left + 1 keys over L = n * C positions is two batched causal calls of the
+same kernels (`window_chunk` says when): the n chunks of C rows against themselves, and each
+chunk's queries against the previous chunk's keys, which a query at row a of its chunk sees
+from row a + 1 on: reversed, the rows 0..C-2 of the queries and 1..C-1 of the keys are causal
+again (the call is padded to C rows, the fused backward's faster length; bench/NOTES.md 75).
+(The rows after the last whole chunk of a longer sequence run on our kernels: launch.py.) The
+two parts are merged through their logsumexps (kernels/window_chunks.py, which also reverses
+the rows); the backward runs both kernels' backwards with the merged out and lse, which gives
+each part its exact share of the gradients (the probabilities exp(s - lse) and delta =
+rowsum(dO * O) are those of the whole row), and adds the reversed part back. The work is the
+window's own, at the fused kernels' speed (bench/NOTES.md 69); narrow windows stay on our
+kernels, where the chunks would be too short.
 """
 
 from __future__ import annotations
