@@ -58,6 +58,12 @@ def _module():
         return None
 
 
+def version() -> str | None:
+    """The frontend's and cuDNN's versions ("1.16.0/91900"), None without a usable frontend."""
+    cudnn = _module()
+    return None if cudnn is None else f"{cudnn.__version__}/{cudnn.backend_version()}"
+
+
 def enabled() -> bool:
     """The frontend is importable and DMATTN_CUDNN_GRAPHS is not "0"."""
     return os.environ.get("DMATTN_CUDNN_GRAPHS", "1") != "0" and _module() is not None

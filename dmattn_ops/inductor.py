@@ -50,8 +50,12 @@ a compiled ``DynamicMaskAttention(backend="flex")`` then attended to nothing (be
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.util
 import logging
 import os
+import pathlib
 
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
@@ -136,9 +140,74 @@ def _rule(body, tensor_arg: int):
     return rule
 
 
+# What a traced launcher's choices depend on, for Inductor's caches. AOTAutograd's cache keys a
+# compiled graph on the Dynamo graph, where each of our ops is one node, so the route the rules
+# above traced (sdpa.py, cudnn_graphs.py, the Hopper kernels, our Triton kernels and their
+# configs) would be reused from the cache after an upgrade of this package or a change of a
+# DMATTN_* switch, and the traced kernels' sources with it (bench/NOTES.md 84: a cached graph
+# called an op that the code it ran with no longer defined). That key includes the sources of
+# the Triton kernels torch.library.triton_op records per op
+# (torch/_functorch/_aot_autograd/autograd_cache.py, _iter_triton_kernels_from_node); each of
+# our ops records one stand-in there whose source is this fingerprint, read when a key is made.
+
+
+@functools.cache
+def _source_digest() -> str:
+    """sha256 of this package's Python sources, the kernels' included (found without importing
+    them, which would import Triton)."""
+    kernels = importlib.util.find_spec("dmattn_ops.kernels").submodule_search_locations
+    digest = hashlib.sha256()
+    for folder in (pathlib.Path(ops.__file__).parent, *map(pathlib.Path, kernels)):
+        for path in sorted(folder.glob("*.py")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def fingerprint() -> str:
+    """The state a traced launcher's choices depend on beyond the graph: the package's sources,
+    the DMATTN_* switches, PyTorch's fused-attention switches and the cuDNN frontend."""
+    from dmattn_ops import cudnn_graphs
+
+    switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("DMATTN_"))
+    backends = torch.backends.cuda
+    fused = (
+        backends.flash_sdp_enabled(), backends.cudnn_sdp_enabled(),
+        backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled(),
+    )  # fmt: skip
+    frontend = cudnn_graphs.version()
+    return f"# dmattn_ops {_source_digest()} {switches} {fused} {frontend}\n"
+
+
+class _Fingerprint:
+    """Stands in for a Triton kernel in torch.library's record of an op's kernels: the cache key
+    reads its `src` (and walks `fn`, which references nothing)."""
+
+    __name__ = "dmattn_ops_fingerprint"
+
+    @property
+    def src(self) -> str:
+        return fingerprint()
+
+    @staticmethod
+    def fn() -> None:
+        return None
+
+
+def _key_compiled_graphs_on_fingerprint() -> None:
+    kernels = getattr(torch._library.triton, "triton_ops_to_kernels", None)
+    if not isinstance(kernels, dict):  # another PyTorch: its caches key as they do
+        return
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("dmattn::")]
+    for name in names:
+        kernels.setdefault(name, []).append(_Fingerprint())
+
+
 def register() -> None:
-    """Install the rules and turn on the static launcher (once, at `import dmattn_ops`)."""
+    """Install the rules, record the fingerprint for Inductor's caches and turn on the static
+    launcher (once, at `import dmattn_ops`)."""
     _launch_statically()
+    _key_compiled_graphs_on_fingerprint()
     for name, body, tensor_arg in (
         ("dmattn::attention_forward", ops._forward_impl, 0),
         ("dmattn::attention_backward", ops._backward_impl, 2),

@@ -304,3 +304,53 @@ def test_symbolic_sizes_keep_the_ops(monkeypatch):
             ref = reference.attention(q, k, v, mask, bias, is_causal=True).square().sum()
             torch.testing.assert_close(loss, ref)
     assert "dmattn.attention_forward.default" in _dmattn_nodes(graphs)
+
+
+def test_cache_keys_follow_the_fingerprint():
+    """Every dmattn op records the fingerprint where AOTAutograd's cache key reads the Triton
+    sources of an op (torch.library.triton_op's record), and the source that key hashes changes
+    with a DMATTN_* switch."""
+    from torch._inductor.codegen.wrapper import (
+        user_defined_triton_kernel_transitive_closure_source_code as source,
+    )
+    from torch._library.triton import get_triton_kernels_for_op
+
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("dmattn::")]
+    assert "dmattn::attention" in names and "dmattn::topk_select" in names
+    for name in names:
+        assert any(isinstance(k, inductor._Fingerprint) for k in get_triton_kernels_for_op(name))
+    (stand_in,) = [
+        k for k in get_triton_kernels_for_op("dmattn::attention")
+        if isinstance(k, inductor._Fingerprint)
+    ]  # fmt: skip
+    before = source(stand_in)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DMATTN_CUDNN_GRAPHS", "0")
+        assert source(stand_in) != before
+    assert source(stand_in) == before
+
+
+def test_a_switch_misses_the_compile_cache(monkeypatch, tmp_path):
+    """End to end: a graph compiled again after torch._dynamo.reset() comes from AOTAutograd's
+    cache, and after a DMATTN_* switch changed it is compiled anew."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    q, k, v = (torch.randn(1, 16, 2, 16) for _ in range(3))
+
+    def compile_and_run():
+        torch._dynamo.reset()
+        fn = torch.compile(lambda q, k, v: dmattn_ops.attention(q, k, v, is_causal=True))
+        with torch.no_grad():
+            fn(q, k, v)
+
+    with torch._inductor.config.patch(fx_graph_cache=True, force_disable_caches=False), \
+            torch._functorch.config.patch(enable_autograd_cache=True):  # fmt: skip
+        counters.clear()
+        compile_and_run()
+        compile_and_run()
+        assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+        monkeypatch.setenv("DMATTN_SOME_SWITCH", "1")
+        compile_and_run()
+        assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+        assert counters["aot_autograd"]["autograd_cache_miss"] == 2
