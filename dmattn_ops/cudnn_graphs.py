@@ -83,16 +83,23 @@ def window_of(query, key, band: Band) -> int | None:
     return c
 
 
-def supports(query, key, value, band: Band) -> bool:
-    """Whether this call's window runs here: window_of, CUDA fp16/bf16, enabled(), and cuDNN
-    builds both graphs for its shapes (checked once per shape; the check's graphs, built at
-    the default scale, stay cached for calls that use it)."""
+def supports(query, key, value, band: Band, backward: bool = False) -> bool:
+    """Whether this pass of the call (the forward, or with `backward` the backward) runs here:
+    window_of, CUDA fp16/bf16, enabled(), and cuDNN builds the pass's graph for these shapes
+    (checked once per shape and pass, so inference builds no backward graph; the check's
+    graph, built at the default scale, stays cached for calls that use it). Each pass decides
+    alone: either backward is exact from the forward's out and lse."""
     c = window_of(query, key, band)
-    if c is None or not (query.is_cuda and query.dtype in _DTYPES) or not enabled():
+    if c is None or not _usable(query) or not enabled():
         return False
     b, length, h, d = query.shape
     hkv, dv = key.shape[2], value.shape[3]
-    return _builds(query.device.index or 0, query.dtype, b, length, h, hkv, d, dv, c)
+    kind = "bwd" if backward else "fwd"
+    return _builds(kind, query.device.index or 0, query.dtype, b, length, h, hkv, d, dv, c)
+
+
+def _usable(query) -> bool:
+    return query.is_cuda and query.dtype in _DTYPES
 
 
 def forward(query, key, value, scale: float, band: Band):
@@ -190,10 +197,9 @@ def _graph(kind: str, q, k, v, scale: float, c: int):
 
 
 @functools.lru_cache(maxsize=256)
-def _builds(index, dtype, b, length, h, hkv, d, dv, c) -> bool:
+def _builds(kind, index, dtype, b, length, h, hkv, d, dv, c) -> bool:
     try:
-        for kind in ("fwd", "bwd"):
-            _built(kind, index, dtype, b, length, h, hkv, d, dv, c, d**-0.5)
+        _built(kind, index, dtype, b, length, h, hkv, d, dv, c, d**-0.5)
     except Exception:  # cudnnGraphNotSupportedError, or any failure to build: not this path
         return False
     return True
@@ -209,12 +215,16 @@ def _built(kind, index, dtype, b, length, h, hkv, d, dv, c, scale):
     if key not in cache:
         if len(cache) >= 64:
             cache.pop(next(iter(cache)))
-        with torch.cuda.device(index):
-            cache[key] = _build(kind, index, dtype, b, length, h, hkv, d, dv, c, scale)
+        cache[key] = _build(kind, index, dtype, b, length, h, hkv, d, dv, c, scale)
     return cache[key]
 
 
 def _build(kind, index, dtype, b, length, h, hkv, d, dv, c, scale):
+    with torch.cuda.device(index):
+        return _build_on_device(kind, index, dtype, b, length, h, hkv, d, dv, c, scale)
+
+
+def _build_on_device(kind, index, dtype, b, length, h, hkv, d, dv, c, scale):
     cudnn = _module()
     io = cudnn.data_type.HALF if dtype == torch.float16 else cudnn.data_type.BFLOAT16
     f32 = cudnn.data_type.FLOAT

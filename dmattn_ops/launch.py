@@ -300,7 +300,7 @@ def attention_backward(
     if p.path == SDPA:
         # With sinks, out and lse are the forward's joined ones: the fused backwards then take
         # P = exp(s - lse) and delta = rowsum(dO * O) of the sinks' softmax, as ours do.
-        tail = sdpa.window_tail(query, key, value, p.band, p.fused)
+        tail = sdpa.window_tail(query, key, value, p.band, p.fused, backward=True)
         if tail:
             dq, dk, dvv = _window_tail_backward(
                 grad_out, query, key, value, out, lse, lse_rem, scale, is_causal, p, window, tail

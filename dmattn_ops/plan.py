@@ -122,9 +122,12 @@ def _key_reads(path: str, pack: bool) -> str | None:
     return "packed" if pack else "listed"
 
 
-def _first_paths(query, key, value, mask, bias, is_causal, softcap, seqused_k, band, fusable):
+def _first_paths(
+    query, key, value, mask, bias, is_causal, softcap, seqused_k, band, fusable, backward
+):  # fmt: skip
     """(path, SDPA's kernel) where EMPTY, PYTORCH or SDPA applies, the paths both passes try
-    first, else (None, None). fusable: this pass could take PyTorch's fused kernels at all."""
+    first, else (None, None). fusable: this pass could take PyTorch's fused kernels at all;
+    backward: the pass is the backward (a window's cuDNN graph is checked per pass)."""
     b, lq, h, _ = query.shape
     if b * lq * h == 0 or key.shape[1] == 0:
         return EMPTY, None
@@ -132,7 +135,7 @@ def _first_paths(query, key, value, mask, bias, is_causal, softcap, seqused_k, b
         return PYTORCH, None
     if fusable and sdpa.may_take(query, key, band):
         fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
-        if fused and sdpa.takes(query, key, value, band, fused):
+        if fused and sdpa.takes(query, key, value, band, fused, backward):
             return SDPA, fused
     return None, None
 
@@ -192,7 +195,7 @@ def forward_plan(
     lk, hkv = key.shape[1], key.shape[2]
     band = Band.of(is_causal, window)
     args = (query, key, value, mask, bias, is_causal, softcap, seqused_k, band)
-    path, fused = _first_paths(*args, fusable=True)
+    path, fused = _first_paths(*args, fusable=True, backward=False)
     if path:
         return ForwardPlan(path, band, fused=fused)
     if decode_applies(lq, h, hkv, lk, mask):
@@ -251,7 +254,7 @@ def backward_plan(
     band = Band.of(is_causal, window)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     args = (query, key, value, mask, bias, is_causal, softcap, seqused_k, band)
-    path, fused = _first_paths(*args, fusable=grad_lse is None and not deterministic)
+    path, fused = _first_paths(*args, fusable=grad_lse is None and not deterministic, backward=True)
     if path:
         return BackwardPlan(path, band, fused=fused)
     dbias = _dbias_mode(bias, b, hkv, h) if compute_dbias else None

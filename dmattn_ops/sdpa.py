@@ -171,25 +171,26 @@ def may_take(query, key, band: Band) -> bool:
     )
 
 
-def takes(query, key, value, band: Band, which) -> bool:
-    """Whether a dense call that `kernel` gave to `which` runs here with this band: no window,
-    a window cuDNN's own graphs take (cudnn_graphs.py), or one in chunks (window_chunk)."""
+def takes(query, key, value, band: Band, which, backward: bool = False) -> bool:
+    """Whether this pass of a dense call that `kernel` gave to `which` runs here with this band:
+    no window, a window cuDNN's own graphs take (cudnn_graphs.py), or one in chunks
+    (window_chunk)."""
     return (
         not band.has_window
-        or _graphs(query, key, value, band, which)
+        or _graphs(query, key, value, band, which, backward)
         or window_chunk(query, key, band) is not None
     )
 
 
-def _graphs(query, key, value, band: Band, which) -> bool:
-    return which == CUDNN and cudnn_graphs.supports(query, key, value, band)
+def _graphs(query, key, value, band: Band, which, backward: bool) -> bool:
+    return which == CUDNN and cudnn_graphs.supports(query, key, value, band, backward)
 
 
-def window_tail(query, key, value, band: Band, which) -> int:
+def window_tail(query, key, value, band: Band, which, backward: bool = False) -> int:
     """How many query rows of a chunked window call (window_chunk) follow its last whole chunk;
-    0 for any other call, and for windows cuDNN's graphs take whole."""
+    0 for any other call, and for windows cuDNN's graphs take whole in this pass."""
     c = window_chunk(query, key, band)
-    if not c or _graphs(query, key, value, band, which):
+    if not c or _graphs(query, key, value, band, which, backward):
         return 0
     return query.shape[1] % c
 
@@ -198,7 +199,7 @@ def forward(query, key, value, scale, band: Band, which):
     """(out (B, Lq, H, D), lse (B, H, Lq) float32, lse_rem zeros) of a dense call through the
     kernel `which` ("cudnn" or "flash"); a windowed one through cuDNN's graphs where they take
     it, else in chunks (window_chunk)."""
-    if band.has_window and _graphs(query, key, value, band, which):
+    if band.has_window and _graphs(query, key, value, band, which, backward=False):
         out, lse = cudnn_graphs.forward(query, key, value, scale, band)
     elif (c := _whole_chunks(query, key, band)) is not None:
         out, lse = _window_forward(query, key, value, scale, c, which)
@@ -211,7 +212,7 @@ def backward(grad_out, query, key, value, out, lse, scale, band: Band, which):
     """dq, dk, dv of a dense call (no lse gradient), contiguous, in the inputs' dtypes, through
     the kernel `which`; a windowed one as `forward` runs it (either way is exact from the
     forward's out and lse)."""
-    if band.has_window and _graphs(query, key, value, band, which):
+    if band.has_window and _graphs(query, key, value, band, which, backward=True):
         return cudnn_graphs.backward(grad_out, query, key, value, out, lse, scale, band)
     c = _whole_chunks(query, key, band)
     if c is None:

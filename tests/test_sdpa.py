@@ -517,6 +517,24 @@ def test_graph_windows_can_be_switched_off(monkeypatch):
     assert not cudnn_graphs.enabled()
 
 
+def test_graph_support_is_checked_per_pass(monkeypatch):
+    """`supports` builds only the graph of the pass it is asked about, once per shape: an
+    inference call builds no backward graph. (cuDNN faked: the device test is below.)"""
+    built = []
+    monkeypatch.setattr(cudnn_graphs, "_module", lambda: object())
+    monkeypatch.setattr(cudnn_graphs, "_usable", lambda query: True)
+    monkeypatch.setattr(cudnn_graphs, "_build", lambda kind, *args: built.append(kind) or kind)
+    monkeypatch.setattr(cudnn_graphs, "MIN_KEYS", 1)
+    monkeypatch.setattr(cudnn_graphs._local, "graphs", {}, raising=False)
+    cudnn_graphs._builds.cache_clear()
+    q, k, _ = _operands("meta", lq=32, lk=32)
+    band = Band.of(True, (7, 0))
+    assert cudnn_graphs.supports(q, k, k, band) and built == ["fwd"]
+    assert cudnn_graphs.supports(q, k, k, band) and built == ["fwd"]
+    assert cudnn_graphs.supports(q, k, k, band, backward=True) and built == ["fwd", "bwd"]
+    cudnn_graphs._builds.cache_clear()
+
+
 needs_graphs = pytest.mark.skipif(
     not cudnn_graphs.enabled(),
     reason="needs the cuDNN frontend (pip install nvidia-cudnn-frontend)",
@@ -589,6 +607,18 @@ def test_graph_windows_leave_other_calls(graphs_on):
     _check(Case(1, 256, 256, 4, 2, 64, 64), torch.bfloat16, False, window=(63, 5))
     _check(Case(1, 128, 256, 4, 2, 64, 64), torch.bfloat16, True, window=(63, 0))
     assert graphs_on == {"forward": [64, 64], "backward": [], "chunks": []}
+
+
+@gpu
+@needs_graphs
+def test_graph_inference_builds_no_backward_graph(graphs_on):
+    q, k, v = (torch.randn(1, 320, h, 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
+    with torch.no_grad():
+        out = dmattn_ops.attention(q, k, v, is_causal=True, window_size=(70, 0))
+    assert out.isfinite().all() and graphs_on["forward"] == [71]
+    # the thread's graphs: (kind, device, dtype, B, L, H, Hkv, D, Dv, C, scale)
+    kinds = {key[0] for key in cudnn_graphs._local.graphs if key[4] == 320 and key[9] == 71}
+    assert kinds == {"fwd"}
 
 
 @gpu
