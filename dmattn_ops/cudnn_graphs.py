@@ -5,10 +5,10 @@ diagonal band: with causality and a left bound of C = left + 1 (the keys a query
 itself included), its forward and backward kernels skip the tiles outside the band, at the
 same rate as a causal call. So where the optional `nvidia-cudnn-frontend` package is installed
 (`pip install "dmattn-ops[cudnn]"`), a causal window call that SDPA would run on cuDNN is one
-forward and one backward graph: no chunks, copies or merge (sdpa.py's chunked calls), and any
-width or length. H100, B1 H32/8 D128 bf16, fwd+bwd ms, graphs against chunked calls
-(bench/NOTES.md 83): L32768 window 4096 14.21 against 16.39 (0.262x of the full causal call
-against 0.302x), L16384 window 2048 4.01 against 5.24.
+forward and one backward graph: no chunks, copies or merge (sdpa.py's chunked calls), for any
+length and windows of MIN_KEYS keys or more. H100, B1 H32/8 D128 bf16, fwd+bwd ms, graphs
+against chunked calls (bench/NOTES.md 83): L32768 window 4096 14.21 against 16.39 (0.262x of
+the full causal call against 0.302x), L16384 window 2048 4.01 against 5.24.
 
 Without the package, or where cuDNN declines a graph (its support check, remembered per shape),
 windows take the routes they took before: chunked calls or our kernels. DMATTN_CUDNN_GRAPHS=0 in
@@ -31,14 +31,14 @@ import torch
 
 from dmattn_ops.tiles import UNBOUNDED, Band
 
-# cuDNN 9.2 added sliding windows to the SDPA graphs' forward and backward; the path was
-# measured on 9.19 (PyTorch 2.11's CUDA 13 wheels).
-MIN_BACKEND = 90200
+# A cuDNN 9 backend; whether it takes a window's graph is asked per shape (`supports`), so an
+# older 9.x that lacks one falls back. Measured on 9.19 (PyTorch 2.11's CUDA 13 wheels).
+MIN_BACKEND = 90000
 
 # Narrower windows stay on our kernels: their kernels are short, and a graph's run costs more
 # host time than our launch (H100, op fwd+bwd ms, graphs / ours: B1 L16384 H32/8 D128 window
 # 128 1.354 / 1.305, 512 1.691 / 1.982; GPT-OSS's B1 L8192 H64/8 D64 window 128, compiled,
-# 1.10 / 0.57; bench/NOTES.md 83).
+# 1.10 / 0.69-0.86; bench/NOTES.md 83).
 MIN_KEYS = 512
 
 _DTYPES = (torch.float16, torch.bfloat16)
