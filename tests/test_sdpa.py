@@ -535,6 +535,38 @@ def test_graph_support_is_checked_per_pass(monkeypatch):
     cudnn_graphs._builds.cache_clear()
 
 
+def test_a_graph_cudnn_declines_leaves_the_window_to_the_other_routes(monkeypatch):
+    """A graph whose build fails (cuDNN's support check) is remembered as declined, once per
+    shape and pass, and the call's plan takes the chunked calls or our kernels instead."""
+    from dmattn_ops import plan
+
+    tries = []
+
+    def declined(kind, *args):
+        tries.append(kind)
+        raise RuntimeError("cudnnGraphNotSupportedError stand-in")
+
+    monkeypatch.setattr(cudnn_graphs, "_module", lambda: object())
+    monkeypatch.setattr(cudnn_graphs, "_usable", lambda query: True)
+    monkeypatch.setattr(cudnn_graphs, "_build", declined)
+    monkeypatch.setattr(cudnn_graphs, "MIN_KEYS", 1)
+    monkeypatch.setattr(cudnn_graphs._local, "graphs", {}, raising=False)
+    monkeypatch.setattr(sdpa, "kernel", lambda *args: "cudnn")
+    monkeypatch.setattr(plan, "use_triton", lambda query: True)
+    cudnn_graphs._builds.cache_clear()
+    q, k, _ = _operands("meta", lq=32, lk=32)
+    band = Band.of(True, (7, 0))
+    assert not cudnn_graphs.supports(q, k, k, band)
+    assert not cudnn_graphs.supports(q, k, k, band)
+    assert tries == ["fwd"]
+    p = plan.forward_plan(q, k, k, None, None, True, 0.0, None, (7, 0))
+    assert p.path != plan.SDPA  # a window of 8 keys: under WINDOW_MIN_KEYS, so our kernels
+    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 4)
+    p = plan.forward_plan(q, k, k, None, None, True, 0.0, None, (7, 0))
+    assert p.path == plan.SDPA and sdpa.window_tail(q, k, k, band, "cudnn") == 0  # chunks
+    cudnn_graphs._builds.cache_clear()
+
+
 needs_graphs = pytest.mark.skipif(
     not cudnn_graphs.enabled(),
     reason="needs the cuDNN frontend (pip install nvidia-cudnn-frontend)",
