@@ -60,7 +60,7 @@ import pathlib
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from dmattn_ops import _triton, masks, ops, plan
+from dmattn_ops import _triton, cudnn_graphs, masks, ops, plan
 
 log = logging.getLogger(__name__)
 _STATIC = "static_launch_user_defined_triton_kernels"
@@ -167,8 +167,6 @@ def _source_digest() -> str:
 def fingerprint() -> str:
     """The state a traced launcher's choices depend on beyond the graph: the package's sources,
     the DMATTN_* switches, PyTorch's fused-attention switches and the cuDNN frontend."""
-    from dmattn_ops import cudnn_graphs
-
     switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("DMATTN_"))
     backends = torch.backends.cuda
     fused = (
