@@ -147,7 +147,7 @@ def attention_forward(
         )
         return chunked.join_sinks(*result, sinks)
     if p.path == SDPA:
-        tail = sdpa.window_tail(query, key, value, p.band, p.fused)
+        tail = sdpa.window_tail(query, key, p.band, p.fused)
         if tail:
             result = _window_tail_forward(query, key, value, scale, is_causal, p, window, tail)
         else:
@@ -300,7 +300,7 @@ def attention_backward(
     if p.path == SDPA:
         # With sinks, out and lse are the forward's joined ones: the fused backwards then take
         # P = exp(s - lse) and delta = rowsum(dO * O) of the sinks' softmax, as ours do.
-        tail = sdpa.window_tail(query, key, value, p.band, p.fused, backward=True)
+        tail = sdpa.window_tail(query, key, p.band, p.fused)
         if tail:
             dq, dk, dvv = _window_tail_backward(
                 grad_out, query, key, value, out, lse, lse_rem, scale, is_causal, p, window, tail

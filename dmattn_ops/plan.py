@@ -135,7 +135,9 @@ def _first_paths(
         return PYTORCH, None
     if fusable and sdpa.may_take(query, key, band):
         fused = sdpa.kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k)
-        if fused and sdpa.takes(query, key, value, band, fused, backward):
+        if fused:
+            fused = sdpa.route(query, key, value, band, fused, backward)
+        if fused:
             return SDPA, fused
     return None, None
 
@@ -149,10 +151,10 @@ def _mask_path(mask, h: int, hkv: int) -> str:
 @dataclass(frozen=True)
 class ForwardPlan:
     """path (above); band: causality and the window as the kernels take them; fused: SDPA's
-    kernel ("cudnn" or "flash"); pack: a key-list call copies its keys' rows; hopper: a packed
-    key-list call runs hopper.py's forward; config: the forward kernel's tiles (Triton paths
-    but DECODE, whose launcher picks its own); heads: query heads per forward program
-    (_pack_heads)."""
+    kernel ("cudnn" or "flash", or sdpa.GRAPHS: a window on cuDNN's own graphs); pack: a
+    key-list call copies its keys' rows; hopper: a packed key-list call runs hopper.py's
+    forward; config: the forward kernel's tiles (Triton paths but DECODE, whose launcher picks
+    its own); heads: query heads per forward program (_pack_heads)."""
 
     path: str
     band: Band

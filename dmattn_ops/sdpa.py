@@ -59,6 +59,7 @@ window_merge_kernel = LazyKernel("window_chunks", "window_merge_kernel")
 
 DTYPES = (torch.float16, torch.bfloat16)
 FLASH, CUDNN = "flash", "cudnn"
+GRAPHS = "cudnn-graphs"  # a window on cuDNN's own graphs (cudnn_graphs.py), chosen by `route`
 _CUDNN_CHOICE = 3  # torch.nn.attention.SDPBackend.CUDNN_ATTENTION, as _fused_sdp_choice returns it
 _CUDNN_MAX_HEAD_DIM = 128  # cuDNN's backward on Hopper; larger head dims go to flash
 
@@ -162,7 +163,7 @@ def window_chunk(query, key, band: Band) -> int | None:
 
 
 def may_take(query, key, band: Band) -> bool:
-    """The shape test of `takes`, before `kernel` is asked: no window, or one this module
+    """The shape test of `route`, before `kernel` is asked: no window, or one this module
     could run."""
     return (
         not band.has_window
@@ -171,35 +172,32 @@ def may_take(query, key, band: Band) -> bool:
     )
 
 
-def takes(query, key, value, band: Band, which, backward: bool = False) -> bool:
-    """Whether this pass of a dense call that `kernel` gave to `which` runs here with this band:
-    no window, a window cuDNN's own graphs take (cudnn_graphs.py), or one in chunks
-    (window_chunk)."""
-    return (
-        not band.has_window
-        or _graphs(query, key, value, band, which, backward)
-        or window_chunk(query, key, band) is not None
-    )
+def route(query, key, value, band: Band, which, backward: bool = False) -> str | None:
+    """What this pass of a dense call that `kernel` gave to `which` runs on, decided once in its
+    plan: `which` without a window; GRAPHS for a window cuDNN's own graphs take (cudnn_graphs.py,
+    asked per pass); `which` in chunks for a window window_chunk takes; None for any other
+    window (our kernels)."""
+    if not band.has_window:
+        return which
+    if which == CUDNN and cudnn_graphs.supports(query, key, value, band, backward):
+        return GRAPHS
+    return which if window_chunk(query, key, band) is not None else None
 
 
-def _graphs(query, key, value, band: Band, which, backward: bool) -> bool:
-    return which == CUDNN and cudnn_graphs.supports(query, key, value, band, backward)
-
-
-def window_tail(query, key, value, band: Band, which, backward: bool = False) -> int:
+def window_tail(query, key, band: Band, which) -> int:
     """How many query rows of a chunked window call (window_chunk) follow its last whole chunk;
-    0 for any other call, and for windows cuDNN's graphs take whole in this pass."""
+    0 for any other call, and for windows on cuDNN's graphs (which == GRAPHS), taken whole."""
     c = window_chunk(query, key, band)
-    if not c or _graphs(query, key, value, band, which, backward):
+    if not c or which == GRAPHS:
         return 0
     return query.shape[1] % c
 
 
 def forward(query, key, value, scale, band: Band, which):
     """(out (B, Lq, H, D), lse (B, H, Lq) float32, lse_rem zeros) of a dense call through the
-    kernel `which` ("cudnn" or "flash"); a windowed one through cuDNN's graphs where they take
-    it, else in chunks (window_chunk)."""
-    if band.has_window and _graphs(query, key, value, band, which, backward=False):
+    kernel `which` ("cudnn" or "flash"); a windowed one through cuDNN's graphs (which ==
+    GRAPHS), else in chunks (window_chunk)."""
+    if which == GRAPHS:
         out, lse = cudnn_graphs.forward(query, key, value, scale, band)
     elif (c := _whole_chunks(query, key, band)) is not None:
         out, lse = _window_forward(query, key, value, scale, c, which)
@@ -212,7 +210,7 @@ def backward(grad_out, query, key, value, out, lse, scale, band: Band, which):
     """dq, dk, dv of a dense call (no lse gradient), contiguous, in the inputs' dtypes, through
     the kernel `which`; a windowed one as `forward` runs it (either way is exact from the
     forward's out and lse)."""
-    if band.has_window and _graphs(query, key, value, band, which, backward=True):
+    if which == GRAPHS:
         return cudnn_graphs.backward(grad_out, query, key, value, out, lse, scale, band)
     c = _whole_chunks(query, key, band)
     if c is None:

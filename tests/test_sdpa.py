@@ -413,8 +413,8 @@ def test_window_chunk_rules(monkeypatch):
     assert sdpa.window_chunk(q, k, Band.of(False, (7, 0))) == 8
     assert sdpa.window_chunk(q, k, Band.of(True, (40, 0))) == 32  # the whole sequence: causal
     assert sdpa.window_chunk(q, k, Band.of(True, (6, 0))) == 7  # 4 rows after 4 chunks:
-    assert sdpa.window_tail(q, k, k, Band.of(True, (6, 0)), "cudnn") == 4  # on our kernels
-    assert sdpa.window_tail(q, k, k, Band.of(True, (7, 0)), "cudnn") == 0
+    assert sdpa.window_tail(q, k, Band.of(True, (6, 0)), "cudnn") == 4  # on our kernels
+    assert sdpa.window_tail(q, k, Band.of(True, (7, 0)), "cudnn") == 0
     assert sdpa.window_chunk(q, k, Band.of(False, (7, 2))) is None  # keys right of the query
     assert sdpa.window_chunk(q, k, Band.of(True, (-1, 0))) is None  # no window at all
     assert sdpa.window_chunk(q, k, Band.of(True, (2, 0))) is None  # under WINDOW_MIN_KEYS
@@ -563,7 +563,8 @@ def test_a_graph_cudnn_declines_leaves_the_window_to_the_other_routes(monkeypatc
     assert p.path != plan.SDPA  # a window of 8 keys: under WINDOW_MIN_KEYS, so our kernels
     monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 4)
     p = plan.forward_plan(q, k, k, None, None, True, 0.0, None, (7, 0))
-    assert p.path == plan.SDPA and sdpa.window_tail(q, k, k, band, "cudnn") == 0  # chunks
+    assert p.path == plan.SDPA and p.fused == sdpa.CUDNN  # chunks
+    assert sdpa.window_tail(q, k, band, p.fused) == 0
     cudnn_graphs._builds.cache_clear()
 
 
