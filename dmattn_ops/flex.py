@@ -277,11 +277,34 @@ def run_compiled(q, k, v, options, kwargs):
     return _eager_flex(q, k, v, kwargs)
 
 
+# Inductor's CPU flex template computes q @ k^T with a micro-GEMM whose transposed-B kernel
+# mishandles a tail of keys: when the head dim K is a multiple of the fp32 vector width and
+# below 24 (K = 8 or 16 on AVX2; 16 on AVX-512; 4..20 in steps of 4 for float64), a tail of N
+# keys that is itself a multiple of the vector width (Lk % 16 == 8 on AVX2) runs the full
+# 16-wide block, reading keys past Lk and writing past the row (torch 2.13: cpp_micro_gemm.py,
+# CppMicroGemmFP32Vec, "First implementation" of the ntail transpose_b kernel). The result is
+# wrong or NaN, differently on each run. Zero columns appended to q and k leave every q . k
+# exact and put K out of that branch's reach; bench/NOTES.md has the minimal repro.
+CPU_FLEX_MIN_HEAD_DIM = 24
+
+
+def _pad_head_dim_for_cpu(q, k, kwargs):
+    d = q.shape[-1]
+    if q.device.type != "cpu" or d >= CPU_FLEX_MIN_HEAD_DIM:
+        return q, k, kwargs
+    pad = (0, CPU_FLEX_MIN_HEAD_DIM - d)
+    scale = kwargs["scale"]
+    kwargs = {**kwargs, "scale": d**-0.5 if scale is None else scale}
+    return torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad), kwargs
+
+
 def _flex(q, k, v, options, kwargs):
     """flex_attention as each context needs it: traced inline inside torch.compile (a compiled
     callable cannot be called there), compiled on CUDA, compiled on CPU (eager when lse is
-    asked for: compiled CPU flex cannot return it)."""
+    asked for or the inputs are float64: compiled CPU flex takes neither). On CPU, q and k
+    get zero columns up to `CPU_FLEX_MIN_HEAD_DIM` (see there)."""
     device = q.device
+    q, k, kwargs = _pad_head_dim_for_cpu(q, k, kwargs)
     if torch.compiler.is_compiling():
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -293,7 +316,8 @@ def _flex(q, k, v, options, kwargs):
         return flex_attention(q, k, v, kernel_options=options, **kwargs)
     if device.type == "cuda":
         return run_compiled(q, k, v, options, kwargs)
-    if kwargs["return_lse"]:
+    if kwargs["return_lse"] or q.dtype == torch.float64:
+        # Inductor's CPU flex template takes neither lse nor float64; eager flex does.
         return _eager_flex(q, k, v, kwargs)
     return _compiled_flex()(q, k, v, **kwargs)
 

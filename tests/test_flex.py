@@ -12,6 +12,7 @@ from helpers import (
     make_bias,
     make_mask,
     operand_shape,
+    param,
 )
 
 import dmattn_ops
@@ -212,6 +213,52 @@ def test_flex_inside_a_compiled_function(pattern):
     ref = reference.attention(*up[:3], mask, up[3], **kw)
     bound = low_precision_bound(ref, reference.attention(q, k, v, mask, bias, **kw), q.dtype)
     assert_close(out, ref, bound, f"compiled flex {pattern}")
+
+
+# Inductor's CPU flex template ran a 16-key block on a tail of 8 keys when D is 8 or 16 (AVX2):
+# wrong or NaN outputs, different on each run (issue 48). Each case runs three times, eager
+# and inside a compiled function, with fresh inputs each time.
+CPU_TAIL_CASES = [
+    param(Case(2, 24, 24, 4, 2, 16, 16)),
+    param(Case(2, 24, 24, 4, 4, 16, 16)),
+    param(Case(1, 40, 40, 1, 1, 16, 16)),
+    param(Case(1, 33, 40, 2, 1, 8, 8)),
+    param(Case(1, 9, 56, 2, 2, 16, 5)),
+]
+
+
+@pytest.mark.parametrize("c", CPU_TAIL_CASES)
+@pytest.mark.parametrize(
+    "kw",
+    [dict(is_causal=True), dict(window_size=(5, 0)), dict(mask_bias=True), dict()],
+    ids=["causal", "window", "mask-bias", "plain"],
+)
+def test_flex_on_cpu_at_head_dims_that_hit_the_micro_gemm_tail(c, kw):
+    torch._dynamo.reset()
+    kw = dict(kw)
+    with_operands = kw.pop("mask_bias", False)
+    fn = lambda *a: dmattn_ops.attention(*a, backend="flex", **kw)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    for attempt in range(3):
+        q, k, v = inputs(c)
+        mask = make_mask((c.b, c.h, c.lq, c.lk), device=DEVICE) if with_operands else None
+        bias = make_bias((c.b, c.h, c.lq, c.lk), torch.float32, DEVICE) if with_operands else None
+        up = [t.double() if t is not None else None for t in (q, k, v, bias)]
+        ref = reference.attention(*up[:3], mask, up[3], **kw)
+        bound = low_precision_bound(ref, reference.attention(q, k, v, mask, bias, **kw), q.dtype)
+        with torch.no_grad():
+            assert_close(fn(q, k, v, mask, bias), ref, bound, f"flex, run {attempt}")
+            assert_close(compiled(q, k, v, mask, bias), ref, bound, f"compiled flex, run {attempt}")
+
+
+def test_flex_on_cpu_in_float64_at_small_head_dims():
+    # float64 vectors hold 4 lanes on AVX2: head dims 4 .. 20 and key tails of 4, 8, 12.
+    for d, lk in [(4, 20), (12, 24), (20, 28)]:
+        c = Case(1, 7, lk, 2, 1, d, d)
+        q, k, v = (t.double() for t in inputs(c))
+        ref = reference.attention(q, k, v, is_causal=True)
+        out = dmattn_ops.attention(q, k, v, is_causal=True, backend="flex")
+        assert_close(out, ref, 1e-12, f"float64 flex D{d} Lk{lk}")
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="flex has no CPU backward; see README")
