@@ -86,7 +86,12 @@ def dmattn_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query (B, H, Lq, D), key/value (B, Hkv, Lk, D) ->
-    ((B, Lq, H, Dv), None), as the SDPA one returns."""
+    ((B, Lq, H, Dv), None), as the SDPA one returns.
+
+    Each call keeps transformers' meaning: a boolean or additive ``attention_mask`` is the
+    whole pattern (causality included); no mask with Lq > 1 means SDPA's top-left
+    ``is_causal`` (query i sees keys j <= i; Lq < Lk is the prefill of a static cache), and
+    with Lq == 1 every key."""
     _check_kwargs(kwargs)
     if dropout > 0:
         raise ValueError(
@@ -108,6 +113,18 @@ def dmattn_attention_forward(
     else:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         causal = bool(causal) and query.shape[2] > 1
+    seqused_k = None
+    lq, lk = query.shape[2], key.shape[2]
+    if attention_mask is None and causal and lq != lk:
+        # transformers left the mask out because SDPA's is_causal (top-left: query i sees keys
+        # j <= i) is right here, e.g. the prefill of an empty static cache whose later slots
+        # are unused. Top-left is bottom-right over the first Lq keys.
+        if lq < lk:
+            seqused_k = torch.full((query.shape[0],), lq, dtype=torch.int32, device=query.device)
+        else:
+            top_left = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()
+            mask = top_left[None, None] if mask is None else mask & top_left
+            causal = False
     window = (-1, -1)
     sliding = kwargs.get("sliding_window")
     if attention_mask is None and sliding is not None and sliding > 0:
@@ -128,6 +145,7 @@ def dmattn_attention_forward(
         scale=scaling,
         is_causal=causal,
         softcap=float(softcap),
+        seqused_k=seqused_k,
         sinks=sinks,
         window_size=window,
     )
@@ -147,16 +165,18 @@ def dmattn_mask(
     **kwargs,
 ):
     """transformers mask builder for "dmattn": its SDPA builder's result, except for a sliding
-    window causal layer with no padding whose last query sits at the last key (no static cache
-    slack): None, and the attention function passes the window to the kernels (window_size),
-    so the band is never materialised. Anything else (padding, packed sequences, chunked
+    window causal layer with no padding whose queries end at the last key with Lq == Lk or
+    Lq == 1 (no static cache slack): None, and the attention function passes the window to the
+    kernels (window_size), so the band is never materialised. Anything else (padding, packed sequences, chunked
     attention, a static cache) gets the SDPA builder's boolean mask."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     mask_function = causal_mask_function if mask_function is None else mask_function
     config = kwargs.get("config")
     sliding = local_size is not None and getattr(config, "sliding_window", None) == local_size
-    aligned = q_offset + q_length == kv_offset + kv_length
+    # Only where bottom-right and top-left agree (Lq == Lk, or one query at the last key): the
+    # attention function reads a missing mask with Lq != Lk as SDPA's top-left is_causal.
+    aligned = q_offset + q_length == kv_offset + kv_length and q_length in (1, kv_length)
     if sliding and allow_is_causal_skip and aligned and _no_padding(attention_mask):
         return None
     return sdpa_mask(

@@ -174,3 +174,42 @@ def test_sliding_window_models_match_eager_without_a_mask(name, monkeypatch):
         got = ours.generate(ids[:1, :6], max_new_tokens=8, do_sample=False)
         exp = eager.generate(ids[:1, :6], max_new_tokens=8, do_sample=False)
     assert torch.equal(got, exp)
+
+
+def _greedy(model, ids, **kw):
+    with torch.no_grad():
+        return model.generate(ids, do_sample=False, max_new_tokens=12, **kw)
+
+
+def test_static_cache_generation_matches_eager(models):
+    # The prefill of a static cache reaches the attention function with Lq 12, Lk 31 and no
+    # mask: transformers means SDPA's top-left is_causal (the cache's later slots unused).
+    ours, _ = models
+    eager = copy.deepcopy(ours)
+    eager.config._attn_implementation = "eager"
+    eager.set_attn_implementation("eager")
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+    for kw in (dict(cache_implementation="static"), dict()):
+        got, want = _greedy(ours, ids, **kw), _greedy(eager, ids, **kw)
+        assert torch.equal(got, want), kw
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gpt_oss"])
+def test_sliding_window_models_generate_with_a_static_cache(name):
+    ours, eager = _sliding_models(name)
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(4))
+    got = _greedy(ours, ids, cache_implementation="static")
+    want = _greedy(eager, ids, cache_implementation="static")
+    assert torch.equal(got, want)
+
+
+def test_a_missing_mask_with_fewer_queries_than_keys_is_top_left():
+    q = torch.randn(2, 4, 5, 8)
+    k = torch.randn(2, 2, 9, 8)
+    used = k[:, :, :5].clone()
+    k[:, :, 5:] = float("nan")  # unused static-cache slots
+    out, _ = dmattn_ops.hf.dmattn_attention_forward(torch.nn.Module(), q, k, k, None)
+    want = dmattn_ops.reference.attention(  # top-left: query i sees keys j <= i
+        q.transpose(1, 2), used.transpose(1, 2), used.transpose(1, 2), is_causal=True
+    )
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
