@@ -167,8 +167,8 @@ def dmattn_mask(
     """transformers mask builder for "dmattn": its SDPA builder's result, except for a sliding
     window causal layer with no padding whose queries end at the last key with Lq == Lk or
     Lq == 1 (no static cache slack): None, and the attention function passes the window to the
-    kernels (window_size), so the band is never materialised. Anything else (padding, packed sequences, chunked
-    attention, a static cache) gets the SDPA builder's boolean mask."""
+    kernels (window_size), so the band is never materialised. Anything else (padding, packed
+    sequences, chunked attention or prefill, a static cache) gets the SDPA builder's result."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     mask_function = causal_mask_function if mask_function is None else mask_function
