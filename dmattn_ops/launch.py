@@ -92,10 +92,10 @@ def _head_blocks(d: int, dv: int) -> dict:
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
+    if interpreter_on():
+        return "interpret"  # see kernels/common.py dot() and score_dot()
     if dtype == torch.float32:
         return "ieee"
-    if dtype == torch.bfloat16 and interpreter_on():
-        return "upcast"  # see kernels/common.py dot()
     return "tf32"  # ignored for 16-bit operands
 
 

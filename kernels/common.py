@@ -82,19 +82,34 @@ def query_rows(i_mb, i_bh, H, G, BLOCK_M: tl.constexpr, PACK_G: tl.constexpr):
 
 @triton.jit
 def dot(a, b, DOT_PRECISION: tl.constexpr):
-    """tl.dot with fp32 accumulation. DOT_PRECISION "upcast" multiplies the (already rounded)
-    operands in fp32: Triton 3.9's interpreter computes bfloat16 tl.dot wrongly (error ~3e10 on
-    a 16x16 product of unit normals), and the launcher selects it there only."""
-    if DOT_PRECISION == "upcast":
+    """tl.dot with fp32 accumulation. DOT_PRECISION "interpret" (the launcher selects it under
+    the Triton interpreter only) multiplies the (already rounded) operands in fp32: Triton 3.9's
+    interpreter computes bfloat16 tl.dot wrongly (error ~3e10 on a 16x16 product of unit
+    normals)."""
+    if DOT_PRECISION == "interpret":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def score_dot(a, b, DOT_PRECISION: tl.constexpr):
+    """a @ b for the scores, which every kernel must reproduce bitwise: backward recomputes
+    P = exp(s - lse) from the forward's lse, and at logits of 1e6 one ulp of s moves P by 6%.
+    On the GPU an fp32 (ieee) dot or an MMA sums over k in one fixed order, whatever the tile's
+    shape or orientation (Q K^T in the forward and dq kernels, K Q^T in the dk/dv kernel). The
+    interpreter's tl.dot is numpy's matmul, whose BLAS rounds differently by shape and
+    orientation; under it ("interpret") the products are summed elementwise in k order, the
+    same for every tile."""
+    if DOT_PRECISION == "interpret":
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return dot(a, b, DOT_PRECISION)
 
 
 @triton.jit
 def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
     """acc + a @ b with the product accumulated inside the MMA (no separate add, no second
     accumulator live in registers)."""
-    if DOT_PRECISION == "upcast":
+    if DOT_PRECISION == "interpret":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
@@ -168,7 +183,7 @@ def score_tile(
     loaded with the shape of r_n and broadcast: a per-entry pointer tensor would issue BLOCK_M
     loads of every element (its query stride of 0 is a runtime value).
     """
-    x = dot(a, b, DOT_PRECISION) * scale
+    x = score_dot(a, b, DOT_PRECISION) * scale
     t = x
     if HAS_SOFTCAP:
         t = tanh(x / softcap)
