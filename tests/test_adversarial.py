@@ -188,12 +188,10 @@ def test_large_logits_on_tiles_of_every_shape(scale, operands):
     orientations (K Q^T in dk/dv), and backward's P = exp(s - lse) needs the forward's s to the
     bit: under the interpreter, numpy's matmul rounded them differently (issue 48: dv off by
     0.75 of 4.8 at scale 1e6 with B1 L16 D4)."""
-    if operands:
-        shapes = (2, 24, 4, 16), (2, 24, 2, 16)
-    else:
-        shapes = (1, 16, 1, 4), (1, 16, 1, 4)
+    q_shape, kv_shape = ((2, 24, 4), (2, 24, 2)) if operands else ((1, 16, 1), (1, 16, 1))
+    d = 16 if operands else 4
     torch.manual_seed(0)
-    q, k, v = _randn(*shapes[0]), _randn(*shapes[1]), _randn(*shapes[1])
+    q, k, v = _randn(*q_shape, d), _randn(*kv_shape, d), _randn(*kv_shape, d)
     mask = bias = None
     if operands:
         mask = torch.rand(2, 2, 24, 24, device=DEVICE) < 0.7
