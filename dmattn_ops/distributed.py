@@ -140,14 +140,35 @@ def _cols(t, s: slice):
     return None if t is None else t[..., s]
 
 
-def _merge(out, lse, o, lse_o):
-    """Merge a partial (o, lse_o) into the running (out, lse), both fp32 (float64 for
-    float64), by their log-sum-exp; rows that have seen no key stay (0, -inf)."""
-    new = torch.logaddexp(lse, lse_o)
-    seen = new > float("-inf")
-    w_old = torch.where(seen, torch.exp(lse - new), 0.0).transpose(1, 2)[..., None]
-    w_new = torch.where(seen, torch.exp(lse_o - new), 0.0).transpose(1, 2)[..., None]
-    return out * w_old + o.to(out.dtype) * w_new, new
+def _merge(out, m, lg, o, lse_o, rem_o):
+    """Merge a partial (o, lse_o + rem_o) into the running (out, m + lg), all fp32 (float64 for
+    float64). The running lse is kept as two numbers: m, the largest block lse seen, and lg, the
+    log of the sum relative to it. One rounded number would lose the log-sum next to a huge m:
+    a row whose every key has a bias of finfo.min has lse = -3.4e38 + log n, which rounds to
+    -3.4e38 in every block, and merging equal blocks must still halve each one's weight.
+    Rows that have seen no key stay (0, -inf, 0)."""
+    m_new = torch.maximum(m, lse_o)
+    seen = m_new > float("-inf")
+    m_safe = torch.where(seen, m_new, 0.0)
+    # Both differences are exact where they matter (Sterbenz: operands within a factor 2).
+    a = torch.where(seen, (m - m_safe) + lg, float("-inf"))
+    b = torch.where(seen, (lse_o - m_safe) + rem_o, float("-inf"))
+    lg_new = torch.logaddexp(a, b)
+    w_old = torch.where(seen, torch.exp(a - lg_new), 0.0).transpose(1, 2)[..., None]
+    w_new = torch.where(seen, torch.exp(b - lg_new), 0.0).transpose(1, 2)[..., None]
+    out = out * w_old + o.to(out.dtype) * w_new
+    return out, m_new, torch.where(seen, lg_new, 0.0)
+
+
+def _lse_pair(m, lg):
+    """(lse, lse_rem) with lse = m + lg rounded and lse_rem what the rounding dropped
+    (TwoSum), as the forward op returns them for the backward op; (-inf, 0) for empty rows."""
+    lse = m + lg
+    b_virtual = lse - m
+    a_virtual = lse - b_virtual
+    rem = (m - a_virtual) + (lg - b_virtual)
+    empty = m == float("-inf")
+    return torch.where(empty, float("-inf"), lse), torch.where(empty, 0.0, rem)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -157,22 +178,26 @@ class _RingAttention(torch.autograd.Function):
         stats = torch.float64 if query.dtype == torch.float64 else torch.float32
         b, _, h, _ = query.shape
         out = torch.zeros((*query.shape[:3], value.shape[-1]), dtype=stats, device=query.device)
-        lse = torch.full((b, h, rows), float("-inf"), dtype=stats, device=query.device)
+        top = torch.full((b, h, rows), float("-inf"), dtype=stats, device=query.device)
+        log_sum = torch.zeros_like(top)
         for src, k, v, m, bb in ring.visits(key, value, mask, bias):
             for qs, ks, diagonal in ring.pairs(src, rows):
-                o, l_o, _ = torch.ops.dmattn.attention_forward(
+                o, l_o, rem_o = torch.ops.dmattn.attention_forward(
                     query[:, qs], k[:, ks], v[:, ks], _cols(m, ks), _cols(bb, ks), ring.scale,
                     diagonal, ring.softcap, None, ring.deterministic,
                 )  # fmt: skip
-                out[:, qs], lse[:, :, qs] = _merge(out[:, qs], lse[:, :, qs], o, l_o)
+                out[:, qs], top[:, :, qs], log_sum[:, :, qs] = _merge(
+                    out[:, qs], top[:, :, qs], log_sum[:, :, qs], o, l_o, rem_o.to(stats)
+                )
         out = out.to(query.dtype)
-        ctx.save_for_backward(query, key, value, mask, bias, out, lse)
+        lse, lse_rem = _lse_pair(top, log_sum)
+        ctx.save_for_backward(query, key, value, mask, bias, out, lse, lse_rem)
         ctx.ring = ring
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, mask, bias, out, lse = ctx.saved_tensors
+        query, key, value, mask, bias, out, lse, lse_rem = ctx.saved_tensors
         ring = ctx.ring
         rows = query.shape[1]
         need_dbias = bias is not None and ctx.needs_input_grad[4]
@@ -181,7 +206,6 @@ class _RingAttention(torch.autograd.Function):
         dk = torch.zeros(key.shape, dtype=acc, device=key.device)
         dv = torch.zeros(value.shape, dtype=acc, device=value.device)
         db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_dbias else None
-        lse_rem = torch.zeros_like(lse)  # the merged lse carries no remainder
         grad_out = grad_out.contiguous()
         for src, k, v, m, bb in ring.visits(key, value, mask, bias):
             for qs, ks, diagonal in ring.pairs(src, rows):
@@ -203,6 +227,53 @@ class _RingAttention(torch.autograd.Function):
                 db = rest[0] if need_dbias else None
         return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None,
                 db.to(bias.dtype) if need_dbias else None, None)  # fmt: skip
+
+
+def _check_local(
+    query, key, value, mask, bias, scale, softcap, is_causal, deterministic, layout, rank, world, fn
+) -> None:
+    check_flags(fn, is_causal=is_causal, deterministic=deterministic)
+    check_inputs(query, key, value, mask, bias, None, scale, softcap, fn=fn)
+    for name, t in (("mask", mask), ("bias", bias)):
+        if t is not None and t.shape[2] != 1:
+            raise ValueError(
+                f"{fn}: {name} must be per key, (B|1, H|Hkv|1, 1, L/R), shared by all queries "
+                f"(the DMA pattern); got {tuple(t.shape)}: masks or biases that vary per query "
+                "are not supported across ranks"
+            )
+    if query.shape[1] != key.shape[1]:
+        raise ValueError(
+            f"{fn}: each rank holds the same rows of queries and keys; got {query.shape[1]} "
+            f"query rows and {key.shape[1]} key rows"
+        )
+    if query.shape[1] % len(_chunk_ids(layout, rank, world)):
+        raise ValueError(f"{fn}: the {layout} layout needs an even number of rows per rank")
+
+
+def _agree_across_ranks(query, key, value, error, group, fn) -> None:
+    """One small all-gather of every rank's shapes and verdict, so that a call some rank
+    refuses (or whose ranks hold different lengths) raises on every rank instead of leaving the
+    others waiting in the ring's first exchange."""
+    mine = [int(error is not None), *query.shape, *key.shape, *value.shape[-1:]]
+    world, _ = _world(group)
+    device = query.device if query.device.type != "meta" else torch.device("cpu")
+    local = torch.tensor(mine if len(mine) == 10 else [1] + [0] * 9, device=device)
+    every = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(every, local, group=group)
+    every = [t.tolist() for t in every]
+    if error is not None:
+        raise error
+    refused = [r for r, t in enumerate(every) if t[0]]
+    if refused:
+        raise ValueError(f"{fn}: rank(s) {refused} refused their inputs (their error says why)")
+    if any(t != every[0] for t in every):
+        shapes = "; ".join(
+            f"rank {r}: query {tuple(t[1:5])}, key {tuple(t[5:9])}" for r, t in enumerate(every)
+        )
+        raise ValueError(
+            f"{fn}: every rank must hold the same shapes (L/R rows each, as `shard` cuts them); "
+            f"got {shapes}"
+        )
 
 
 def ring_attention(
@@ -229,24 +300,14 @@ def ring_attention(
     key, value and bias; bias's gradient comes back for this rank's columns.
     """
     fn = "dmattn.distributed.ring_attention"
-    check_flags(fn, is_causal=is_causal, deterministic=deterministic)
-    check_inputs(query, key, value, mask, bias, None, scale, softcap, fn=fn)
-    for name, t in (("mask", mask), ("bias", bias)):
-        if t is not None and t.shape[2] != 1:
-            raise ValueError(
-                f"{fn}: {name} must be per key, (B|1, H|Hkv|1, 1, L/R), shared by all queries "
-                f"(the DMA pattern); got {tuple(t.shape)}: masks or biases that vary per query "
-                "are not supported across ranks"
-            )
-    if query.shape[1] != key.shape[1]:
-        raise ValueError(
-            f"{fn}: each rank holds the same rows of queries and keys; got {query.shape[1]} "
-            f"query rows and {key.shape[1]} key rows"
-        )
     world, rank = _world(group)
-    n_local_chunks = len(_chunk_ids(layout, rank, world))
-    if query.shape[1] % n_local_chunks:
-        raise ValueError(f"{fn}: the {layout} layout needs an even number of rows per rank")
+    try:
+        _check_local(query, key, value, mask, bias, scale, softcap, is_causal, deterministic,
+                     layout, rank, world, fn)  # fmt: skip
+        error = None
+    except (TypeError, ValueError) as e:
+        error = e
+    _agree_across_ranks(query, key, value, error, group, fn)
     ring = _Ring(
         group, world, rank, layout, default_scale(query) if scale is None else float(scale),
         is_causal, float(softcap), deterministic,

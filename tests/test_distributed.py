@@ -13,12 +13,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 CONFIGS = [
-    # (layout, is_causal, with_operands, h, hkv, softcap)
-    ("zigzag", True, True, 4, 2, 0.0),
-    ("zigzag", False, True, 4, 4, 3.0),
-    ("contiguous", True, True, 4, 1, 0.0),
-    ("contiguous", False, False, 2, 2, 0.0),
-    ("zigzag", True, False, 4, 2, 5.0),
+    # (layout, is_causal, with_operands, h, hkv, softcap, bias of every key of KV head 0)
+    ("zigzag", True, True, 4, 2, 0.0, None),
+    ("zigzag", False, True, 4, 4, 3.0, None),
+    ("contiguous", True, True, 4, 1, 0.0, None),
+    ("contiguous", False, False, 2, 2, 0.0, None),
+    ("zigzag", True, False, 4, 2, 5.0, None),
+    # Rows whose every block is equally "almost masked": each block's lse rounds to the bias,
+    # and the merge must still weigh the blocks by their key counts (issue 48).
+    ("zigzag", True, True, 4, 2, 0.0, torch.finfo(torch.float32).min),
+    ("contiguous", False, True, 4, 2, 0.0, torch.finfo(torch.float64).min),
+    ("contiguous", True, True, 2, 1, 0.0, -1e8),
 ]
 
 
@@ -36,7 +41,9 @@ def _worker(rank: int, world: int, rendezvous: str, failures, device_type: str =
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
                             rank=rank, world_size=world)  # fmt: skip
     try:
-        for layout, is_causal, with_operands, h, hkv, softcap in CONFIGS:
+        for layout, is_causal, with_operands, h, hkv, softcap, lowest in CONFIGS:
+            if cuda and lowest == torch.finfo(torch.float64).min:
+                continue  # bf16 cannot hold it
             g = torch.Generator().manual_seed(7)  # the same whole tensors on every rank
             b, length, d = (2, 64 * 2 * world, 64) if cuda else (2, 4 * world * 3, 8)
             q = torch.randn(b, length, h, d, generator=g, dtype=torch.float64)
@@ -47,6 +54,8 @@ def _worker(rank: int, world: int, rendezvous: str, failures, device_type: str =
                 bias = torch.randn(b, hkv, 1, length, generator=g, dtype=torch.float64)
                 mask = torch.rand(b, 1, 1, length, generator=g) < 0.6
                 mask[..., 0] = True
+                if lowest is not None:
+                    bias[:, 0] = lowest
             w = torch.randn(b, length, h, d, generator=g, dtype=torch.float64)
             kw = dict(is_causal=is_causal, softcap=softcap)
 
@@ -137,3 +146,49 @@ def test_shard_and_unshard_refuse_lengths_that_do_not_divide(tmp_path):
             cp.ring_attention(q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
     finally:
         dist.destroy_process_group()
+
+
+def _unequal_worker(rank: int, world: int, rendezvous: str, failures) -> None:
+    from dmattn_ops import distributed as cp
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        rows = 4 if rank == 0 else 6
+        q = torch.randn(1, rows, 2, 8)
+        try:
+            cp.ring_attention(q, q[:, :, :1], q[:, :, :1], layout="contiguous")
+        except ValueError as e:
+            assert "every rank must hold the same shapes" in str(e), str(e)
+            assert "rank 0: query (1, 4, 2, 8)" in str(e) and "rank 1: query (1, 6, 2, 8)" in str(e)
+        else:
+            raise AssertionError("unequal lengths were accepted")
+        # A call only one rank refuses raises on both, instead of leaving the other waiting.
+        mask = torch.ones(1, 1, 1, 4, dtype=torch.bool)
+        if rank == 1:
+            mask = mask.float()  # not bool
+        q = torch.randn(1, 4, 2, 8)
+        try:
+            cp.ring_attention(q, q, q, mask, layout="contiguous")
+        except (TypeError, ValueError) as e:
+            assert rank == 1 or "rank(s) [1] refused" in str(e), str(e)
+        else:
+            raise AssertionError("a refused call ran")
+    except Exception:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_attention_refuses_unequal_lengths_on_every_rank(tmp_path):
+    ctx = mp.get_context("spawn")
+    failures = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_unequal_worker, args=(2, str(tmp_path / "rdv"), failures), nprocs=2,
+                           start_method="spawn")  # fmt: skip
+    except mp.ProcessRaisedException:
+        messages = []
+        while not failures.empty():
+            messages.append(failures.get())
+        pytest.fail("\n".join(messages) or "a rank failed")
