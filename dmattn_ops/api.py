@@ -10,6 +10,7 @@ from dmattn_ops.validate import (
     check_flags,
     check_inputs,
     check_sinks,
+    check_sinks_values,
     check_varlen_inputs,
     check_window,
     has_window,
@@ -128,6 +129,7 @@ def attention(
         # softmax from its sink); Flex has none, so it gets them joined to its (out, lse).
         if isinstance(query, torch.Tensor) and query.dim() == 4:
             check_sinks(sinks, query, "dmattn.attention")
+            check_sinks_values(sinks, "dmattn.attention")
         with ops.autocast_off(query):
             if backend == "reference":
                 return reference.attention(
@@ -237,6 +239,7 @@ def attention_varlen(
     if sinks is not None:
         if isinstance(query, torch.Tensor) and query.dim() == 3:
             check_sinks(sinks, query[None], fn)
+            check_sinks_values(sinks, fn)
         with ops.autocast_off(query):
             if backend == "reference":
                 return reference.attention_varlen(*args, **options, return_lse=return_lse,

@@ -284,7 +284,12 @@ def attention_backward(
             if compute_dbias
             else torch.empty((0,), dtype=query.dtype, device=device)
         )
-        dsinks = no_sinks if sinks is None else torch.zeros_like(sinks)
+        # No key to compute with, but a row's lse is still its sink's (lse = sinks[h] when
+        # Lk = 0): dsinks is the sum of those rows' lse gradients.
+        dsinks = no_sinks
+        if sinks is not None:
+            delta = chunked.row_delta(out, grad_out, grad_lse)
+            dsinks = chunked.sinks_grad(sinks, lse, lse_rem, delta)
         return (
             torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dbias, dsinks
         )  # fmt: skip

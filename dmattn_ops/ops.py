@@ -41,6 +41,7 @@ from dmattn_ops.validate import (
     check_inputs,
     check_seqused_k_values,
     check_sinks,
+    check_sinks_values,
     check_varlen_inputs,
     check_window,
 )
@@ -134,6 +135,7 @@ def _forward_impl(
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn=fn)
     check_seqused_k_values(seqused_k, key.shape[1], fn)
     check_sinks(sinks, query, fn)
+    check_sinks_values(sinks, fn)
     window = check_window(window_size, fn)
     return launch.attention_forward(
         query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window, sinks

@@ -316,6 +316,20 @@ def check_sinks(sinks, query: torch.Tensor, fn: str) -> None:
         raise ValueError(f"{fn}: sinks is on {sinks.device}, query on {query.device}")
 
 
+def check_sinks_values(sinks, fn: str) -> None:
+    """sinks finite or -inf (one host sync); skipped where the values cannot be read
+    (data_readable). NaN would poison every row of its head and +inf would take all of it."""
+    if sinks is None or sinks.numel() == 0 or not data_readable(sinks):
+        return
+    bad = sinks.isnan() | (sinks == float("inf"))
+    if bool(bad.any()):  # one host sync
+        heads = bad.nonzero().flatten().tolist()
+        raise ValueError(
+            f"{fn}: sinks must be finite or -inf (no sink); got {sinks[bad].tolist()} at "
+            f"head(s) {heads[:8]}"
+        )
+
+
 NO_WINDOW = (-1, -1)
 
 

@@ -110,6 +110,40 @@ def test_invalid_sinks_raise():
         dmattn_ops.attention(q, k, v, sinks=torch.zeros(4, dtype=torch.float16, device=DEVICE))
 
 
+BACKENDS = ["auto", "reference", "flex"] + (["triton"] if TRITON else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_nan_and_inf_sinks_raise_on_every_backend(backend, bad):
+    q, k, v, _, _, sinks = _inputs(torch.float32)
+    sinks = sinks.clone()
+    sinks[1] = bad
+    with pytest.raises(ValueError, match=r"sinks must be finite or -inf .* head\(s\) \[1\]"):
+        dmattn_ops.attention(q, k, v, sinks=sinks, backend=backend)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="sinks must be finite or -inf"):
+        dmattn_ops.attention_varlen(q[0], k[0, :7], v[0, :7], cu, cu, 4, 4, sinks=sinks,
+                                    backend=backend)  # fmt: skip
+    if backend == "auto":
+        with pytest.raises(ValueError, match="sinks must be finite or -inf"):
+            torch.ops.dmattn.attention(q, k, v, sinks=sinks)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dsinks_without_keys(backend):
+    """Lk = 0: every row's lse is its sink, so the gradient of sum(lse) in sinks[h] is the
+    number of rows of head h (issue 48: it was 0 on the default path and the kernels)."""
+    q, k, v, _, _, sinks = _inputs(torch.float32, lk=0)
+    sinks = sinks.clone().requires_grad_()
+    out, lse = dmattn_ops.attention(q, k, v, sinks=sinks, return_lse=True, backend=backend)
+    assert (out == 0).all()
+    (lse[lse.isfinite()].sum() + out.sum()).backward()
+    rows = q.shape[0] * q.shape[1]
+    want = torch.where(sinks.isfinite(), float(rows), 0.0).detach()
+    assert_close(sinks.grad, want, 0.0, "dsinks")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_varlen_sinks_against_the_oracle(dtype):
     if dtype != torch.float64 and not TRITON:
