@@ -6,11 +6,11 @@ element that a kernel forgets to write fails loudly instead of passing as zero.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-POISON = os.environ.get("DMATTN_POISON_EMPTY", "0") == "1"
+from dmattn_ops.switches import switch
+
+POISON = switch("DMATTN_POISON_EMPTY", False)
 
 
 def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:

@@ -24,6 +24,8 @@ import threading
 
 import torch
 
+from dmattn_ops.switches import switch
+
 # Found once, at import, without importing it. A module constant rather than a cached function:
 # torch.compile traces the public functions that ask, and warns about every functools.cache
 # wrapper it traces through.
@@ -58,7 +60,7 @@ def next_power_of_2(n: int) -> int:
 def launch_cache_on() -> bool:
     """Whether eager launches reuse compiled kernels (LaunchCache): not under the interpreter, and
     not where DMATTN_LAUNCH_CACHE=0 (read per launch)."""
-    return os.environ.get("DMATTN_LAUNCH_CACHE", "1") != "0" and not interpreter_on()
+    return switch("DMATTN_LAUNCH_CACHE", True) and not interpreter_on()
 
 
 class LaunchCache:

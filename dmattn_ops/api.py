@@ -318,7 +318,7 @@ def flash_attn_func(
     _flash_unsupported(fn, dropout_p, alibi_slopes, return_attn_probs)
     return attention(
         q, k, v, mask, bias, scale=softmax_scale, is_causal=causal, softcap=softcap,
-        deterministic=deterministic, window_size=tuple(window_size),
+        deterministic=deterministic, window_size=window_size,
     )  # fmt: skip
 
 
@@ -350,5 +350,5 @@ def flash_attn_varlen_func(
     return attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias,
         scale=softmax_scale, is_causal=causal, softcap=softcap, deterministic=deterministic,
-        window_size=tuple(window_size),
+        window_size=window_size,
     )  # fmt: skip

@@ -24,11 +24,11 @@ own cuDNN calls do.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 
 import torch
 
+from dmattn_ops.switches import switch
 from dmattn_ops.tiles import UNBOUNDED, Band
 
 # A cuDNN 9 backend; whether it takes a window's graph is asked per shape (`supports`), so an
@@ -66,7 +66,7 @@ def version() -> str | None:
 
 def enabled() -> bool:
     """The frontend is importable and DMATTN_CUDNN_GRAPHS is not "0"."""
-    return os.environ.get("DMATTN_CUDNN_GRAPHS", "1") != "0" and _module() is not None
+    return switch("DMATTN_CUDNN_GRAPHS", True) and _module() is not None
 
 
 def window_of(query, key, band: Band) -> int | None:

@@ -28,11 +28,11 @@ in a compiled graph one extern node each.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
 from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on
+from dmattn_ops.switches import switch
 
 # Tiles: a consumer warpgroup takes BLOCK_M query rows (forward; a program has two) or
 # DKDV_BLOCK_N keys (dK/dV); the ring of K/V (forward) or Q/dO (dK/dV) tiles has STAGES slots.
@@ -49,7 +49,7 @@ MAXNREG = 168
 
 def enabled() -> bool:
     """On where DMATTN_HOPPER=1 (read per call); off by default (module docstring)."""
-    return os.environ.get("DMATTN_HOPPER", "0") == "1"
+    return switch("DMATTN_HOPPER", False)
 
 
 # Eager launches go through LazyKernel's launch cache, which skips Triton's binder (~100 us a

@@ -61,6 +61,7 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from dmattn_ops import _triton, cudnn_graphs, masks, ops, plan
+from dmattn_ops.switches import switch
 
 log = logging.getLogger(__name__)
 _STATIC = "static_launch_user_defined_triton_kernels"
@@ -69,7 +70,7 @@ _STATIC = "static_launch_user_defined_triton_kernels"
 def enabled() -> bool:
     """On unless DMATTN_INDUCTOR_KERNELS=0 (read per trace): then compiled graphs keep the ops
     whole and run the eager launchers."""
-    return os.environ.get("DMATTN_INDUCTOR_KERNELS", "1") != "0"
+    return switch("DMATTN_INDUCTOR_KERNELS", True)
 
 
 def _launch_statically() -> None:

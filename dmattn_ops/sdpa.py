@@ -44,7 +44,6 @@ kernels, where the chunks would be too short.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -52,6 +51,7 @@ from torch._subclasses.fake_tensor import is_fake
 from dmattn_ops import cudnn_graphs
 from dmattn_ops._alloc import empty
 from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
+from dmattn_ops.switches import switch
 from dmattn_ops.tiles import UNBOUNDED, Band
 
 reverse_rows_kernel = LazyKernel("window_chunks", "reverse_rows_kernel")
@@ -81,7 +81,7 @@ def kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k) -> str 
         return None
     if not (query.is_cuda and query.dtype in DTYPES):
         return None
-    if os.environ.get("DMATTN_DENSE_SDPA", "1") == "0":
+    if not switch("DMATTN_DENSE_SDPA", True):
         return None
     index = query.device.index
     if not _flash_capable(torch.cuda.current_device() if index is None else index):

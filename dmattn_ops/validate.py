@@ -331,11 +331,13 @@ def check_sinks_values(sinks, fn: str) -> None:
 
 
 NO_WINDOW = (-1, -1)
+MAX_WINDOW = 2**62
 
 
 def check_window(window_size, fn: str) -> tuple[int, int]:
-    """window_size: (left, right), two ints >= -1 (-1: unbounded on that side). Returns them as
-    a tuple of Python ints."""
+    """window_size: (left, right), two ints >= -1 (-1: unbounded on that side), or None (no
+    window). Returns them as a tuple of Python ints; a side above MAX_WINDOW, wider than any
+    sequence, comes back as -1."""
     if window_size is None:
         return NO_WINDOW
     if isinstance(window_size, torch.Tensor) or not hasattr(window_size, "__len__"):
@@ -356,7 +358,9 @@ def check_window(window_size, fn: str) -> tuple[int, int]:
             )
         if v < -1:
             raise ValueError(f"{fn}: window_size {name} must be >= 0, or -1 for unbounded; got {v}")
-    return int(left), int(right)
+    # A side wider than any sequence (the schemas hold int64) bounds nothing: it is unbounded.
+    left, right = (-1 if v > MAX_WINDOW else int(v) for v in (left, right))
+    return left, right
 
 
 def has_window(window_size) -> bool:

@@ -275,3 +275,35 @@ def test_vmap_over_seqused_k_alone(backend):
     seqused = torch.tensor([[2], [4], [6]], dtype=torch.int32, device=dev)
     fn = lambda s: dmattn_ops.attention(q, k, v, seqused_k=s, is_causal=True, backend=backend)
     assert_close(torch.func.vmap(fn)(seqused), torch.stack([fn(s) for s in seqused]), 0.0, "vmap")
+
+
+def test_unclear_inputs_of_issue_48_get_clear_answers(monkeypatch):
+    from dmattn_ops.switches import switch
+
+    q = torch.randn(1, 8, 2, 16)
+    causal = dmattn_ops.attention(q, q, q, is_causal=True)
+    for backend in ("auto", "reference", "flex"):
+        # A window wider than any sequence bounds nothing (it was a schema or Overflow error).
+        out = dmattn_ops.attention(q, q, q, window_size=(2**64, 0), backend=backend)
+        torch.testing.assert_close(out, causal, rtol=0, atol=1e-6)
+    # flash-attn code passes window_size=None for "no window".
+    full = dmattn_ops.attention(q, q, q)
+    torch.testing.assert_close(dmattn_ops.flash_attn_func(q, q, q, window_size=None), full)
+    with pytest.raises(TypeError, match="window_size must be a pair"):
+        dmattn_ops.flash_attn_func(q, q, q, window_size=5)
+    # Switches: every spelling of off is off; a typo raises instead of leaving a path on.
+    for off in ("0", "false", "OFF", " no "):
+        monkeypatch.setenv("DMATTN_TEST_SWITCH", off)
+        assert switch("DMATTN_TEST_SWITCH", True) is False
+    for on in ("1", "True", "on", "yes"):
+        monkeypatch.setenv("DMATTN_TEST_SWITCH", on)
+        assert switch("DMATTN_TEST_SWITCH", False) is True
+    monkeypatch.setenv("DMATTN_TEST_SWITCH", "")
+    assert switch("DMATTN_TEST_SWITCH", True) is True
+    monkeypatch.setenv("DMATTN_TEST_SWITCH", "of")
+    with pytest.raises(ValueError, match="DMATTN_TEST_SWITCH='of'"):
+        switch("DMATTN_TEST_SWITCH", True)
+    from dmattn_ops import inductor
+
+    monkeypatch.setenv("DMATTN_INDUCTOR_KERNELS", "false")
+    assert not inductor.enabled()
