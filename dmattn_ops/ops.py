@@ -25,6 +25,7 @@ single-level function instead of being routed back through ``custom_function_cal
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ import torch
 import torch.autograd.forward_ad as fwad
 from torch._functorch.autograd_function import enable_single_level_autograd_function
 from torch._functorch.utils import unwrap_dead_wrappers
+from torch.autograd.function import _SingleLevelFunction as SingleLevelFunction
 
 from dmattn_ops import chunked, launch
 from dmattn_ops.chunked import stats_dtype
@@ -276,11 +278,25 @@ def _apply(function: type[torch.autograd.Function], *args):
         if _outer_grad_levels(tensors) or (_has_tangent(tensors) and _base_requires_grad(tensors)):
             raise NotImplementedError(DOUBLE_BACKWARD_ERROR)
         with enable_single_level_autograd_function():
-            return super(torch.autograd.Function, function).apply(*args)
+            return _single_level(function).apply(*args)
     # Function.apply would first bind every call's arguments to forward's signature
     # (inspect.signature, tens of microseconds of host time per call); ours are all positional
     # with no defaults, so the C++ apply takes them as they are.
     return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))
+
+
+@functools.cache
+def _single_level(function: type[torch.autograd.Function]) -> type:
+    """The Function as a single-level function (what functorch's own custom_function_call
+    builds per transform): its apply records the Function at the current level only. Since
+    torch 2.14 a torch.autograd.Function subclass applied under a transform always goes back
+    through custom_function_call, which has no kernel for the Autograd key this runs at."""
+    methods = ("forward", "setup_context", "backward", "jvp")
+    return type(
+        f"{function.__name__}SingleLevel",
+        (SingleLevelFunction,),
+        {name: staticmethod(getattr(function, name)) for name in methods},
+    )
 
 
 def _has_tangent(tensors) -> bool:
