@@ -109,10 +109,9 @@ def attention(
         lse_i   = log sum_j exp(s(i, j))            (-inf when no key is allowed)
 
     Rows with no allowed key give zero output and zero gradients. NaN or Inf in bias at
-    positions that are not allowed, and in K/V at or beyond seqused_k, never reach the result.
-    K/V at keys that only the mask excludes are loaded with their tile (a tile that holds an
-    allowed key is computed whole) and must be finite; a mask broadcast over queries on the
-    Triton path never loads them.
+    positions that are not allowed, in K/V at or beyond seqused_k, and in K/V at keys that no
+    query may see (the mask is False for every query of the key's KV group, as for unused
+    cache slots) never reach the result, on every backend.
 
     Under torch.autocast, query, key and value (and a bias that is not float32) are cast to
     the autocast dtype, as for scaled_dot_product_attention; the result has that dtype.

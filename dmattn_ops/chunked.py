@@ -30,6 +30,27 @@ def heads_5d(t: torch.Tensor | None, h: int, hkv: int) -> torch.Tensor | None:
     return t.view(bt, 1, 1, lqt, lk)
 
 
+def zero_unseen_keys(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None):
+    """key and value (B, Lk, Hkv, D|Dv) with the rows of keys that no query may see (the mask
+    is False for every query of every head of the key's KV group) set to 0.
+
+    Such a key's probability is 0 in every row, but a computation that still multiplies it (a
+    whole tile, P @ V, dS @ K) turns NaN or Inf stored there (unused KV-cache slots marked by
+    the mask) into NaN: 0 * NaN is NaN. Zeroed, they contribute exactly nothing, as the math
+    says. Paths that never load such keys (key lists) need not call this. A copy of K and V,
+    so only the paths that would multiply them pay it."""
+    if mask is None:
+        return key, value
+    b, lk, hkv = key.shape[0], key.shape[1], key.shape[2]
+    seen = mask.any(dim=2) if mask.shape[2] > 1 else mask[:, :, 0]  # [B|1, Hm, Lk]
+    hm = seen.shape[1]
+    if hm not in (1, hkv):  # a head dim of H: a key is seen if any head of its group sees it
+        seen = seen.view(seen.shape[0], hkv, hm // hkv, lk).any(dim=2)
+    seen = seen.transpose(1, 2)[..., None]  # [B|1, Lk, Hkv|1, 1]
+    zero = torch.zeros((), dtype=key.dtype, device=key.device)
+    return torch.where(seen, key, zero), torch.where(seen, value, zero)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 

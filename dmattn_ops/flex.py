@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from dmattn_ops.chunked import varlen_bounds
+from dmattn_ops.chunked import varlen_bounds, zero_unseen_keys
 from dmattn_ops.validate import (
     NO_WINDOW,
     check_backend,
@@ -395,6 +395,8 @@ def attention(
         used = (j[None, :] < seqused_k[:, None].to(torch.int64))[:, :, None, None]
         key = torch.where(used, key, 0)
         value = torch.where(used, value, 0)
+    # flex multiplies whole blocks of keys too (0 * NaN is NaN).
+    key, value = zero_unseen_keys(key, value, mask)
 
     block_mask = block_mask_for(mask, seqused_k, is_causal, b, h, hkv, lq, lk, device, window)
     shift = None
@@ -533,6 +535,8 @@ def attention_varlen(
     # Rows past the last sequence may hold NaN: flex would multiply them by 0.
     key = torch.where(key_used[:, None, None], key, 0)
     value = torch.where(key_used[:, None, None], value, 0)
+    if mask is not None:  # and keys no query may see (a per-key-token mask)
+        key, value = (t[0] for t in zero_unseen_keys(key[None], value[None], mask[None, :, None]))
     build = create_block_mask
     if device.type == "cuda" and not torch.compiler.is_compiling():
         build = _compiled_create_block_mask()

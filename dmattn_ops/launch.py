@@ -141,6 +141,8 @@ def attention_forward(
     )
     if p.path == EMPTY:
         return chunked.join_sinks(*_empty_forward(query, value), sinks)
+    if p.path in (PYTORCH, TILE_TABLES):  # they multiply whole tiles of keys
+        key, value = chunked.zero_unseen_keys(key, value, mask)
     if p.path == PYTORCH:
         result = chunked.forward(
             query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window=window
@@ -293,6 +295,8 @@ def attention_backward(
         return (
             torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dbias, dsinks
         )  # fmt: skip
+    if p.path in (PYTORCH, TILE_TABLES):
+        key, value = chunked.zero_unseen_keys(key, value, mask)
     if p.path == PYTORCH:
         grads = chunked.backward(
             grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias,

@@ -100,9 +100,6 @@ def attention(
     q = query.transpose(1, 2)  # [B, H, Lq, D]
     k = key.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, Lk, D]
     v = value.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, Lk, Dv]
-    k = torch.where(key_ok[:, None, :, None], k, 0)
-    v = torch.where(key_ok[:, None, :, None], v, 0)
-
     allowed = key_ok[:, None, None, :]  # [B, 1, 1, Lk]
     if mask is not None:
         allowed = allowed & _per_query_head(mask, h, hkv)
@@ -114,6 +111,11 @@ def attention(
     if right >= 0:
         allowed = allowed & (j[None, None, :] <= pos + right)[:, None]
     allowed = allowed.expand(b, h, lq, lk)
+    # A key no query of a head may see (past seqused_k, masked for every row) is not in any
+    # sum: zeroed, whatever it holds (NaN in an unused cache slot) meets only zero weights.
+    seen = allowed.any(dim=2)[..., None]  # [B, H, Lk, 1]
+    k = torch.where(seen, k, 0)
+    v = torch.where(seen, v, 0)
 
     x = scale * (q @ k.transpose(-1, -2))  # [B, H, Lq, Lk]
     if softcap > 0:

@@ -307,3 +307,58 @@ def test_unclear_inputs_of_issue_48_get_clear_answers(monkeypatch):
 
     monkeypatch.setenv("DMATTN_INDUCTOR_KERNELS", "false")
     assert not inductor.enabled()
+
+
+UNSEEN_BACKENDS = ["auto", "reference", "flex"] + (
+    ["triton"] if DEVICE == "cuda" or launch.interpreter_on() else []
+)
+
+
+@pytest.mark.parametrize("backend", UNSEEN_BACKENDS)
+@pytest.mark.parametrize(
+    "mask_shape,lq", [((2, 4, 40, 40), 40), ((2, 2, 1, 40), 40), ((1, 1, 40, 40), 40),
+                      ((2, 2, 1, 40), 1), ((2, 4, 1, 40), 3)],
+    ids=["BHQ", "BGq", "bhQ", "decode", "Lq3"],
+)  # fmt: skip
+def test_nan_at_keys_no_query_may_see_never_reaches_a_result(backend, mask_shape, lq):
+    """Unused cache slots marked by the mask, holding NaN/Inf: every backend exact (issue 48:
+    the default path, flex, reference and Triton with a 4-D mask returned NaN)."""
+    torch.manual_seed(0)
+    q, k, v = _randn(2, lq, 4, 16), _randn(2, 40, 2, 16), _randn(2, 40, 2, 16)
+    mask = torch.rand(mask_shape, device=DEVICE) < 0.7
+    mask[..., 0] = True
+    mask[..., [5, 17, 33]] = False
+    clean_k, clean_v = k.clone(), v.clone()
+    k[:, 5], v[:, 17], k[:, 33], v[:, 33] = float("nan"), float("nan"), float("inf"), -float("inf")
+    clean_k[:, [5, 33]], clean_v[:, [17, 33]] = 0.0, 0.0
+    kw = dict(is_causal=lq > 1)
+    train = backend != "flex" or DEVICE == "cuda"
+    tensors = [t.clone().requires_grad_(train) for t in (q, k, v)]
+    out = dmattn_ops.attention(*tensors, mask, backend=backend, **kw)
+    ref = reference.attention(q.double(), clean_k.double(), clean_v.double(), mask, **kw)
+    low = reference.attention(q, clean_k, clean_v, mask, **kw)
+    assert_close(out, ref, low_precision_bound(ref, low, torch.float32), "out")
+    if train:
+        grads = torch.autograd.grad(out.sum(), tensors)
+        for name, g in zip(("dq", "dk", "dv"), grads):
+            assert torch.isfinite(g).all(), name
+            if name != "dq":
+                assert (g[:, [5, 17, 33]] == 0).all(), name
+
+
+@pytest.mark.parametrize("backend", UNSEEN_BACKENDS)
+def test_varlen_nan_at_keys_no_query_may_see(backend):
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32, device=DEVICE)
+    q, k, v = _randn(40, 4, 16), _randn(40, 2, 16), _randn(40, 2, 16)
+    mask = torch.rand(2, 40, device=DEVICE) < 0.7
+    mask[:, [0, 17]] = True
+    mask[:, [5, 30]] = False
+    clean_k, clean_v = k.clone(), v.clone()
+    k[5], v[30] = float("nan"), float("nan")
+    clean_k[5], clean_v[30] = 0.0, 0.0
+    out = dmattn_ops.attention_varlen(q, k, v, cu, cu, 23, 23, mask, is_causal=True,
+                                      backend=backend)  # fmt: skip
+    ref = dmattn_ops.attention_varlen(q.double(), clean_k.double(), clean_v.double(), cu, cu, 23,
+                                      23, mask, is_causal=True, backend="reference")  # fmt: skip
+    assert_close(out, ref, 1e-5, "varlen out")
