@@ -41,7 +41,7 @@ def zero_unseen_keys(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor 
     so only the paths that would multiply them pay it."""
     if mask is None:
         return key, value
-    b, lk, hkv = key.shape[0], key.shape[1], key.shape[2]
+    lk, hkv = key.shape[1], key.shape[2]
     seen = mask.any(dim=2) if mask.shape[2] > 1 else mask[:, :, 0]  # [B|1, Hm, Lk]
     hm = seen.shape[1]
     if hm not in (1, hkv):  # a head dim of H: a key is seen if any head of its group sees it
