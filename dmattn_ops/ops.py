@@ -31,11 +31,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.autograd.forward_ad as fwad
-from torch._functorch.autograd_function import enable_single_level_autograd_function
-from torch._functorch.utils import unwrap_dead_wrappers
-from torch.autograd.function import _SingleLevelFunction as SingleLevelFunction
 
 from dmattn_ops import chunked, launch
+from dmattn_ops._compat import (
+    SingleLevelFunction,
+    enable_single_level_autograd_function,
+    unwrap_dead_wrappers,
+)
 from dmattn_ops.chunked import stats_dtype
 from dmattn_ops.validate import (
     NO_WINDOW,

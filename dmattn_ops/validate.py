@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch._subclasses.functional_tensor import FunctionalTensor
+
+from dmattn_ops._compat import FunctionalTensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256

@@ -150,3 +150,12 @@ def test_sdist_and_wheel_contents(tmp_path):
     assert "dmattn_ops/py.typed" in names
     assert not any(n.startswith(("kernels/", "tests/", "bench/")) for n in names)
     assert any(n.endswith("licenses/LICENSE") for n in names)
+
+
+def test_the_private_torch_names_import_on_this_torch():
+    """dmattn_ops._compat holds every private name the ops import (CI runs it on the pinned and
+    the newest torch through the main job and the torch.func tests)."""
+    from dmattn_ops import _compat
+
+    for name in _compat.__all__:
+        assert getattr(_compat, name) is not None, name
