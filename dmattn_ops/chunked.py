@@ -41,8 +41,17 @@ def zero_unseen_keys(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor 
     so only the paths that would multiply them pay it."""
     if mask is None:
         return key, value
-    lk, hkv = key.shape[1], key.shape[2]
     seen = mask.any(dim=2) if mask.shape[2] > 1 else mask[:, :, 0]  # [B|1, Hm, Lk]
+    return zero_keys(key, value, seen)
+
+
+def zero_keys(key: torch.Tensor, value: torch.Tensor, seen: torch.Tensor):
+    """key and value with the rows of keys that `seen` (B|1, Hm, Lk, nonzero where some query
+    of that head may see the key; Hm = H, Hkv or 1) marks unseen for every head of their KV
+    group set to 0 (zero_unseen_keys; the Triton tile tables fill `seen` while they read the
+    mask, tiles.block_any)."""
+    lk, hkv = key.shape[1], key.shape[2]
+    seen = seen != 0
     hm = seen.shape[1]
     if hm not in (1, hkv):  # a head dim of H: a key is seen if any head of its group sees it
         seen = seen.view(seen.shape[0], hkv, hm // hkv, lk).any(dim=2)

@@ -59,20 +59,25 @@ attention_decode_kernel = LazyKernel("attention_decode", "attention_decode_kerne
 decode_combine_kernel = LazyKernel("attention_decode", "decode_combine_kernel")
 
 
-def _backward_tables(mask, seqused_k, b, lq, lk, band: Band, cfgs: BackwardConfigs):
+def _seen_buffer(mask, lk: int) -> torch.Tensor:
+    """The zeroed int32 (Bm, Hm, Lk) in which tiles.block_any marks the keys some query sees."""
+    return torch.zeros((*mask.shape[:2], lk), dtype=torch.int32, device=mask.device)
+
+
+def _backward_tables(mask, seqused_k, b, lq, lk, band: Band, cfgs: BackwardConfigs, seen=None):
     """Tile tables of the dk/dv kernel and of the dq kernel, each on its own tile grid. When
     the grids share block_n and one block_m divides the other, the mask is read once and the
-    coarser grid is pooled from the finer."""
+    coarser grid is pooled from the finer. The first pass over the mask fills `seen`."""
     kv, qc = cfgs.dkdv, cfgs.dq
     fine, coarse = sorted((kv.block_m, qc.block_m))
     if kv.block_n == qc.block_n and coarse % fine == 0:
-        any_fine = block_any(mask, lq, lk, fine, kv.block_n)
+        any_fine = block_any(mask, lq, lk, fine, kv.block_n, seen)
         any_coarse = _pool_queries(any_fine, coarse // fine)
         any_kv, any_q = (any_fine, any_coarse) if kv.block_m == fine else (any_coarse, any_fine)
     else:
         any_kv = any_q = None
     args = (mask, seqused_k, b, lq, lk, band)
-    tables = build_tables(*args, kv.block_m, kv.block_n, mask_any=any_kv)
+    tables = build_tables(*args, kv.block_m, kv.block_n, mask_any=any_kv, seen=seen)
     if qc == kv:
         return tables, tables
     return tables, build_tables(*args, qc.block_m, qc.block_n, mask_any=any_q)
@@ -141,7 +146,7 @@ def attention_forward(
     )
     if p.path == EMPTY:
         return chunked.join_sinks(*_empty_forward(query, value), sinks)
-    if p.path in (PYTORCH, TILE_TABLES):  # they multiply whole tiles of keys
+    if p.path == PYTORCH:  # it multiplies whole tiles of keys (as the tile tables do, below)
         key, value = chunked.zero_unseen_keys(key, value, mask)
     if p.path == PYTORCH:
         result = chunked.forward(
@@ -169,7 +174,10 @@ def attention_forward(
             PackFrom(key, value, bias, h, zero_tail=p.hopper) if p.pack else None,
         )  # fmt: skip
     elif p.path == TILE_TABLES:
-        tables = build_tables(mask, seqused_k, b, lq, lk, band, cfg.block_m, cfg.block_n)
+        seen = _seen_buffer(mask, lk)
+        tables = build_tables(mask, seqused_k, b, lq, lk, band, cfg.block_m, cfg.block_n,
+                              seen=seen)  # fmt: skip
+        key, value = chunked.zero_keys(key, value, seen)
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
     lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
     lse_rem = empty((b, h, lq), dtype=torch.float32, device=query.device)
@@ -295,9 +303,8 @@ def attention_backward(
         return (
             torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dbias, dsinks
         )  # fmt: skip
-    if p.path in (PYTORCH, TILE_TABLES):
-        key, value = chunked.zero_unseen_keys(key, value, mask)
     if p.path == PYTORCH:
+        key, value = chunked.zero_unseen_keys(key, value, mask)
         grads = chunked.backward(
             grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias,
             scale, is_causal, softcap, seqused_k, compute_dbias, window=window,
@@ -332,7 +339,9 @@ def attention_backward(
             PackFrom(key, value, bias, h) if p.pack else None,
         )  # fmt: skip
     elif p.path == TILE_TABLES:
-        tables, dq_tables = _backward_tables(mask, seqused_k, b, lq, lk, band, cfgs)
+        seen = _seen_buffer(mask, lk)
+        tables, dq_tables = _backward_tables(mask, seqused_k, b, lq, lk, band, cfgs, seen)
+        key, value = chunked.zero_keys(key, value, seen)
     stats = empty((b, h, lq, 4), dtype=torch.float32, device=device)
 
     # Every row of dk, dv and the column sums is written by the dk/dv kernels, keys outside

@@ -118,17 +118,18 @@ class Tables:
     stride_bt: int
 
 
-def block_any(mask, lq, lk, block_m, block_n) -> torch.Tensor:
+def block_any(mask, lq, lk, block_m, block_n, seen=None) -> torch.Tensor:
     """(Bm, Hm, NQ | 1, NK) int8: whether each (query tile, key tile) of the mask allows any
-    entry. One pass over the mask."""
+    entry. One pass over the mask; `seen`, a zeroed int32 (Bm, Hm, Lk) or None, gets 1 at the
+    keys some query allows, in the same pass."""
     bm, hm, lqm, _ = mask.shape
     nq, nk = cdiv(lq, block_m), cdiv(lk, block_n)
     nqm = nq if lqm > 1 else 1
     mask_any = torch.empty((bm, hm, nqm, nk), dtype=torch.int8, device=mask.device)
     sb, sh, sm, sn = operand_strides(mask)
     mask_block_any_kernel[(nqm, nk, bm * hm)](
-        mask, mask_any, sb, sh, sm, sn, hm, lqm, lk, nqm, nk,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        mask, mask_any, seen, sb, sh, sm, sn, hm, lqm, lk, nqm, nk,
+        BLOCK_M=block_m, BLOCK_N=block_n, HAS_SEEN=seen is not None,
     )  # fmt: skip
     return mask_any
 
@@ -142,13 +143,15 @@ def _pool_queries(mask_any: torch.Tensor, ratio: int) -> torch.Tensor:
     return fine.unflatten(2, (-1, ratio)).amax(dim=3)
 
 
-def build_tables(mask, seqused_k, b, lq, lk, band: Band, block_m, block_n, mask_any=None) -> Tables:
+def build_tables(
+    mask, seqused_k, b, lq, lk, band: Band, block_m, block_n, mask_any=None, seen=None
+) -> Tables:
     """Activity of every (query tile, key tile): the mask has an allowed entry there (mask_any,
-    from block_any unless given) and the tile lies inside the causal / window / seqused_k
-    bounds. Two kernel launches (rows, then columns) whatever the shapes: the host cost stays
-    flat."""
+    from block_any unless given, which then fills `seen` too) and the tile lies inside the
+    causal / window / seqused_k bounds. Two kernel launches (rows, then columns) whatever the
+    shapes: the host cost stays flat."""
     if mask_any is None:
-        mask_any = block_any(mask, lq, lk, block_m, block_n)
+        mask_any = block_any(mask, lq, lk, block_m, block_n, seen)
     bm, hm, _, nk = mask_any.shape
     nq = cdiv(lq, block_m)
     bt = b if seqused_k is not None else bm

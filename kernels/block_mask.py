@@ -14,6 +14,7 @@ from dmattn_ops.kernels.common import (
 def mask_block_any_kernel(
     MASK,
     OUT,
+    SEEN,
     stride_b,
     stride_h,
     stride_m,
@@ -25,8 +26,11 @@ def mask_block_any_kernel(
     NK,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_SEEN: tl.constexpr,
 ):
-    """OUT[b, h, qb, kb] = any(mask[b, h, qb*BM:(qb+1)*BM, kb*BN:(kb+1)*BN]), as int8."""
+    """OUT[b, h, qb, kb] = any(mask[b, h, qb*BM:(qb+1)*BM, kb*BN:(kb+1)*BN]), as int8. HAS_SEEN:
+    also SEEN[b, h, j] = 1 (int32, zeroed by the caller) for every key j some query allows, in
+    the same pass over the mask (chunked.zero_keys zeroes the others' K/V rows)."""
     i_qb = tl.program_id(0)
     i_kb = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -43,7 +47,10 @@ def mask_block_any_kernel(
         mask=(i_m[:, None] < Lqm) & (i_n[None, :] < Lk),
         other=0,
     )  # [BM, BN]
-    b_any = tl.max(tl.max((b_mask != 0).to(tl.int32), 1), 0)
+    b_cols = tl.max((b_mask != 0).to(tl.int32), 0)  # [BN]
+    b_any = tl.max(b_cols, 0)
+    if HAS_SEEN:
+        tl.atomic_max(SEEN + i_bh.to(tl.int64) * Lk + i_n, b_cols, mask=b_cols > 0)
     tl.store(OUT + (i_bh.to(tl.int64) * NQm + i_qb) * NK + i_kb, b_any.to(tl.int8))
 
 
