@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dmattn_ops.chunked import lse_split
 from dmattn_ops.ops import default_scale
 from dmattn_ops.validate import check_flags, check_inputs
 
@@ -160,17 +161,6 @@ def _merge(out, m, lg, o, lse_o, rem_o):
     return out, m_new, torch.where(seen, lg_new, 0.0)
 
 
-def _lse_pair(m, lg):
-    """(lse, lse_rem) with lse = m + lg rounded and lse_rem what the rounding dropped
-    (TwoSum), as the forward op returns them for the backward op; (-inf, 0) for empty rows."""
-    lse = m + lg
-    b_virtual = lse - m
-    a_virtual = lse - b_virtual
-    rem = (m - a_virtual) + (lg - b_virtual)
-    empty = m == float("-inf")
-    return torch.where(empty, float("-inf"), lse), torch.where(empty, 0.0, rem)
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, mask, bias, ring: _Ring):
@@ -190,7 +180,8 @@ class _RingAttention(torch.autograd.Function):
                     out[:, qs], top[:, :, qs], log_sum[:, :, qs], o, l_o, rem_o.to(stats)
                 )
         out = out.to(query.dtype)
-        lse, lse_rem = _lse_pair(top, log_sum)
+        # (lse, lse_rem) as the forward op hands them to the backward op.
+        lse, lse_rem = lse_split(top, log_sum, top > float("-inf"))
         ctx.save_for_backward(query, key, value, mask, bias, out, lse, lse_rem)
         ctx.ring = ring
         return out
