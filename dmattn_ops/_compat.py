@@ -12,16 +12,47 @@ Tested on torch 2.11 (GPU), 2.13.0 and 2.14.1 (CI).
   `custom_function_call`, a single-level one does not.
 * `enable_single_level_autograd_function`: allows applying such a Function.
 * `unwrap_dead_wrappers`: unwraps tensors of exited transforms before a plain apply.
-* `FunctionalTensor`: the tensors Inductor's functionalization traces with (no data to read).
+* `FunctionalTensor`, `FakeTensor`, `is_fake`: the tensors tracing uses (no data to read).
+* `functorch`: functorch's C module (wrapper levels: is_functorch_wrapped_tensor, get_unwrapped,
+  ...) and `transforms_active()`.
+* `below_autograd()` and `AFTER_AUTOGRAD_KEYSET`: the redispatch below Autograd that an Autograd
+  kernel registered by hand does when nothing needs a gradient (as torch's own custom ops do).
+* `without_autocast(device_type)`: leaves the Autocast key of a device for the ops below.
+* `fused_sdp_choice`: which fused kernel `scaled_dot_product_attention` would pick.
+
+dmattn_ops/inductor.py, an Inductor lowering by nature, imports Inductor's modules itself.
 """
 
+import torch
 from torch._functorch.utils import enable_single_level_autograd_function, unwrap_dead_wrappers
+from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.function import _SingleLevelFunction as SingleLevelFunction
 
+functorch = torch._C._functorch
+transforms_active = torch._C._are_functorch_transforms_active
+below_autograd = torch._C._AutoDispatchBelowAutograd
+AFTER_AUTOGRAD_KEYSET = torch._C._after_autograd_keyset
+fused_sdp_choice = torch._fused_sdp_choice
+
+
+def without_autocast(device_type: str):
+    """A guard that excludes the Autocast dispatch key of `device_type` ("cpu", "cuda")."""
+    key = getattr(torch._C.DispatchKey, "Autocast" + device_type.upper())
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key))
+
+
 __all__ = [
+    "AFTER_AUTOGRAD_KEYSET",
+    "FakeTensor",
     "FunctionalTensor",
     "SingleLevelFunction",
+    "below_autograd",
     "enable_single_level_autograd_function",
+    "functorch",
+    "fused_sdp_choice",
+    "is_fake",
+    "transforms_active",
     "unwrap_dead_wrappers",
+    "without_autocast",
 ]

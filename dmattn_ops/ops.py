@@ -34,9 +34,14 @@ import torch.autograd.forward_ad as fwad
 
 from dmattn_ops import chunked, launch
 from dmattn_ops._compat import (
+    AFTER_AUTOGRAD_KEYSET,
     SingleLevelFunction,
+    below_autograd,
     enable_single_level_autograd_function,
+    functorch,
+    transforms_active,
     unwrap_dead_wrappers,
+    without_autocast,
 )
 from dmattn_ops.chunked import stats_dtype
 from dmattn_ops.validate import (
@@ -272,7 +277,7 @@ def _backward_fake(
 
 
 def _apply(function: type[torch.autograd.Function], *args):
-    if torch._C._are_functorch_transforms_active():
+    if transforms_active():
         # The Function records for this level only: its forward runs with grad and forward
         # grad off, which hides the call from an enclosing grad or jvp level that would
         # differentiate it once more (a silent zero there), so that is refused.
@@ -452,9 +457,9 @@ def _attention_autograd(
             AttentionFunction, query, key, value, mask, bias, seqused_k, sinks, options
         )
         return out
-    with torch._C._AutoDispatchBelowAutograd():
+    with below_autograd():
         return torch.ops.dmattn.attention.default.redispatch(
-            keyset & torch._C._after_autograd_keyset,
+            keyset & AFTER_AUTOGRAD_KEYSET,
             query,
             key,
             value,
@@ -478,9 +483,9 @@ def _forward_autograd(
         window = check_window(window_size, "dmattn::attention")
         options = Options(scale, is_causal, softcap, deterministic, window)
         return _apply(AttentionFunction, query, key, value, mask, bias, seqused_k, sinks, options)
-    with torch._C._AutoDispatchBelowAutograd():
+    with below_autograd():
         return torch.ops.dmattn.attention_forward.default.redispatch(
-            keyset & torch._C._after_autograd_keyset,
+            keyset & AFTER_AUTOGRAD_KEYSET,
             query,
             key,
             value,
@@ -506,9 +511,9 @@ def _outer_grad_levels(tensors) -> bool:
     grad mode off, which hides the call from the enclosing level), so the result would be a
     silent zero; the caller raises instead.
     """
-    if not torch._C._are_functorch_transforms_active():
+    if not transforms_active():
         return False
-    F = torch._C._functorch
+    F = functorch
     current = F.peek_interpreter_stack().level()
     for t in tensors:
         while F.is_functorch_wrapped_tensor(t) or F.is_batchedtensor(t):
@@ -523,7 +528,7 @@ def _base_requires_grad(tensors) -> bool:
     tensors: a jvp transform inside it computes tangents it would differentiate wrongly."""
     if not torch.is_grad_enabled():
         return False
-    F = torch._C._functorch
+    F = functorch
     for t in tensors:
         while F.is_functorch_wrapped_tensor(t) or F.is_batchedtensor(t):
             t = F.get_unwrapped(t)
@@ -537,9 +542,9 @@ def _backward_autograd(keyset, *args):
         raise NotImplementedError(DOUBLE_BACKWARD_ERROR)
     if _needs_grad(*(a for a in args if isinstance(a, torch.Tensor))):
         return _apply(_BackwardFunction, *args)
-    with torch._C._AutoDispatchBelowAutograd():
+    with below_autograd():
         return torch.ops.dmattn.attention_backward.default.redispatch(
-            keyset & torch._C._after_autograd_keyset, *args
+            keyset & AFTER_AUTOGRAD_KEYSET, *args
         )
 
 
@@ -714,9 +719,9 @@ def _varlen_autograd(
         args = (query, key, value, cu_q, cu_k, mask, bias, options)
         out, _, _ = _apply(VarlenAttentionFunction, *args)
         return out
-    with torch._C._AutoDispatchBelowAutograd():
+    with below_autograd():
         return torch.ops.dmattn.attention_varlen.default.redispatch(
-            keyset & torch._C._after_autograd_keyset, query, key, value, cu_q, cu_k, max_q,
+            keyset & AFTER_AUTOGRAD_KEYSET, query, key, value, cu_q, cu_k, max_q,
             max_k, mask, bias, scale, is_causal, softcap, deterministic, window_size,
         )  # fmt: skip
 
@@ -729,9 +734,9 @@ def _varlen_forward_autograd(
         window = check_window(window_size, "dmattn::attention_varlen")
         options = VarlenOptions(scale, is_causal, softcap, deterministic, window, max_q, max_k)
         return _apply(VarlenAttentionFunction, query, key, value, cu_q, cu_k, mask, bias, options)
-    with torch._C._AutoDispatchBelowAutograd():
+    with below_autograd():
         return torch.ops.dmattn.attention_varlen_forward.default.redispatch(
-            keyset & torch._C._after_autograd_keyset, query, key, value, cu_q, cu_k, max_q,
+            keyset & AFTER_AUTOGRAD_KEYSET, query, key, value, cu_q, cu_k, max_q,
             max_k, mask, bias, scale, is_causal, softcap, deterministic, window_size,
         )  # fmt: skip
 
@@ -741,9 +746,9 @@ def _varlen_backward_autograd(keyset, *args):
         raise NotImplementedError(DOUBLE_BACKWARD_ERROR)
     if _needs_grad(*(a for a in args if isinstance(a, torch.Tensor))):
         return _apply(_VarlenBackwardFunction, *args)
-    with torch._C._AutoDispatchBelowAutograd():
+    with below_autograd():
         return torch.ops.dmattn.attention_varlen_backward.default.redispatch(
-            keyset & torch._C._after_autograd_keyset, *args
+            keyset & AFTER_AUTOGRAD_KEYSET, *args
         )
 
 
@@ -766,7 +771,6 @@ _lib.impl("attention_varlen_backward", _varlen_backward_autograd, "Autograd", wi
 def _autocast_kernel(op, cast: bool):
     def kernel(keyset, *args):
         device = next(a for a in args if isinstance(a, torch.Tensor)).device.type
-        autocast_key = getattr(torch._C.DispatchKey, "Autocast" + device.upper())
         if cast:
             # The dispatcher drops trailing arguments left at their defaults (bias among them).
             bias_at = 8 if "varlen" in op.name() else 4
@@ -774,7 +778,7 @@ def _autocast_kernel(op, cast: bool):
             q, k, v, bias = autocast_inputs(*args[:3], bias)
             rest = (bias, *args[bias_at + 1 :]) if len(args) > bias_at else ()
             args = (q, k, v, *args[3:bias_at], *rest)
-        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(autocast_key)):
+        with without_autocast(device):
             return op(*args)
 
     return kernel

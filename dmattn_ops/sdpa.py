@@ -46,10 +46,10 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from dmattn_ops import cudnn_graphs
 from dmattn_ops._alloc import empty
+from dmattn_ops._compat import fused_sdp_choice, is_fake
 from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
 from dmattn_ops.switches import switch
 from dmattn_ops.tiles import UNBOUNDED, Band
@@ -121,7 +121,7 @@ def _sdpa_choice(query, key, value, is_causal: bool) -> int:
 
 def _choice_of(query, key, value, is_causal: bool) -> int:
     qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    return torch._fused_sdp_choice(
+    return fused_sdp_choice(
         qt, kt, vt, None, 0.0, is_causal, enable_gqa=query.shape[2] != key.shape[2]
     )
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from dmattn_ops._compat import FunctionalTensor
+from dmattn_ops._compat import FakeTensor, FunctionalTensor, functorch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
@@ -129,13 +129,12 @@ def data_readable(t: torch.Tensor) -> bool:
     """Whether t's values can be read on the host now: not while torch.compile traces, not
     during CUDA graph capture, and not through a torch.func wrapper (a vmapped or grad-tracked
     tensor has no storage of its own; the registered ops check it below the transform)."""
-    if torch.compiler.is_compiling() or isinstance(t, torch._subclasses.FakeTensor):
+    if torch.compiler.is_compiling() or isinstance(t, FakeTensor):
         return False
     if isinstance(t, FunctionalTensor):
         return False  # traced for a compiled graph (inductor.py): fake underneath
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    functorch = torch._C._functorch
     return not (functorch.is_functorch_wrapped_tensor(t) or functorch.is_batchedtensor(t))
 
 
