@@ -146,9 +146,9 @@ def attention_forward(
     )
     if p.path == EMPTY:
         return chunked.join_sinks(*_empty_forward(query, value), sinks)
-    if p.path == PYTORCH:  # it multiplies whole tiles of keys (as the tile tables do, below)
-        key, value = chunked.zero_unseen_keys(key, value, mask)
     if p.path == PYTORCH:
+        # It multiplies whole tiles of keys (as the tile tables do, below).
+        key, value = chunked.zero_unseen_keys(key, value, mask)
         result = chunked.forward(
             query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window=window
         )
