@@ -1,11 +1,12 @@
 """Tile-config sweep: ``python -m bench.tune [A,B,...] [fwd,dkdv,dq,split]``.
 
 For each case and kernel kind, every candidate (block_m, block_n, num_warps, num_stages) is
-forced through configs.OVERRIDE and the kernel's own device time is read from the profiler
-(bench.profile), so the dk/dv and dq kernels are tuned separately (each reads tile tables on its
-own grid). The dkdv sweep also reports the dq kernel's time, which a shared mask pass affects.
+forced through the kernel options (dmattn_ops.kernel_options) and the kernel's own device time
+is read from the profiler (bench.profile), so the dk/dv and dq kernels are tuned separately
+(each reads tile tables on its own grid). The dkdv sweep also reports the dq kernel's time,
+which a shared mask pass affects.
 The split sweep forces how many programs share a KV group's query heads in the dk/dv kernel
-(configs.SPLIT_OVERRIDE; 0 leaves it to configs.dkdv_split), with the dk/dv tile config given,
+(kernel option dkdv_split; 0 leaves it to configs.dkdv_split), with the dk/dv tile config given,
 and reports the dk/dv kernel plus the reduce kernel that sums its parts. Besides bench's own
 cases it takes M-L32768 and M-L512 (the model's DMA call at B1 L32768 and B16 L512; the
 first is too long for `python -m bench`),
@@ -19,9 +20,9 @@ import sys
 
 import torch
 
+import dmattn_ops
 from bench.__main__ import CASES, Case, build, impl_ours
 from bench.profile import kernel_times
-from dmattn_ops import configs
 
 # Cases only the sweep takes (too long for `python -m bench`, whose other impls would
 # materialise their masks): the model's DMA call at its longest shape.
@@ -79,21 +80,20 @@ def _sweep(name: str, kind: str) -> None:
     results = []
     for cfg in CANDIDATES[kind]:
         if kind == "split":
-            configs.SPLIT_OVERRIDE = cfg[0] or None
-            configs.OVERRIDE["dkdv"] = configs.Config(*cfg[1])
+            forced = {"dkdv_config": tuple(cfg[1])}
+            if cfg[0]:
+                forced["dkdv_split"] = cfg[0]
         else:
-            configs.OVERRIDE[kind] = configs.Config(*cfg)
+            forced = {f"{kind}_config": tuple(cfg)}
         try:
-            times = {kernel: ms for kernel, ms, _ in kernel_times(step)}
+            with dmattn_ops.kernel_options(**forced):
+                times = {kernel: ms for kernel, ms, _ in kernel_times(step)}
             parts = [times.get(kernel, 0.0) for kernel in KERNELS[kind]]
             shown = " + ".join(f"{ms:.3f}" for ms in parts)
             results.append((sum(parts), cfg))
             print(f"{name} {kind} {cfg} {sum(parts):.3f} ms ({shown})", flush=True)
         except Exception as e:  # out of shared memory, say: a result, not a crash
             print(f"{name} {kind} {cfg} FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
-        finally:
-            configs.OVERRIDE.clear()
-            configs.SPLIT_OVERRIDE = None
     if results:
         best = min(results)
         print(f"BEST {name} {kind}: {best[1]} {best[0]:.3f} ms", flush=True)

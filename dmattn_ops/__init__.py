@@ -1,14 +1,24 @@
 """Dynamic Mask Attention as PyTorch custom ops (``torch.ops.dmattn``) backed by Triton kernels."""
 
 from dmattn_ops import flex, inductor, masks, nn, ops, reference
-from dmattn_ops.api import attention, attention_varlen, flash_attn_func, flash_attn_varlen_func
+from dmattn_ops.api import (
+    attention,
+    attention_varlen,
+    explain,
+    flash_attn_func,
+    flash_attn_varlen_func,
+)
+from dmattn_ops.options import KernelOptions, kernel_options
 
 __all__ = [
+    "KernelOptions",
     "attention",
     "attention_varlen",
+    "explain",
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flex",
+    "kernel_options",
     "masks",
     "nn",
     "ops",

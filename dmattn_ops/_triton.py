@@ -6,7 +6,7 @@ of dmattn_ops.kernels are reached through LazyKernel, which imports them (and Tr
 first launch.
 
 Eager launches skip most of Triton's launch path (LaunchCache): `JITFunction.run` binds and
-specialises every argument on every launch (bench/NOTES.md 63: 42-88 us for our 75-87-argument
+specialises every argument on every launch (42-88 us for our 75-87-argument
 kernels on the H100's hosts, 105-127 us inside an eager call, where its C launcher alone takes
 9-14 us). The first launch with a given specialisation goes through it and keeps the compiled
 kernel it returns; later launches with the same key call that kernel directly.

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops import flex, ops, plan, reference
+from dmattn_ops import flex, ops, options, plan, reference
+from dmattn_ops.calls import default_scale
+from dmattn_ops.options import KernelOptions
+from dmattn_ops.problem import Options, Problem
 from dmattn_ops.validate import (
     check_backend,
     check_flags,
@@ -33,6 +36,18 @@ def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
     weight = torch.where(none, 1.0, weight)
     out_new = (out.to(weight.dtype) * weight.transpose(1, 2)[..., None]).to(out.dtype)
     return out_new, lse_new
+
+
+def _encoded(kernel_options, backend: str, fn: str) -> str | None:
+    """The kernel options as the lower ops carry them (options.encode), or None."""
+    if kernel_options is None:
+        return None
+    if backend in ("reference", "flex"):
+        raise ValueError(
+            f"{fn}: kernel_options choose among this library's kernels (backend 'auto' or "
+            f"'triton'); backend={backend!r} runs none of them"
+        )
+    return options.encode(kernel_options, fn)
 
 
 def _check_triton_can_run(query: torch.Tensor, fn: str = "dmattn.attention") -> None:
@@ -69,6 +84,7 @@ def attention(
     backend: str = "auto",
     sinks: torch.Tensor | None = None,
     window_size: tuple[int, int] = (-1, -1),
+    kernel_options: KernelOptions | None = None,
     _internal_lse: bool = False,
 ):
     r"""Dynamic Mask Attention.
@@ -96,6 +112,9 @@ def attention(
             p - left <= j <= p + right, p = i + n - Lq its aligned position; -1 leaves a side
             unbounded. Combines (and) with is_causal, mask and seqused_k; key tiles outside
             the band are never read.
+        kernel_options: a `KernelOptions` dict (dmattn_ops.options): force a route, override
+            tile configs or splits; they change speed, never the result. Backends "auto" and
+            "triton" only. `dmattn_ops.explain` shows the route each pass takes and why.
 
     Returns:
         out (B, Lq, H, Dv) in query's dtype, or (out, lse) when ``return_lse``.
@@ -122,6 +141,7 @@ def attention(
         return_lse=return_lse,
     )  # fmt: skip
     window = check_window(window_size, "dmattn.attention")
+    tuned = _encoded(kernel_options, backend, "dmattn.attention")
     query, key, value, bias = ops.autocast_inputs(query, key, value, bias)
     if sinks is not None and backend in ("reference", "flex"):
         # The registered ops take sinks themselves (their forward kernel starts each row's
@@ -162,12 +182,16 @@ def attention(
         if sinks is not None:
             check_sinks(sinks, query, "dmattn.attention")
             extra = (window, sinks)
-        if return_lse:
-            scale = ops.default_scale(query) if scale is None else scale
+        if tuned is not None:
+            extra = (window, sinks, tuned)  # only the lower op carries kernel options
+        if return_lse or tuned is not None:
+            scale = default_scale(query) if scale is None else scale
             out, lse, _ = torch.ops.dmattn.attention_forward(
                 query, key, value, mask, bias, scale, is_causal, softcap, seqused_k,
                 deterministic, *extra,
             )  # fmt: skip
+            if not return_lse:
+                return out
             # float64 inputs keep a float64 lse inside the ops
             return out, (lse if _internal_lse else lse.float())
         return torch.ops.dmattn.attention(
@@ -195,6 +219,7 @@ def attention_varlen(
     backend: str = "auto",
     sinks: torch.Tensor | None = None,
     window_size: tuple[int, int] = (-1, -1),
+    kernel_options: KernelOptions | None = None,
     _internal_lse: bool = False,
 ):
     r"""Dynamic Mask Attention over a packed batch of variable-length sequences.
@@ -210,8 +235,8 @@ def attention_varlen(
         mask: bool (H|Hkv|1, total_k), per key token, broadcast over the queries of the
             key's sequence. No gradient.
         bias: float (H|Hkv|1, total_k), per key token like mask; its gradient has its shape.
-        scale, is_causal, softcap, deterministic, backend, window_size: as in `attention`;
-            causal and the window are bottom-right aligned within each sequence.
+        scale, is_causal, softcap, deterministic, backend, window_size, kernel_options: as in
+            `attention`; causal and the window are bottom-right aligned within each sequence.
         return_lse: also return lse, float32 (H, total_q).
         sinks: float (H,) or None: attention sinks, as in `attention`; rows outside every
             sequence keep out 0 and lse -inf.
@@ -229,9 +254,10 @@ def attention_varlen(
     check_backend(backend, fn)
     check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
     window = check_window(window_size, fn)
+    tuned = _encoded(kernel_options, backend, fn)
     query, key, value, bias = ops.autocast_inputs(query, key, value, bias)
     args = (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias)
-    options = dict(
+    common = dict(
         scale=scale, is_causal=is_causal, softcap=softcap, deterministic=deterministic,
         window_size=window,
     )  # fmt: skip
@@ -241,9 +267,10 @@ def attention_varlen(
             check_sinks_values(sinks, fn)
         with ops.autocast_off(query):
             if backend == "reference":
-                return reference.attention_varlen(*args, **options, return_lse=return_lse,
+                return reference.attention_varlen(*args, **common, return_lse=return_lse,
                                                   sinks=sinks)  # fmt: skip
-            out, lse = attention_varlen(*args, **options, backend=backend, return_lse=True,
+            out, lse = attention_varlen(*args, **common, backend=backend, return_lse=True,
+                                        kernel_options=kernel_options,
                                         _internal_lse=True)  # fmt: skip
             # (total, H, Dv) and (H, total) as one batch of (1, total, H, Dv), (1, H, total).
             out_s, lse_s = add_sinks(out[None], lse[None], sinks)
@@ -255,21 +282,68 @@ def attention_varlen(
             fn_backend = (
                 reference.attention_varlen if backend == "reference" else flex.attention_varlen
             )
-            return fn_backend(*args, **options, return_lse=return_lse)
+            return fn_backend(*args, **common, return_lse=return_lse)
         # The cu_seqlens value checks run inside the op (see attention).
         check_varlen_inputs(*args, scale, softcap, fn=fn)
         if backend == "triton":
             _check_triton_can_run(query, fn)
         extra = (window,) if has_window(window) else ()
-        if return_lse:
-            scale = ops.default_scale(query) if scale is None else scale
+        if tuned is not None:
+            extra = (window, tuned)
+        if return_lse or tuned is not None:
+            scale = default_scale(query) if scale is None else scale
             out, lse, _ = torch.ops.dmattn.attention_varlen_forward(
                 *args, scale, is_causal, softcap, deterministic, *extra
             )
+            if not return_lse:
+                return out
             return out, (lse if _internal_lse else lse.float())
         return torch.ops.dmattn.attention_varlen(
             *args, scale, is_causal, softcap, deterministic, *extra
         )
+
+
+def explain(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    softcap: float = 0.0,
+    seqused_k: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    backend: str = "auto",
+    sinks: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    kernel_options: KernelOptions | None = None,
+) -> plan.Explanation:
+    """The route each pass of ``attention(query, key, value, mask, bias, **same keywords)``
+    would take, and for every other route the reasons it was not taken; nothing is computed.
+
+    The backward is explained as `attention`'s autograd would call it: with a gradient of
+    lse when ``return_lse`` and dbias when ``bias`` requires grad. ``print(explain(...))``
+    gives one line per route; the returned `plan.Explanation` holds the plans themselves.
+    """
+    fn = "dmattn.explain"
+    check_backend(backend, fn)
+    window = check_window(window_size, fn)
+    tuned = _encoded(kernel_options, backend, fn)
+    query, key, value, bias = ops.autocast_inputs(query, key, value, bias)
+    if backend in ("reference", "flex"):
+        return plan.Explanation(backend, None, None)
+    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn=fn)
+    check_sinks(sinks, query, fn)
+    problem = Problem(query, key, value, mask, bias, sinks, seqused_k)
+    opts = Options(
+        default_scale(query) if scale is None else scale, is_causal, softcap, deterministic,
+        window, tuned,
+    )  # fmt: skip
+    dbias = bias is not None and bias.requires_grad
+    return plan.explanation(problem, opts, backend, grad_lse=return_lse, compute_dbias=dbias)
 
 
 # flash-attn-style entry points, for code written against flash_attn.flash_attn_func.

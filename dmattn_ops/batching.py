@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from dmattn_ops import chunked
-from dmattn_ops.validate import NO_WINDOW
+from dmattn_ops.calls import bind, unbind
 
 # Dense ops: the vmapped dim is folded into the batch dim B, one launch for all of it.
 
@@ -37,9 +37,13 @@ def _unfold(t: torch.Tensor, n: int, b: int) -> torch.Tensor:
     return t.unflatten(0, (n, b))
 
 
-def _pad_dims(in_dims, count: int) -> tuple:
-    """The dispatcher drops trailing arguments left at their defaults, and their in_dims."""
-    return (*in_dims, *([None] * (count - len(in_dims))))
+def _bound(op, in_dims, args, kwargs):
+    """(call, dims): the call's values and vmapped dims by argument name (calls.bind; a dropped
+    trailing argument's dim is None)."""
+    call = bind(op, args, kwargs)
+    dims = {name: None for name in call}
+    dims.update(zip(call, in_dims))
+    return call, dims
 
 
 def _batch_size(t: torch.Tensor, dim) -> int:
@@ -58,102 +62,67 @@ def _unbatched_sinks(sinks, dim, op: str):
     return sinks
 
 
-def _fold_forward_args(info, in_dims, args):
-    """The 12 arguments of attention / attention_forward with the vmapped dim folded into B,
-    and (n, b) to unfold the results. Trailing arguments the dispatcher dropped (left at their
-    defaults) come back as None and are restored to those defaults."""
-    in_dims = _pad_dims(in_dims, 12)
-    args = _pad_dims(args, 12)
-    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic = args[:10]
-    window_size = NO_WINDOW if args[10] is None else args[10]
-    sinks = _unbatched_sinks(args[11], in_dims[11], "dmattn.attention")
-    n, b = info.batch_size, _batch_size(query, in_dims[0])
-    folded = (
-        _fold(query, in_dims[0], n, b),
-        _fold(key, in_dims[1], n, b),
-        _fold(value, in_dims[2], n, b),
-        _fold(mask, in_dims[3], n, b, keep_broadcast=True),
-        _fold(bias, in_dims[4], n, b, keep_broadcast=True),
-        scale,
-        bool(is_causal),
-        0.0 if softcap is None else softcap,
-        _fold(seqused_k, in_dims[8], n, b),
-        bool(deterministic),
-        window_size,
-        sinks,
-    )
-    return folded, n, b
+def _fold_forward(info, op, in_dims, args, kwargs):
+    """A call of attention / attention_forward with the vmapped dim folded into B, and (n, b)
+    to unfold the results."""
+    call, dims = _bound(op, in_dims, args, kwargs)
+    query = call["query"]
+    n, b = info.batch_size, _batch_size(query, dims["query"])
+    folded = dict(call)
+    for name in ("query", "key", "value", "seqused_k"):
+        folded[name] = _fold(call[name], dims[name], n, b)
+    for name in ("mask", "bias"):
+        folded[name] = _fold(call[name], dims[name], n, b, keep_broadcast=True)
+    folded["sinks"] = _unbatched_sinks(call["sinks"], dims["sinks"], "dmattn.attention")
+    folded["softcap"] = 0.0 if call["softcap"] is None else call["softcap"]
+    return unbind(op, folded), n, b
 
 
 @torch.library.register_vmap("dmattn::attention")
-def _attention_vmap(info, in_dims, *args):
-    folded, n, b = _fold_forward_args(info, in_dims, args)
-    return _unfold(torch.ops.dmattn.attention(*folded), n, b), 0
+def _attention_vmap(info, in_dims, *args, **kwargs):
+    op = torch.ops.dmattn.attention.default
+    folded, n, b = _fold_forward(info, op, in_dims, args, kwargs)
+    return _unfold(op(*folded), n, b), 0
 
 
 @torch.library.register_vmap("dmattn::attention_forward")
-def _forward_vmap(info, in_dims, *args):
-    folded, n, b = _fold_forward_args(info, in_dims, args)
-    out, lse, lse_rem = torch.ops.dmattn.attention_forward(*folded)
+def _forward_vmap(info, in_dims, *args, **kwargs):
+    op = torch.ops.dmattn.attention_forward.default
+    folded, n, b = _fold_forward(info, op, in_dims, args, kwargs)
+    out, lse, lse_rem = op(*folded)
     return (_unfold(out, n, b), _unfold(lse, n, b), _unfold(lse_rem, n, b)), (0, 0, 0)
 
 
 @torch.library.register_vmap("dmattn::attention_backward")
-def _backward_vmap(
-    info,
-    in_dims,
-    grad_out,
-    grad_lse,
-    query,
-    key,
-    value,
-    out,
-    lse,
-    lse_rem,
-    mask,
-    bias,
-    scale,
-    is_causal,
-    softcap,
-    seqused_k,
-    deterministic,
-    compute_dbias,
-    window_size=NO_WINDOW,
-    sinks=None,
-):
-    n, b = info.batch_size, _batch_size(query, in_dims[2])
-    in_dims = _pad_dims(in_dims, 18)
-    sinks = _unbatched_sinks(sinks, in_dims[17], "dmattn.attention (backward)")
-    compute_dbias = compute_dbias and bias is not None
+def _backward_vmap(info, in_dims, *args, **kwargs):
+    op = torch.ops.dmattn.attention_backward.default
+    call, dims = _bound(op, in_dims, args, kwargs)
+    n, b = info.batch_size, _batch_size(call["query"], dims["query"])
+    bias, sinks = call["bias"], call["sinks"]
+    sinks = _unbatched_sinks(sinks, dims["sinks"], "dmattn.attention (backward)")
+    compute_dbias = call["compute_dbias"] and bias is not None
     # Each vmapped sample needs its own dbias, so a bias shared over the batch is expanded here
     # and its batch dim summed back below.
-    tensors = (grad_out, grad_lse, query, key, value, out, lse, lse_rem)
-    folded = [_fold(t, d, n, b) for t, d in zip(tensors, in_dims)]
-    dq, dk, dv, dbias, dsinks = torch.ops.dmattn.attention_backward(
-        *folded,
-        _fold(mask, in_dims[8], n, b, keep_broadcast=True),
-        _fold(bias, in_dims[9], n, b, keep_broadcast=not compute_dbias),
-        scale,
-        is_causal,
-        softcap,
-        _fold(seqused_k, in_dims[13], n, b),
-        deterministic,
-        compute_dbias,
-        window_size,
-        sinks,
-    )
+    folded = dict(call, compute_dbias=compute_dbias, sinks=sinks)
+    rows = ("grad_out", "grad_lse", "query", "key", "value", "out", "lse", "lse_rem", "seqused_k")
+    for name in rows:
+        folded[name] = _fold(call[name], dims[name], n, b)
+    folded["mask"] = _fold(call["mask"], dims["mask"], n, b, keep_broadcast=True)
+    folded["bias"] = _fold(bias, dims["bias"], n, b, keep_broadcast=not compute_dbias)
+    dq, dk, dv, dbias, dsinks = op(*unbind(op, folded))
     grads = (_unfold(dq, n, b), _unfold(dk, n, b), _unfold(dv, n, b))
     if sinks is not None:
         # The op summed dsinks over all samples; each sample's own sum, from its statistics.
         g_out, g_lse, o, stat, stat_rem = (
-            None if t is None else _unfold(t, n, b) for t in (*folded[:2], *folded[5:])
+            None if folded[name] is None else _unfold(folded[name], n, b)
+            for name in ("grad_out", "grad_lse", "out", "lse", "lse_rem")
         )
         dsinks = chunked.sinks_grad(sinks, stat, stat_rem, chunked.row_delta(o, g_out, g_lse))
     dsinks_dim = None if sinks is None else 0
     if not compute_dbias:
         return (*grads, dbias, dsinks), (0, 0, 0, None, dsinks_dim)
     dbias = _unfold(dbias, n, b)
-    if _batch_size(bias, in_dims[9]) == 1 and b != 1:
+    if _batch_size(bias, dims["bias"]) == 1 and b != 1:
         dbias = dbias.float().sum(dim=1, keepdim=True).to(bias.dtype)
     return (*grads, dbias, dsinks), (0, 0, 0, 0, dsinks_dim)
 
@@ -214,55 +183,48 @@ def _per_sample_rows(t, dim) -> int:
     return t.shape[0] if dim is None else t.movedim(dim, 0).shape[1]
 
 
-@torch.library.register_vmap("dmattn::attention_varlen_forward")
-def _varlen_forward_vmap(
-    info, in_dims, query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal,
-    softcap, deterministic=False, window_size=NO_WINDOW,
-):  # fmt: skip
-    in_dims = _pad_dims(in_dims, 14)
-    dims = (in_dims[0], in_dims[1], in_dims[3], in_dims[4])
-    f = _VarlenFold(info.batch_size, query, key, cu_q, cu_k, max_q, max_k, dims)
-    out, lse, lse_rem = torch.ops.dmattn.attention_varlen_forward(
-        f.rows(query, in_dims[0]), f.rows(key, in_dims[1]), f.rows(value, in_dims[2]),
-        f.cu_q, f.cu_k, f.max_q, f.max_k, f.mask(mask, in_dims[7]),
-        f.columns(bias, in_dims[8]), scale, is_causal, softcap, deterministic, window_size,
+def _fold_varlen(info, op, in_dims, args, kwargs, rows=(), columns=()):
+    """(folded call, fold) of a varlen op's call: its N samples as one packed batch."""
+    call, dims = _bound(op, in_dims, args, kwargs)
+    names = ("query", "key", "cu_seqlens_q", "cu_seqlens_k")
+    f = _VarlenFold(
+        info.batch_size, call["query"], call["key"], call["cu_seqlens_q"], call["cu_seqlens_k"],
+        call["max_seqlen_q"], call["max_seqlen_k"], tuple(dims[name] for name in names),
     )  # fmt: skip
+    folded = dict(
+        call, cu_seqlens_q=f.cu_q, cu_seqlens_k=f.cu_k, max_seqlen_q=f.max_q,
+        max_seqlen_k=f.max_k, mask=f.mask(call["mask"], dims["mask"]),
+    )  # fmt: skip
+    for name in ("query", "key", "value", *rows):
+        folded[name] = f.rows(call[name], dims[name])
+    for name in ("bias", *columns):
+        folded[name] = f.columns(call[name], dims[name])
+    return unbind(op, folded), f
+
+
+@torch.library.register_vmap("dmattn::attention_varlen_forward")
+def _varlen_forward_vmap(info, in_dims, *args, **kwargs):
+    op = torch.ops.dmattn.attention_varlen_forward.default
+    folded, f = _fold_varlen(info, op, in_dims, args, kwargs)
+    out, lse, lse_rem = op(*folded)
     return (f.unrows(out), f.uncolumns(lse), f.uncolumns(lse_rem)), (0, 0, 0)
 
 
 @torch.library.register_vmap("dmattn::attention_varlen")
-def _varlen_vmap(
-    info, in_dims, query, key, value, cu_q, cu_k, max_q, max_k, mask=None, bias=None,
-    scale=None, is_causal=False, softcap=0.0, deterministic=False, window_size=NO_WINDOW,
-):  # fmt: skip
-    in_dims = _pad_dims(in_dims, 14)
-    dims = (in_dims[0], in_dims[1], in_dims[3], in_dims[4])
-    f = _VarlenFold(info.batch_size, query, key, cu_q, cu_k, max_q, max_k, dims)
-    out = torch.ops.dmattn.attention_varlen(
-        f.rows(query, in_dims[0]), f.rows(key, in_dims[1]), f.rows(value, in_dims[2]),
-        f.cu_q, f.cu_k, f.max_q, f.max_k, f.mask(mask, in_dims[7]),
-        f.columns(bias, in_dims[8]), scale, is_causal, softcap, deterministic, window_size,
-    )  # fmt: skip
-    return f.unrows(out), 0
+def _varlen_vmap(info, in_dims, *args, **kwargs):
+    op = torch.ops.dmattn.attention_varlen.default
+    folded, f = _fold_varlen(info, op, in_dims, args, kwargs)
+    return f.unrows(op(*folded)), 0
 
 
 @torch.library.register_vmap("dmattn::attention_varlen_backward")
-def _varlen_backward_vmap(
-    info, in_dims, grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q,
-    max_k, mask, bias, scale, is_causal, softcap, deterministic, compute_dbias,
-    window_size=NO_WINDOW,
-):  # fmt: skip
-    dims = (in_dims[2], in_dims[3], in_dims[8], in_dims[9])
-    f = _VarlenFold(info.batch_size, query, key, cu_q, cu_k, max_q, max_k, dims)
-    compute_dbias = compute_dbias and bias is not None
-    dq, dk, dv, dbias = torch.ops.dmattn.attention_varlen_backward(
-        f.rows(grad_out, in_dims[0]), f.columns(grad_lse, in_dims[1]),
-        f.rows(query, in_dims[2]), f.rows(key, in_dims[3]), f.rows(value, in_dims[4]),
-        f.rows(out, in_dims[5]), f.columns(lse, in_dims[6]), f.columns(lse_rem, in_dims[7]),
-        f.cu_q, f.cu_k, f.max_q, f.max_k, f.mask(mask, in_dims[12]),
-        f.columns(bias, in_dims[13]), scale, is_causal, softcap, deterministic, compute_dbias,
-        window_size,
-    )  # fmt: skip
+def _varlen_backward_vmap(info, in_dims, *args, **kwargs):
+    op = torch.ops.dmattn.attention_varlen_backward.default
+    rows, columns = ("grad_out", "out"), ("grad_lse", "lse", "lse_rem")
+    folded, f = _fold_varlen(info, op, in_dims, args, kwargs, rows, columns)
+    call = bind(op, folded)
+    compute_dbias = call["compute_dbias"] and call["bias"] is not None
+    dq, dk, dv, dbias = op(*unbind(op, dict(call, compute_dbias=compute_dbias)))
     grads = (f.unrows(dq), f.unrows(dk), f.unrows(dv))
     if not compute_dbias:
         return (*grads, dbias), (0, 0, 0, None)

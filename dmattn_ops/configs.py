@@ -2,7 +2,7 @@
 
 `config` maps (kernel, head dims, mask and bias kinds, dtypes, query length, device) to a tile
 configuration whose shared memory fits the device: the table below holds what was measured
-fastest on an H100 (`python -m bench.tune`, bench/NOTES.md), and `fit` lowers the pipeline
+fastest on an H100 (`python -m bench.tune`), and `fit` lowers the pipeline
 depth, then the key tile, until `shared_bytes` fits the device's per-block limit, read from the
 device at run time (232,448 bytes on sm_90, 166,912 on sm_80).
 
@@ -12,9 +12,9 @@ that stay resident for the whole loop. tests/test_hopper_fit.py compiles the ker
 and sm_80 with every configuration `config` can return and checks the compiled size against
 the limits, so the model cannot drift below what Triton allocates.
 
-`OVERRIDE` (kind -> Config) replaces the table for one kind; bench.tune sets it to time
-candidates. `dkdv_split` picks how many programs share a KV group's query heads in the dk/dv
-kernel (`SPLIT_OVERRIDE` replaces that choice likewise).
+The kernel options (options.py: fwd_config, dq_config, dkdv_config, decode_config, dkdv_split)
+replace the table's choice for one call; bench.tune times candidates through them. `dkdv_split`
+picks how many programs share a KV group's query heads in the dk/dv kernel.
 """
 
 from __future__ import annotations
@@ -67,8 +67,6 @@ def _kind(t) -> str:
     return "key" if t.shape[-2] == 1 or t.stride(-2) == 0 else "entry"
 
 
-OVERRIDE: dict[str, Config] = {}
-SPLIT_OVERRIDE: int | None = None
 INTERPRETER_CONFIG = Config(16, 16, 1, 1)
 
 
@@ -92,10 +90,10 @@ def _table(kind: str, width: int, ops: Operands, lq: int | None, window=None) ->
     # Dense tiles (no mask; causal, a window band or none) against masked ones: the causal
     # window of 4096 at L16384 (B1 H32/8 D128) ran its dq kernel in 2.59 ms at (128, 64, 8, 3)
     # against 2.81 at (64, 64, 4, 2). The dk/dv kernel takes (32, 64, 4, 3) everywhere since
-    # its 32-row tiles hold 32-bit offsets (bench/NOTES.md 58, 61): dense causal B2 H16 L4096
+    # its 32-row tiles hold 32-bit offsets: dense causal B2 H16 L4096
     # 0.615 ms against 0.749 at (64, 64, 4, 2), B1 H32/8 L16384 9.05 against 9.72, the window
     # of 4096 4.20 against 4.36. Key lists: (32, 128, 8, 3) won on case M (0.262 against 0.277
-    # ms) but lost on case C (1.282 against 1.137; NOTES.md 37).
+    # ms) but lost on case C (1.282 against 1.137).
     dense = not masked and ops.bias != "entry" and itemsize <= 2
     if kind == "decode":
         return Config(0, 64, 4, 2 if itemsize > 2 else 3)
@@ -122,12 +120,12 @@ def _table(kind: str, width: int, ops: Operands, lq: int | None, window=None) ->
         # With a mask, wider key tiles amortise the table lookup and the mask loads. Packed
         # keys read contiguous rows: case M 0.096-0.101 ms at (64, 64, 4, 2) against 0.131 at
         # (128, 128, 8, 2), C 0.443 against 0.465, D 0.901 against 1.004, B1 L32768 top-8192
-        # 3.009 against 3.003 (bench/NOTES.md 49).
+        # 3.009 against 3.003.
         # Short key lists give each query tile a few key tiles: small tiles. `bench.tune`, the
         # model's calls, gathered: M-L512 (B16 L512, 128 listed keys) 0.058 ms at (64, 32, 4,
         # 3) against 0.084 at (128, 128, 8, 2), M (B4 L2048, 512 keys) 0.114 against 0.123
         # (their dq kernel keeps (64, 64, 4, 2): 0.151 ms on M against 0.170 at (64, 32, 4, 3),
-        # which wins on M-L512 by 0.007; NOTES.md 56); packed: M 0.097 against 0.101 at (64,
+        # which wins on M-L512 by 0.007); packed: M 0.097 against 0.101 at (64,
         # 64, 4, 2), M-L512 0.053 against 0.064, where C, D and M-L32768 lose 5-10%.
         short = lq is not None and lq <= SHORT_PACKED
         if ops.mask == "packed" and not short:
@@ -145,7 +143,7 @@ def _table(kind: str, width: int, ops: Operands, lq: int | None, window=None) ->
         block_m = max(16, 1 << max(0, lq - 1).bit_length())
         if kind == "dkdv" and itemsize <= 2 and width <= 128:
             # A dk/dv program then steps over one query tile per head: wider key tiles and
-            # 2 stages (case E: 1.70 ms against 2.25 for 64-key tiles, 3 stages; NOTES.md).
+            # 2 stages (case E: 1.70 ms against 2.25 for 64-key tiles, 3 stages).
             return Config(block_m, 128, 8, 2)
         cfg = Config(block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
     return cfg
@@ -212,8 +210,6 @@ def config(
     """The configuration of kernel `kind` ("fwd", "dkdv", "dq", "decode") for these head dims
     and operands that fits `limit` bytes of shared memory (None: no limit). Decode's block_m is
     0: its launcher sizes the query rows itself."""
-    if kind in OVERRIDE:
-        return OVERRIDE[kind]
     if interpreter:
         return INTERPRETER_CONFIG if kind != "decode" else Config(0, 16, 1, 1)
     cfg = _table(kind, max(d, dv), ops, lq, window)
@@ -257,14 +253,10 @@ def dkdv_split(
     are on the GPU) and usually a fraction of `programs` (a top-k mask); the programs of
     unlisted tiles only store zeros. It takes the largest split the scratch allows: at the
     model's B1 L32768 call (top-8192, 512 listed tiles of 2048) split 4 ran dk/dv in 6.03 ms
-    against 7.79 unsplit, which counting all tiles chose (bench/NOTES.md 48). Short calls stop
+    against 7.79 unsplit, which counting all tiles chose. Short calls stop
     where a program would step over fewer than SPLIT_MIN_STEPS query tiles (`query_tiles`
     per head): at the model's B16 L512 call (16 query tiles of 32 rows per head) split 2 ran
-    dk/dv and its reduce in 0.144 ms, split 4 in 0.168 (bench/NOTES.md 56)."""
-    if SPLIT_OVERRIDE is not None:
-        if g % SPLIT_OVERRIDE:
-            raise ValueError(f"SPLIT_OVERRIDE={SPLIT_OVERRIDE} must divide G={g}")
-        return SPLIT_OVERRIDE
+    dk/dv and its reduce in 0.144 ms, split 4 in 0.168."""
     split = 1
     for s in range(2, g + 1):
         if not listed and programs * split >= SPLIT_PROGRAMS_PER_SM * sms:

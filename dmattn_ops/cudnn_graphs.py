@@ -7,7 +7,7 @@ same rate as a causal call. So where the optional `nvidia-cudnn-frontend` packag
 (`pip install "dmattn-ops[cudnn]"`), a causal window call that SDPA would run on cuDNN is one
 forward and one backward graph: no chunks, copies or merge (sdpa.py's chunked calls), for any
 length and windows of MIN_KEYS keys or more. H100, B1 H32/8 D128 bf16, fwd+bwd ms, graphs
-against chunked calls (bench/NOTES.md 83): L32768 window 4096 14.21 against 16.39 (0.262x of
+against chunked calls: L32768 window 4096 14.21 against 16.39 (0.262x of
 the full causal call against 0.302x), L16384 window 2048 4.01 against 5.24.
 
 Without the package, or where cuDNN declines a graph (its support check, remembered per shape),
@@ -38,7 +38,7 @@ MIN_BACKEND = 90000
 # Narrower windows stay on our kernels: their kernels are short, and a graph's run costs more
 # host time than our launch (H100, op fwd+bwd ms, graphs / ours: B1 L16384 H32/8 D128 window
 # 128 1.354 / 1.305, 512 1.691 / 1.982; GPT-OSS's B1 L8192 H64/8 D64 window 128, compiled,
-# 1.10 / 0.69-0.86; bench/NOTES.md 83).
+# 1.10 / 0.69-0.86).
 MIN_KEYS = 512
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -85,12 +85,13 @@ def window_of(query, key, band: Band) -> int | None:
 
 def supports(query, key, value, band: Band, backward: bool = False) -> bool:
     """Whether this pass of the call (the forward, or with `backward` the backward) runs here:
-    window_of, CUDA fp16/bf16, enabled(), and cuDNN builds the pass's graph for these shapes
+    window_of, CUDA fp16/bf16, a usable frontend (the plan asks the kernel option cudnn_graphs,
+    DMATTN_CUDNN_GRAPHS, first), and cuDNN builds the pass's graph for these shapes
     (checked once per shape and pass, so inference builds no backward graph; the check's
     graph, built at the default scale, stays cached for calls that use it). Each pass decides
     alone: either backward is exact from the forward's out and lse."""
     c = window_of(query, key, band)
-    if c is None or not _usable(query) or not enabled():
+    if c is None or not _usable(query) or _module() is None:
         return False
     b, length, h, d = query.shape
     hkv, dv = key.shape[2], value.shape[3]

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dmattn_ops.calls import default_scale
 from dmattn_ops.chunked import lse_split
-from dmattn_ops.ops import default_scale
 from dmattn_ops.validate import check_flags, check_inputs
 
 LAYOUTS = ("zigzag", "contiguous")

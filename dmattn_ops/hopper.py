@@ -9,7 +9,7 @@ reduction of split dK/dV parts stay on the Triton kernels.
 Both kernels are persistent: one program per SM loops over work items, longest first, and its
 loader warp fetches the next item's tiles while the consumers finish the current one.
 
-Why opt-in (bench/NOTES.md 70, 71): on dense calls these kernels' prototypes run 1.25-1.35x the
+Why opt-in: on dense calls these kernels' prototypes run 1.25-1.35x the
 TFLOP/s of our Triton kernels (the forward at cuDNN's rate). On key-list calls they are now level
 with the Triton kernels at the model's call (kernel ms, Triton's in parentheses: forward 0.096
 (0.097), dK/dV 0.179 (0.206)) and behind at long lists (case C: 0.478 (0.439) and 1.31 (1.07)),
@@ -37,7 +37,7 @@ from dmattn_ops.switches import switch
 # Tiles: a consumer warpgroup takes BLOCK_M query rows (forward; a program has two) or
 # DKDV_BLOCK_N keys (dK/dV); the ring of K/V (forward) or Q/dO (dK/dV) tiles has STAGES slots.
 # Shared memory: forward 32 KB of Q + 4 x 32 KB of K and V; dK/dV 64 KB of K and V + 2 x 16 KB.
-# 32-query dK/dV tiles: at 64 the consumers spill 880 bytes (bench/NOTES.md 71).
+# 32-query dK/dV tiles: at 64 the consumers spill 880 bytes.
 BLOCK_M = 64
 FWD_BLOCK_N, FWD_STAGES = 64, 4
 DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 32, 64, 2
@@ -96,24 +96,35 @@ def _tma_ready(t: torch.Tensor) -> bool:
     )
 
 
-def applies(query, key, value, bias, is_causal, softcap, seqused_k, band, sinks, dbias) -> bool:
-    """Whether a key-list call with packed keys (the plan's KEY_LISTS with pack) takes the
-    Hopper kernels: DMATTN_HOPPER=1, CUDA sm_90 with Gluon, fp16/bf16, D = Dv = 128, no
-    window, softcap, sinks or seqused_k, a per-key bias shared by a KV group's heads or per
-    head, dbias none or "group", and TMA-ready Q (the packed K/V are). dbias: the backward's
-    mode, or None."""
-    if not (enabled() and query.is_cuda and not interpreter_on()):
-        return False
-    if query.dtype not in DTYPES or query.shape[3] not in HEAD_DIMS:
-        return False
-    if value.shape[3] != query.shape[3] or band.has_window or softcap > 0:
-        return False
-    if sinks is not None or seqused_k is not None or dbias not in (None, "group"):
-        return False
-    h, hkv = query.shape[2], key.shape[2]
-    if bias is not None and bias.shape[1] not in (1, hkv, h):
-        return False
-    return _tma_ready(query) and _sm90(query.device) and _gluon_found()
+def reasons(problem, band, softcap: float, dbias: str | None, on: bool) -> list[str]:
+    """Why a key-list call with packed keys (the plan's KEY_LISTS with pack) does not take the
+    Hopper kernels; empty when it does: the kernel option hopper (DMATTN_HOPPER=1), CUDA sm_90
+    with Gluon, fp16/bf16, D = Dv = 128, no window, softcap, sinks or seqused_k, a per-key bias
+    shared by a KV group's heads or per head, dbias none or "group", and TMA-ready Q (the
+    packed K/V are). dbias: the backward's mode, or None."""
+    query = problem.query
+    if not on:
+        return ["off (kernel option hopper, DMATTN_HOPPER=1 turns it on)"]
+    if not query.is_cuda or interpreter_on():
+        return ["needs CUDA without the Triton interpreter"]
+    found = []
+    if query.dtype not in DTYPES:
+        found.append(f"{query.dtype}: takes fp16/bf16")
+    if problem.head_dim not in HEAD_DIMS or problem.value_dim != problem.head_dim:
+        found.append(f"D {problem.head_dim}, Dv {problem.value_dim}: takes D = Dv in {HEAD_DIMS}")
+    for name, present in (
+        ("a window", band.has_window), ("softcap", softcap > 0),
+        ("sinks", problem.sinks is not None), ("seqused_k", problem.seqused_k is not None),
+        (f"dbias mode {dbias!r}", dbias not in (None, "group")),
+    ):  # fmt: skip
+        if present:
+            found.append(f"{name}: not in the Hopper kernels")
+    bias = problem.bias
+    if bias is not None and bias.shape[1] not in (1, problem.kv_heads, problem.heads):
+        found.append("a bias head dim other than 1, Hkv or H")
+    if not found and not (_tma_ready(query) and _sm90(query.device) and _gluon_found()):
+        found.append("needs sm_90, Gluon and a TMA-ready query (16-byte strides and offset)")
+    return found
 
 
 _LAYOUTS: dict = {}  # (dtype, rows, D) -> the shared-memory layout of a [1, rows, 1, D] box
@@ -121,7 +132,7 @@ _LAYOUTS: dict = {}  # (dtype, rows, D) -> the shared-memory layout of a [1, row
 
 def _descriptor(t: torch.Tensor, rows: int):
     """A TMA descriptor of 4-D t (B, L, heads, D) with [1, rows, 1, D] boxes. Layouts are made
-    once per box (Gluon's get_default_for takes ~10 us a call, bench/NOTES.md 71)."""
+    once per box (Gluon's get_default_for takes ~10 us a call)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if not _tma_ready(t):
@@ -238,7 +249,7 @@ def _hopper_dkdv(
 
 
 # Registered through torch.library.Library rather than custom_op, whose Python wrappers around
-# mutated arguments cost ~60 us a call (bench/NOTES.md 71), paid again at each launch that a
+# mutated arguments cost ~60 us a call, paid again at each launch that a
 # compiled graph makes.
 _lib = torch.library.Library("dmattn", "FRAGMENT")
 _lib.define(

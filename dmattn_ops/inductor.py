@@ -3,7 +3,7 @@
 Eagerly, each dmattn op runs its Python launcher (launch.py) on every call: allocations, tile
 tables or key lists, and Triton launches through ``JITFunction.run``, which binds and
 specialises some 60 arguments per launch. In a model compiled in the default mode (no CUDA
-graphs) that host time is paid on every call and leaves the GPU idle (bench/NOTES.md 14-16).
+graphs) that host time is paid on every call and leaves the GPU idle.
 
 Under torch.compile, AOTAutograd traces the graph under ``FunctionalTensorMode``. For CUDA
 tensors the rules below replace the kernel-carrying ops (``attention_forward``,
@@ -19,7 +19,7 @@ register_autograd), so eager calls, torch.func, opcheck and the fake kernels are
 Inductor launches user-defined Triton kernels through Triton's own Python launcher unless
 ``torch._inductor.config.static_launch_user_defined_triton_kernels`` is on; with it, through its
 static launcher, a few microseconds per launch. On the H100 that is the difference between a
-slower and a faster model step (bench/NOTES.md 26: B4 L2048 DMA step 17.4 ms with Triton's
+slower and a faster model step (B4 L2048 DMA step 17.4 ms with Triton's
 launcher, 10.3 ms with the static one, 15.9 ms with the ops whole). So `import dmattn_ops` turns
 that option on unless the user set it (in code or through its environment variable
 TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS); kernels the static launcher cannot
@@ -29,7 +29,7 @@ is read when its kernels load. Both the option and its environment variable: Ind
 kernels in worker processes, which are told `use_static_triton_launcher` but not this option
 (torch 2.11, _inductor/async_compile.py) and read it from the environment they inherit; with
 the option set only in the parent, every kernel of ours compiled in a worker came back with
-Triton's launcher (bench/NOTES.md 39). Workers started before `import dmattn_ops` keep their
+Triton's launcher. Workers started before `import dmattn_ops` keep their
 setting. To opt out, set the variable to 0 or the option to False before the import: Inductor
 reads that variable as a forced value, so setting the option in code after the import has no
 effect.
@@ -44,8 +44,8 @@ returns ``bytes != 0``, not the bool buffer itself: Inductor inlines a buffer al
 torch.empty and written only by a user-defined kernel as its constant fill value (False) when
 FlexAttention's mask_mod captures it, because the mask_mod's subgraph lowering keeps its own
 empty set of mutated buffers (torch 2.11, torch/_inductor/ir.py ComputedBuffer.make_loader);
-a compiled ``DynamicMaskAttention(backend="flex")`` then attended to nothing (bench/NOTES.md
-34, 39; tests/test_flex.py holds it). ``!= 0`` is an ordinary kernel that reads the buffer.
+a compiled ``DynamicMaskAttention(backend="flex")`` then attended to nothing
+(tests/test_flex.py holds it). ``!= 0`` is an ordinary kernel that reads the buffer.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ import pathlib
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from dmattn_ops import _triton, cudnn_graphs, masks, ops, plan
+from dmattn_ops import _triton, cudnn_graphs, masks, ops, options, plan
+from dmattn_ops.calls import bind
 from dmattn_ops.switches import switch
 
 log = logging.getLogger(__name__)
@@ -125,16 +126,18 @@ def _symbolic(args) -> bool:
     )
 
 
-def _rule(body, tensor_arg: int):
+def _rule(body, op):
     """The FunctionalTensorMode rule of one op: its CUDA kernel's body, traced, where it applies;
     the op as one node otherwise."""
 
-    def rule(mode, op, types, args, kwargs):
+    def rule(mode, op_, types, args, kwargs):
         known = (torch.Tensor, FunctionalTensor, torch._subclasses.FakeTensor)
         if any(not issubclass(t, known) for t in types):
             return NotImplemented
-        if not applies(args[tensor_arg]) or _symbolic(args):
-            return mode.__torch_dispatch__(op, types, args, kwargs)
+        call = bind(op, args, kwargs)
+        first = call["query"] if "query" in call else call["bias"]  # topk_select: its score
+        if not applies(first) or _symbolic(args):
+            return mode.__torch_dispatch__(op_, types, args, kwargs)
         with mode, _triton.tracing():
             return body(*args, **kwargs)
 
@@ -145,7 +148,7 @@ def _rule(body, tensor_arg: int):
 # compiled graph on the Dynamo graph, where each of our ops is one node, so the route the rules
 # above traced (sdpa.py, cudnn_graphs.py, the Hopper kernels, our Triton kernels and their
 # configs) would be reused from the cache after an upgrade of this package or a change of a
-# DMATTN_* switch, and the traced kernels' sources with it (bench/NOTES.md 84: a cached graph
+# DMATTN_* switch, and the traced kernels' sources with it (a cached graph
 # called an op that the code it ran with no longer defined). That key includes the sources of
 # the Triton kernels torch.library.triton_op records per op
 # (torch/_functorch/_aot_autograd/autograd_cache.py, _iter_triton_kernels_from_node); each of
@@ -167,8 +170,10 @@ def _source_digest() -> str:
 
 def fingerprint() -> str:
     """The state a traced launcher's choices depend on beyond the graph: the package's sources,
-    the DMATTN_* switches, PyTorch's fused-attention switches and the cuDNN frontend."""
+    the DMATTN_* switches, the active kernel_options blocks, PyTorch's fused-attention switches
+    and the cuDNN frontend."""
     switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("DMATTN_"))
+    switches.append(("kernel_options", options.active()))
     backends = torch.backends.cuda
     fused = (
         backends.flash_sdp_enabled(), backends.cudnn_sdp_enabled(),
@@ -207,11 +212,9 @@ def register() -> None:
     launcher (once, at `import dmattn_ops`)."""
     _launch_statically()
     _key_compiled_graphs_on_fingerprint()
-    for name, body, tensor_arg in (
-        ("dmattn::attention_forward", ops._forward_impl, 0),
-        ("dmattn::attention_backward", ops._backward_impl, 2),
-        ("dmattn::attention_varlen_forward", ops._varlen_forward_impl, 0),
-        ("dmattn::attention_varlen_backward", ops._varlen_backward_impl, 2),
-        ("dmattn::topk_select", masks.topk_select, 0),
-    ):
-        torch.library.register_torch_dispatch(name, FunctionalTensorMode, _rule(body, tensor_arg))
+    rules = [(torch.ops.dmattn.topk_select.default, masks.topk_select)]
+    for layout in (ops.DENSE_OPS, ops.VARLEN_OPS):
+        rules.append((layout.forward, ops.forward_kernel(layout)))
+        rules.append((layout.backward, ops.backward_kernel(layout)))
+    for op, body in rules:
+        torch.library.register_torch_dispatch(op.name(), FunctionalTensorMode, _rule(body, op))

@@ -11,11 +11,12 @@ implementation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
-from dmattn_ops import chunked, configs, hopper, plan, sdpa
+from dmattn_ops import chunked, configs, hopper, options, plan, sdpa
 from dmattn_ops._alloc import empty
 from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
 from dmattn_ops.chunked import stats_dtype
@@ -29,6 +30,8 @@ from dmattn_ops.plan import (
     TILE_TABLES,
     BackwardConfigs,
 )
+from dmattn_ops.problem import Options, Problem
+from dmattn_ops.problem import dense_index as _dense
 from dmattn_ops.tiles import (
     PER_ENTRY,
     UNBOUNDED,
@@ -45,7 +48,6 @@ from dmattn_ops.tiles import (
     operand_kind,
     operand_strides,
 )
-from dmattn_ops.validate import NO_WINDOW
 
 attention_fwd_kernel = LazyKernel("attention_fwd", "attention_fwd_kernel")
 sinks_join_kernel = LazyKernel("attention_fwd", "sinks_join_kernel")
@@ -89,9 +91,9 @@ def _block(dim: int) -> int:
 
 def _head_blocks(d: int, dv: int) -> dict:
     """BLOCK_D and BLOCK_DV, both the larger of the two. Triton 3.6 on an H100 computes wrong
-    outputs (errors ~1, fp16 and bf16) when a masked BLOCK_D exceeds BLOCK_DV with 64-key
-    tiles, e.g. D=40 (BLOCK_D 64) with Dv=24 (BLOCK_DV 32); equal blocks are always right
-    (bench/NOTES.md, 2026-11-22)."""
+     outputs (errors ~1, fp16 and bf16) when a masked BLOCK_D exceeds BLOCK_DV with 64-key
+     tiles, e.g. D=40 (BLOCK_D 64) with Dv=24 (BLOCK_DV 32); equal blocks are always right
+    ."""
     block = _block(max(d, dv))
     return dict(BLOCK_D=block, BLOCK_DV=block)
 
@@ -113,67 +115,67 @@ def _empty_forward(query, value):
     return out, lse, lse_rem
 
 
-def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A small index or statistics tensor the kernels read as dense rows (seqused_k + b,
-    cu_seqlens + b, lse + row): any other layout, a vmap-folded one with batch stride 0
-    included, is copied first."""
-    return None if t is None else t.contiguous()
+class Saved(NamedTuple):
+    """What the forward leaves for the backward besides the problem's tensors."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    lse_rem: torch.Tensor
 
 
-def collapse_broadcast(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A (B, H, Lq, Lk) operand whose batch, head or query dim is an expanded view (stride 0,
-    as `mask.expand(B, H, Lq, Lk)` gives) as the same view with that dim of size 1: the data
-    is the same, and a mask shared by all queries then takes the key-list path instead of tile
-    tables. Only for operands that get no gradient (a gradient must keep the caller's shape)."""
-    if t is None or all(t.stride(i) != 0 or t.shape[i] == 1 for i in range(3)):
-        return t
-    index = tuple(slice(0, 1) if t.stride(i) == 0 else slice(None) for i in range(3))
-    return t[index]
+class Gradients(NamedTuple):
+    """dq, dk, dv in their inputs' layouts and dtypes; dbias in bias's shape and dtype (an empty
+    (0,) tensor when not computed); dsinks in sinks' (empty without sinks)."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dbias: torch.Tensor
+    dsinks: torch.Tensor
 
 
-def attention_forward(
-    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window=NO_WINDOW,
-    sinks=None,
-):  # fmt: skip
-    """Returns out (B, Lq, H, Dv), lse and lse_rem, both float32 (B, H, Lq). sinks (H,) or None:
-    the forward kernel starts each row's softmax from its head's sink and the decode merge takes
-    it as one more part; PyTorch's fused kernels (SDPA) get it joined in one pass
-    (_join_sinks), the other paths (PyTorch on CPU, an empty call) through chunked.join_sinks."""
-    seqused_k, sinks = _dense(seqused_k), _dense(sinks)
-    mask, bias = collapse_broadcast(mask), collapse_broadcast(bias)
-    p = plan.forward_plan(
-        query, key, value, mask, bias, is_causal, softcap, seqused_k, window, sinks
-    )
-    if p.path == EMPTY:
-        return chunked.join_sinks(*_empty_forward(query, value), sinks)
-    if p.path == PYTORCH:
+def forward(problem: Problem, opts: Options) -> Saved:
+    """out (B, Lq, H, Dv), lse and lse_rem float32 (B, H, Lq) of a validated call (varlen:
+    (total_q, H, Dv) and (H, total_q); rows outside every sequence are 0 and -inf), by its
+    plan. sinks: the forward kernel starts each row's softmax from its head's sink and the
+    decode merge takes it as one more part; PyTorch's fused kernels (SDPA) get it joined in one
+    pass (_join_sinks), the other paths (PyTorch, an empty call) through chunked.join_sinks."""
+    problem = problem.collapsed()
+    p = plan.plan(problem, opts)
+    if problem.varlen:
+        return Saved(*_varlen_forward(problem, opts, p))
+    query, key, value = problem.query, problem.key, problem.value
+    mask, bias, seqused_k, sinks = problem.mask, problem.bias, problem.seqused_k, problem.sinks
+    scale, softcap, band = opts.scale, opts.softcap, p.band
+    if p.route == EMPTY:
+        return Saved(*chunked.join_sinks(*_empty_forward(query, value), sinks))
+    if p.route == PYTORCH:
         # It multiplies whole tiles of keys (as the tile tables do, below).
         key, value = chunked.zero_unseen_keys(key, value, mask)
         result = chunked.forward(
-            query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window=window
-        )
-        return chunked.join_sinks(*result, sinks)
-    if p.path == SDPA:
-        tail = sdpa.window_tail(query, key, p.band, p.fused)
-        if tail:
-            result = _window_tail_forward(query, key, value, scale, is_causal, p, window, tail)
+            query, key, value, mask, bias, scale, opts.is_causal, softcap, seqused_k,
+            window=opts.window,
+        )  # fmt: skip
+        return Saved(*chunked.join_sinks(*result, sinks))
+    if p.route == SDPA:
+        if p.tail:
+            result = _window_tail_forward(problem, opts, p)
         else:
-            result = sdpa.forward(query, key, value, scale, p.band, p.fused)
-        return _join_sinks(*result, sinks)
-    band = p.band
-    if p.path == DECODE:
-        return decode_forward(query, key, value, mask, bias, scale, band, softcap, seqused_k, sinks)
+            result = sdpa.forward(query, key, value, scale, band, p.fused, p.chunk)
+        return Saved(*_join_sinks(*result, sinks))
+    if p.route == DECODE:
+        return Saved(*decode_forward(problem, opts, p))
     b, lq, h, _ = query.shape
     lk, dv, cfg = key.shape[1], value.shape[3], p.config
     positions = cfg.block_m // p.heads  # query positions per tile (plan._pack_heads)
     nq = cdiv(lq, positions)
     tables = lists = None
-    if p.path == KEY_LISTS:
+    if p.route == KEY_LISTS:
         lists = build_key_lists(
             mask, seqused_k, b, lq, lk, band, hopper.BLOCK_M if p.hopper else positions,
             PackFrom(key, value, bias, h, zero_tail=p.hopper) if p.pack else None,
         )  # fmt: skip
-    elif p.path == TILE_TABLES:
+    elif p.route == TILE_TABLES:
         seen = _seen_buffer(mask, lk)
         tables = build_tables(mask, seqused_k, b, lq, lk, band, cfg.block_m, cfg.block_n,
                               seen=seen)  # fmt: skip
@@ -184,13 +186,13 @@ def attention_forward(
     if p.hopper:
         mask_div = head_div(mask, h, key.shape[2])
         hopper.forward(query, lists, out, lse, lse_rem, scale, band.is_causal, mask_div)
-        return out, lse, lse_rem
+        return Saved(out, lse, lse_rem)
     _launch_forward(
         query, key, value, mask, bias, seqused_k, None, None, out, lse, lse_rem,
         b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, band, softcap, sinks,
         pack_heads=p.heads,
     )  # fmt: skip
-    return out, lse, lse_rem
+    return Saved(out, lse, lse_rem)
 
 
 # The forward and dq kernels' COMPACT values (kernels/common.py).
@@ -249,46 +251,32 @@ def _sum_to_bias(cols: torch.Tensor, bias: torch.Tensor, hkv: int) -> torch.Tens
     return cols.view(bb, hb, 1, lk).to(bias.dtype)
 
 
-def attention_backward(
-    grad_out,
-    grad_lse,
-    query,
-    key,
-    value,
-    out,
-    lse,
-    lse_rem,
-    mask,
-    bias,
-    scale,
-    is_causal,
-    softcap,
-    seqused_k,
-    deterministic,
-    compute_dbias,
-    window=NO_WINDOW,
-    sinks=None,
-):
-    """Returns dq, dk, dv in their inputs' layouts and dtypes, dbias in bias's shape and dtype
-    (an empty (0,) tensor when compute_dbias is False) and dsinks in sinks' (empty without
-    sinks). Sinks change nothing else: with lse and out of the forward that joined them,
-    P = exp(s - lse) and delta = rowsum(dO * O) - grad_lse are the sinks' softmax already, and
-    dsinks[h] = -sum exp(sinks[h] - lse) * delta (chunked.sinks_grad). Our kernels use no
-    atomics, so every path but PyTorch's fused backwards (dense calls, sdpa.py) is
-    deterministic; deterministic=True keeps dense calls on our kernels."""
-    seqused_k, lse, lse_rem = _dense(seqused_k), _dense(lse), _dense(lse_rem)
-    mask = collapse_broadcast(mask)
-    if not compute_dbias:
-        bias = collapse_broadcast(bias)
+def backward(
+    problem: Problem, opts: Options, saved: Saved, grad_out, grad_lse, compute_dbias: bool
+) -> Gradients:
+    """The gradients of a validated call (Gradients). Sinks change nothing else: with lse and
+    out of the forward that joined them, P = exp(s - lse) and delta = rowsum(dO * O) - grad_lse
+    are the sinks' softmax already, and dsinks[h] = -sum exp(sinks[h] - lse) * delta
+    (chunked.sinks_grad). Our kernels use no atomics, so every route but PyTorch's fused
+    backwards (dense calls, sdpa.py) is deterministic; deterministic=True keeps dense calls on
+    our kernels."""
+    compute_dbias = compute_dbias and problem.bias is not None
+    problem = problem.collapsed(grad_bias=compute_dbias)
+    saved = Saved(saved.out, _dense(saved.lse), _dense(saved.lse_rem))
+    p = plan.plan(
+        problem, opts, plan.BACKWARD, grad_lse=grad_lse is not None, compute_dbias=compute_dbias
+    )
+    if problem.varlen:
+        return _varlen_backward(problem, opts, p, saved, grad_out, grad_lse, compute_dbias)
+    query, key, value = problem.query, problem.key, problem.value
+    mask, bias, seqused_k, sinks = problem.mask, problem.bias, problem.seqused_k, problem.sinks
+    out, lse, lse_rem = saved
+    scale, softcap = opts.scale, opts.softcap
     b, lq, h, _ = query.shape
     lk, hkv = key.shape[1], key.shape[2]
     device = query.device
     no_sinks = torch.empty((0,), dtype=query.dtype, device=device)
-    p = plan.backward_plan(
-        query, key, value, mask, bias, is_causal, softcap, seqused_k, grad_lse, deterministic,
-        compute_dbias, window, sinks,
-    )  # fmt: skip
-    if p.path == EMPTY:
+    if p.route == EMPTY:
         dbias = (
             torch.zeros(bias.shape, dtype=bias.dtype, device=device)
             if compute_dbias
@@ -300,45 +288,42 @@ def attention_backward(
         if sinks is not None:
             delta = chunked.row_delta(out, grad_out, grad_lse)
             dsinks = chunked.sinks_grad(sinks, lse, lse_rem, delta)
-        return (
+        return Gradients(
             torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dbias, dsinks
         )  # fmt: skip
-    if p.path == PYTORCH:
+    if p.route == PYTORCH:
         key, value = chunked.zero_unseen_keys(key, value, mask)
         grads = chunked.backward(
             grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias,
-            scale, is_causal, softcap, seqused_k, compute_dbias, window=window,
+            scale, opts.is_causal, softcap, seqused_k, compute_dbias, window=opts.window,
         )  # fmt: skip
         if sinks is None:
-            return (*grads, no_sinks)
+            return Gradients(*grads, no_sinks)
         delta = chunked.row_delta(out, grad_out, grad_lse)
-        return (*grads, chunked.sinks_grad(sinks, lse, lse_rem, delta))
-    if p.path == SDPA:
+        return Gradients(*grads, chunked.sinks_grad(sinks, lse, lse_rem, delta))
+    if p.route == SDPA:
         # With sinks, out and lse are the forward's joined ones: the fused backwards then take
         # P = exp(s - lse) and delta = rowsum(dO * O) of the sinks' softmax, as ours do.
-        tail = sdpa.window_tail(query, key, p.band, p.fused)
-        if tail:
-            dq, dk, dvv = _window_tail_backward(
-                grad_out, query, key, value, out, lse, lse_rem, scale, is_causal, p, window, tail
-            )
+        if p.tail:
+            dq, dk, dvv = _window_tail_backward(problem, opts, p, saved, grad_out)
         else:
             dq, dk, dvv = sdpa.backward(
-                grad_out, query, key, value, out, lse, scale, p.band, p.fused
+                grad_out, query, key, value, out, lse, scale, p.band, p.fused, p.chunk
             )
         dsinks = (
             no_sinks
             if sinks is None
             else _sinks_grad(sinks, _row_stats(out, grad_out, lse, lse_rem))
         )
-        return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device), dsinks
+        return Gradients(dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device), dsinks)
     band, dbias_mode, cfgs = p.band, p.dbias, p.configs
     tables = dq_tables = lists = None
-    if p.path == KEY_LISTS:
+    if p.route == KEY_LISTS:
         lists = build_key_lists(
             mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m // p.heads,
             PackFrom(key, value, bias, h) if p.pack else None,
         )  # fmt: skip
-    elif p.path == TILE_TABLES:
+    elif p.route == TILE_TABLES:
         seen = _seen_buffer(mask, lk)
         tables, dq_tables = _backward_tables(mask, seqused_k, b, lq, lk, band, cfgs, seen)
         key, value = chunked.zero_keys(key, value, seen)
@@ -366,7 +351,7 @@ def attention_backward(
         RowStats(stats, out, grad_lse, lse, lse_rem), dq, dk, dvv, dbias_cols, dbias_direct,
         b, lq, lk, lq, lk, (h * lq, lq), col_strides, tables, dq_tables, lists, lists, cfgs,
         scale, band, softcap, group_cols=dbias_mode == "group", on_hopper=p.hopper,
-        pack_heads=p.heads,
+        pack_heads=p.heads, split=p.split,
     )  # fmt: skip
     if dbias_bcast is not None:
         _launch_dbias_bcast(
@@ -385,7 +370,7 @@ def attention_backward(
     else:
         dbias = dbias_bcast
     dsinks = no_sinks if sinks is None else _sinks_grad(sinks, stats)
-    return dq, dk, dvv, dbias, dsinks
+    return Gradients(dq, dk, dvv, dbias, dsinks)
 
 
 def _launch_dbias_bcast(
@@ -470,11 +455,11 @@ def _sinks_grad(sinks, stats) -> torch.Tensor:
 @dataclass(frozen=True)
 class RowStats:
     """The backward's row statistics: `stats` (B, H, Lq, 4) float32 rows [lse, lse_rem, delta,
-    0] (varlen: (H, total_q, 4)) with delta = rowsum(dO * O) - grad_lse and lse 0 where it is
-    -inf, which the dq kernel computes from the rest (out (B, Lq, H, Dv) of any strides, the
-    optional grad_lse, the forward's contiguous lse and lse_rem) and writes for the kernels
-    launched after it. The dk/dv kernel reads a row's three values in one 16-byte load
-    (bench/NOTES.md 54)."""
+     0] (varlen: (H, total_q, 4)) with delta = rowsum(dO * O) - grad_lse and lse 0 where it is
+     -inf, which the dq kernel computes from the rest (out (B, Lq, H, Dv) of any strides, the
+     optional grad_lse, the forward's contiguous lse and lse_rem) and writes for the kernels
+     launched after it. The dk/dv kernel reads a row's three values in one 16-byte load
+    ."""
 
     stats: torch.Tensor
     out: torch.Tensor
@@ -495,7 +480,7 @@ def _launch_backward(
     query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, rows: RowStats,
     dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
     tables, dq_tables, lists, dkdv_lists, cfgs, scale, band, softcap, group_cols=False,
-    on_hopper=False, pack_heads=1,
+    on_hopper=False, pack_heads=1, split=None,
 ):  # fmt: skip
     """The dq kernel, which also writes rows.stats, then the dk/dv kernels that read them, over
     4-D views as in _launch_forward, with their own tile configs (cfgs: BackwardConfigs). The
@@ -546,8 +531,12 @@ def _launch_backward(
 
     nk = hopper.dkdv_programs(lk) if on_hopper else cdiv(span_k, kv.block_n)
     g = h // hkv
-    split = 1
-    if cu_q is None:
+    if cu_q is not None:
+        split = 1  # packed sequences: one program per key tile and KV head
+    elif split is not None:
+        if g % split:
+            raise ValueError(f"dmattn: kernel option dkdv_split={split} must divide G={g}")
+    else:
         split = configs.dkdv_split(
             g, nk * b * hkv, _sm_count(query.device), b * hkv * lk * (d + d_v) * 4,
             query.numel() * query.element_size(), listed=dkdv_lists is not None,
@@ -607,29 +596,37 @@ def _launch_backward(
 # with Lq < Lk, which the band bounds to the window).
 
 
-def _window_tail_forward(query, key, value, scale, is_causal, p, window, tail):
-    head = query.shape[1] - tail
+def _tail_options(opts: Options) -> Options:
+    """The tail rows' call: our kernels, whatever route the options force on the whole."""
+    return replace(
+        opts, softcap=0.0, deterministic=False, kernel=options.without_route(opts.kernel)
+    )
+
+
+def _window_tail_forward(problem: Problem, opts: Options, p: plan.Plan):
+    query, key, value = problem.query, problem.key, problem.value
+    head = query.shape[1] - p.tail
     out, lse, lse_rem = sdpa.forward(
-        query[:, :head], key[:, :head], value[:, :head], scale, p.band, p.fused
+        query[:, :head], key[:, :head], value[:, :head], opts.scale, p.band, p.fused, p.chunk
     )
-    out_t, lse_t, rem_t = attention_forward(
-        query[:, head:], key, value, None, None, scale, is_causal, 0.0, None, window
-    )
+    tail = Problem(query[:, head:], key, value)
+    out_t, lse_t, rem_t = forward(tail, _tail_options(opts))
     return torch.cat((out, out_t), 1), torch.cat((lse, lse_t), 2), torch.cat((lse_rem, rem_t), 2)
 
 
-def _window_tail_backward(
-    grad_out, query, key, value, out, lse, lse_rem, scale, is_causal, p, window, tail
-):  # fmt: skip
-    head = query.shape[1] - tail
+def _window_tail_backward(problem: Problem, opts: Options, p: plan.Plan, saved: Saved, grad_out):
+    query, key, value = problem.query, problem.key, problem.value
+    out, lse, lse_rem = saved
+    head = query.shape[1] - p.tail
     dq, dk, dv = sdpa.backward(
         grad_out[:, :head], query[:, :head], key[:, :head], value[:, :head], out[:, :head],
-        lse[:, :, :head], scale, p.band, p.fused,
+        lse[:, :, :head], opts.scale, p.band, p.fused, p.chunk,
     )  # fmt: skip
-    dq_t, dk_t, dv_t, _, _ = attention_backward(
-        grad_out[:, head:], None, query[:, head:], key, value, out[:, head:], lse[:, :, head:],
-        lse_rem[:, :, head:], None, None, scale, is_causal, 0.0, None, False, False,
-        window,
+    tail = Problem(query[:, head:], key, value)
+    tail_saved = Saved(out[:, head:], lse[:, :, head:], lse_rem[:, :, head:])
+    dq_t, dk_t, dv_t, _, _ = backward(
+        tail, _tail_options(opts), tail_saved, grad_out[:, head:],
+        None, False,
     )  # fmt: skip
     dk_t[:, :head] += dk
     dv_t[:, :head] += dv
@@ -651,37 +648,36 @@ def _varlen_empty(total_q, h, dv, query):
     return out, lse, lse_rem
 
 
-def attention_varlen_forward(
-    query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
-    window=NO_WINDOW,
-):  # fmt: skip
-    """Returns out (total_q, H, Dv), lse and lse_rem, both float32 (H, total_q). Rows of out and
-    lse outside every sequence are 0 and -inf."""
-    cu_q, cu_k = _dense(cu_q), _dense(cu_k)
-    if not plan.use_triton(query):
+def _varlen_forward(problem: Problem, opts: Options, p: plan.Plan):
+    """out (total_q, H, Dv), lse and lse_rem float32 (H, total_q) of packed sequences. Rows of
+    out and lse outside every sequence are 0 and -inf."""
+    query, key, value = problem.query, problem.key, problem.value
+    mask, bias, cu_q, cu_k = problem.mask, problem.bias, problem.cu_seqlens_q, problem.cu_seqlens_k
+    if p.route == PYTORCH:
         return chunked.varlen_forward(
-            query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, softcap, window
-        )
+            query, key, value, cu_q, cu_k, mask, bias, opts.scale, opts.is_causal, opts.softcap,
+            opts.window,
+        )  # fmt: skip
     total_q, h, _ = query.shape
     total_k, dv = key.shape[0], value.shape[2]
-    b = cu_q.shape[0] - 1
     # Written in full: rows outside every sequence are never visited by a kernel.
     out, lse, lse_rem = _varlen_empty(total_q, h, dv, query)
-    if b <= 0 or total_q * h == 0 or total_k == 0 or max_q <= 0 or max_k <= 0:
+    if p.route == EMPTY:
         return out, lse, lse_rem
-    max_q = min(max_q, total_q)
-    cfg = plan.config("fwd", query, value, _varlen_operand(mask), _varlen_operand(bias), max_q)
+    b = problem.batch
+    max_q = min(problem.max_seqlen_q, total_q)
+    cfg = p.config
     nq = cdiv(max_q, cfg.block_m)
-    band = Band.of(is_causal, window)
     lists = None
     if mask is not None:
         lists = build_varlen_key_lists(
-            mask, cu_q, cu_k, total_q, nq, band, cfg.block_m, min(max_k, total_k)
-        )
+            mask, cu_q, cu_k, total_q, nq, p.band, cfg.block_m,
+            min(problem.max_seqlen_k, total_k),
+        )  # fmt: skip
     _launch_forward(
         query[None], key[None], value[None], _varlen_operand(mask), _varlen_operand(bias),
         None, cu_q, cu_k, out[None], lse, lse_rem, b, total_q, total_k, nq, (0, total_q),
-        None, lists, cfg, scale, band, softcap,
+        None, lists, cfg, opts.scale, p.band, opts.softcap,
     )  # fmt: skip
     return out, lse, lse_rem
 
@@ -695,34 +691,34 @@ def _varlen_sum_to_bias(cols: torch.Tensor, bias: torch.Tensor, hkv: int) -> tor
     return cols.to(bias.dtype)
 
 
-def attention_varlen_backward(
-    grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
-    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias, window=NO_WINDOW,
-):  # fmt: skip
-    """dq, dk, dv in their inputs' layouts and dtypes (0 on rows outside every sequence) and
-    dbias in bias's (H|Hkv|1, total_k) shape and dtype (an empty (0,) tensor unless
-    compute_dbias). No atomics: always deterministic."""
-    del deterministic
-    cu_q, cu_k, lse, lse_rem = _dense(cu_q), _dense(cu_k), _dense(lse), _dense(lse_rem)
-    if not plan.use_triton(query):
-        return chunked.varlen_backward(
+def _varlen_backward(
+    problem: Problem, opts: Options, p: plan.Plan, saved: Saved, grad_out, grad_lse,
+    compute_dbias: bool,
+) -> Gradients:  # fmt: skip
+    """Gradients of packed sequences: 0 on rows outside every sequence, dbias in bias's
+    (H|Hkv|1, total_k) shape and dtype. No atomics: always deterministic."""
+    query, key, value = problem.query, problem.key, problem.value
+    mask, bias, cu_q, cu_k = problem.mask, problem.bias, problem.cu_seqlens_q, problem.cu_seqlens_k
+    out, lse, lse_rem = saved
+    no_sinks = torch.empty((0,), dtype=query.dtype, device=query.device)
+    if p.route == PYTORCH:
+        grads = chunked.varlen_backward(
             grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k,
-            mask, bias, scale, is_causal, softcap, compute_dbias, window,
+            mask, bias, opts.scale, opts.is_causal, opts.softcap, compute_dbias, opts.window,
         )  # fmt: skip
+        return Gradients(*grads, no_sinks)
     total_q, h, _ = query.shape
     total_k, hkv = key.shape[0], key.shape[1]
-    b = cu_q.shape[0] - 1
     device = query.device
     dq, dk, dvv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     dbias_cols = None
     if compute_dbias:
         dbias_cols = torch.zeros((h, total_k), dtype=torch.float32, device=device)
-    if b > 0 and total_q * h > 0 and total_k > 0 and max_q > 0 and max_k > 0:
-        max_q, max_k = min(max_q, total_q), min(max_k, total_k)
-        cfgs = plan.backward_configs(
-            query, value, _varlen_operand(mask), _varlen_operand(bias), max_q
-        )
-        band = Band.of(is_causal, window)
+    if p.route != EMPTY:
+        b = problem.batch
+        max_q = min(problem.max_seqlen_q, total_q)
+        max_k = min(problem.max_seqlen_k, total_k)
+        cfgs, band = p.configs, p.band
         lists = None
         if mask is not None:
             block_m = cfgs.dq.block_m
@@ -738,17 +734,17 @@ def attention_varlen_backward(
             query[None], key[None], value[None], grad_out[None], _varlen_operand(mask),
             _varlen_operand(bias), None, cu_q, cu_k, rows,
             dq, dk, dvv, dbias_cols, None, b, total_q, total_k, max_q, max_k,
-            (0, total_q), (0, total_k), None, None, lists, dkdv_lists, cfgs, scale, band,
-            softcap,
+            (0, total_q), (0, total_k), None, None, lists, dkdv_lists, cfgs, opts.scale, band,
+            opts.softcap,
         )  # fmt: skip
     if not compute_dbias:
-        return dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device)
-    return dq, dk, dvv, _varlen_sum_to_bias(dbias_cols, bias, hkv)
+        return Gradients(dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device), no_sinks)
+    return Gradients(dq, dk, dvv, _varlen_sum_to_bias(dbias_cols, bias, hkv), no_sinks)
 
 
 # Decoding: split-K forward for a few queries against a long cache.
 
-DECODE_WAVES = 8  # programs per SM to aim for (measured on an H100: bench/NOTES.md)
+DECODE_WAVES = 8  # programs per SM to aim for (measured fastest on an H100)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -757,18 +753,18 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_forward(
-    query, key, value, mask, bias, scale, band: Band, softcap, seqused_k, sinks=None
-):  # fmt: skip
-    """out, lse, lse_rem as attention_forward, through attention_decode_kernel and its merge,
-    which joins the sinks (H,) if any.
-    Under a window the splits cover the band (at most left + Lq + right keys, from the first
-    query's lower bound), not the cache."""
+def decode_forward(problem: Problem, opts: Options, p: plan.Plan):
+    """out, lse, lse_rem as `forward`, through attention_decode_kernel and its merge, which
+    joins the sinks (H,) if any. Under a window the splits cover the band (at most left + Lq +
+    right keys, from the first query's lower bound), not the cache."""
+    query, key, value = problem.query, problem.key, problem.value
+    mask, bias, seqused_k, sinks = problem.mask, problem.bias, problem.seqused_k, problem.sinks
+    scale, softcap, band = opts.scale, opts.softcap, p.band
     b, lq, h, d = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     g = h // hkv
     device = query.device
-    cfg = plan.config("decode", query, value, mask, bias, lq)
+    cfg = p.config
     block_n = cfg.block_n
     block_m = max(16, next_power_of_2(g * lq))
     span = lk

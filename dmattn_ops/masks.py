@@ -192,7 +192,7 @@ def topk_select(
     # Traced into a compiled graph (inductor.py), the kernel writes bytes and the mask is
     # `bytes != 0`: Inductor would read a bool buffer that comes from torch.empty and is
     # written only by a user kernel as its fill value (all False) where FlexAttention's
-    # mask_mod captures it (bench/NOTES.md 39).
+    # mask_mod captures it.
     traced = _triton.tracing_on()
     out = torch.empty(shape, dtype=torch.uint8 if traced else torch.bool, device=bias.device)
     if out.numel() > 0:

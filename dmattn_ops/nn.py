@@ -83,7 +83,7 @@ class DynamicMaskAttention(torch.nn.Module):
         their neighbours), instead of calling cuBLAS for a product with Hkv (4) columns: in a
         compiled training step those calls (one forward, two backward per layer) cost the host
         far more than the GPU time they save, and at the model benchmark's B4 L2048 the step
-        is host-bound (bench/NOTES.md 60). Eagerly the sum of products would materialise a
+        is host-bound. Eagerly the sum of products would materialise a
         (B, L, Hkv, Hkv * D) tensor, so eager calls keep F.linear (a compile backend that does
         not fuse, such as "aot_eager", materialises it too)."""
         dtype = torch.promote_types(x.dtype, torch.float32)

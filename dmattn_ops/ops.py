@@ -1,7 +1,8 @@
 """torch.library registrations of the dmattn ops: schemas, backend kernels, fake kernels,
 autograd and vmap rules.
 
-Three ops:
+Six ops, three for each sequence layout (dense / seqused_k, and packed sequences with
+cu_seqlens, the ``_varlen`` ones):
 
 * ``dmattn::attention`` -- the public op (README "API" and "Semantics"), differentiable in
   query, key, value, bias.
@@ -20,19 +21,22 @@ here are written by hand and apply an autograd.Function that has ``setup_context
 torch.func transform the Autograd kernel already runs at the transform's level, on its wrapped
 tensors, like any built-in op's Autograd kernel; there the Function is applied as a
 single-level function instead of being routed back through ``custom_function_call``.
+
+The schemas are the one place the flat operand list is spelled: every kernel, rule and formula
+below reads its call by name (calls.bind) as a Problem and Options, and the same code serves
+both layouts. ``kernel_options`` (options.py) travels as one canonical string.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.autograd.forward_ad as fwad
 
-from dmattn_ops import chunked, launch
+from dmattn_ops import chunked, launch, options
 from dmattn_ops._compat import (
     AFTER_AUTOGRAD_KEYSET,
     SingleLevelFunction,
@@ -43,9 +47,10 @@ from dmattn_ops._compat import (
     unwrap_dead_wrappers,
     without_autocast,
 )
+from dmattn_ops.calls import bind, options_of, problem_of, unbind, values_of
 from dmattn_ops.chunked import stats_dtype
+from dmattn_ops.problem import Options, Problem
 from dmattn_ops.validate import (
-    NO_WINDOW,
     check_cu_seqlens_values,
     check_inputs,
     check_seqused_k_values,
@@ -63,28 +68,189 @@ ATTENTION_SCHEMA = (
 FORWARD_SCHEMA = (
     "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? bias, "
     "float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic=False"
-    ", int[2] window_size=[-1, -1], Tensor? sinks=None) -> (Tensor out, Tensor lse, "
-    "Tensor lse_rem)"
+    ", int[2] window_size=[-1, -1], Tensor? sinks=None, str? kernel_options=None) -> "
+    "(Tensor out, Tensor lse, Tensor lse_rem)"
 )
 BACKWARD_SCHEMA = (
     "attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, "
     "Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor? mask, Tensor? bias, "
     "float scale, "
     "bool is_causal, float softcap, Tensor? seqused_k, bool deterministic, bool compute_dbias"
-    ", int[2] window_size=[-1, -1], Tensor? sinks=None) "
+    ", int[2] window_size=[-1, -1], Tensor? sinks=None, str? kernel_options=None) "
     "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias, "
     "Tensor grad_sinks)"
 )
+VARLEN_SCHEMA = (
+    "attention_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
+    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask=None, "
+    "Tensor? bias=None, float? scale=None, bool is_causal=False, float softcap=0.0, "
+    "bool deterministic=False, int[2] window_size=[-1, -1]) -> Tensor"
+)
+VARLEN_FORWARD_SCHEMA = (
+    "attention_varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
+    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, Tensor? bias, "
+    "float scale, bool is_causal, float softcap, bool deterministic=False, "
+    "int[2] window_size=[-1, -1], str? kernel_options=None) -> (Tensor out, Tensor lse, "
+    "Tensor lse_rem)"
+)
+VARLEN_BACKWARD_SCHEMA = (
+    "attention_varlen_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, "
+    "Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor cu_seqlens_q, "
+    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, "
+    "Tensor? bias, float scale, bool is_causal, float softcap, bool deterministic, "
+    "bool compute_dbias, int[2] window_size=[-1, -1], str? kernel_options=None) -> "
+    "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)"
+)
 
 _lib = torch.library.Library("dmattn", "DEF")
-for _schema in (ATTENTION_SCHEMA, FORWARD_SCHEMA, BACKWARD_SCHEMA):
+for _schema in (
+    ATTENTION_SCHEMA, FORWARD_SCHEMA, BACKWARD_SCHEMA,
+    VARLEN_SCHEMA, VARLEN_FORWARD_SCHEMA, VARLEN_BACKWARD_SCHEMA,
+):  # fmt: skip
     _lib.define(_schema)
 
 
-def default_scale(query: torch.Tensor) -> float:
-    """1 / sqrt(D); with D = 0 every q . k is 0 and any scale gives the same result: 1."""
-    d = query.shape[-1]
-    return 1.0 / math.sqrt(d) if d > 0 else 1.0
+@dataclass(frozen=True)
+class Op:
+    """The three ops of one layout: the public one, the forward and the backward."""
+
+    public: torch._ops.OpOverload
+    forward: torch._ops.OpOverload
+    backward: torch._ops.OpOverload
+    fn: str  # the name errors give
+
+    @property
+    def varlen(self) -> bool:
+        return "varlen" in self.public.name()
+
+
+DENSE_OPS = Op(
+    torch.ops.dmattn.attention.default, torch.ops.dmattn.attention_forward.default,
+    torch.ops.dmattn.attention_backward.default, "dmattn::attention",
+)  # fmt: skip
+VARLEN_OPS = Op(
+    torch.ops.dmattn.attention_varlen.default, torch.ops.dmattn.attention_varlen_forward.default,
+    torch.ops.dmattn.attention_varlen_backward.default, "dmattn::attention_varlen",
+)  # fmt: skip
+
+
+def check_call(call: dict, fn: str, values: bool = True) -> Problem:
+    """Validates a bound call (shapes, dtypes, the window, the kernel options; with `values`
+    also the values of seqused_k, cu_seqlens and sinks, which fake tensors do not have) and
+    returns its problem."""
+    problem = problem_of(call)
+    check_window(call.get("window_size", (-1, -1)), fn)
+    q, k, v = problem.query, problem.key, problem.value
+    mask, bias, scale, softcap = problem.mask, problem.bias, call.get("scale"), call.get("softcap")
+    if problem.varlen:
+        cu_q, cu_k = problem.cu_seqlens_q, problem.cu_seqlens_k
+        max_q, max_k = problem.max_seqlen_q, problem.max_seqlen_k
+        check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, softcap, fn=fn)
+        if values:
+            check_cu_seqlens_values(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k, fn)
+    else:
+        check_inputs(q, k, v, mask, bias, problem.seqused_k, scale, softcap, fn=fn)
+        check_sinks(problem.sinks, q, fn)
+        if values:
+            check_seqused_k_values(problem.seqused_k, k.shape[1], fn)
+            check_sinks_values(problem.sinks, fn)
+    options.decode(call.get("kernel_options"), fn)
+    return problem
+
+
+# Backend kernels.
+
+
+def forward_kernel(ops: Op):
+    """The CPU/CUDA kernel of ops.forward: (out, lse, lse_rem)."""
+
+    def kernel(*args, **kwargs):
+        call = bind(ops.forward, args, kwargs)
+        problem = check_call(call, ops.fn)
+        return tuple(launch.forward(problem, options_of(call)))
+
+    return kernel
+
+
+def backward_kernel(ops: Op):
+    """The CPU/CUDA kernel of ops.backward: the gradients (the varlen op has no sinks)."""
+
+    def kernel(*args, **kwargs):
+        call = bind(ops.backward, args, kwargs)
+        saved = launch.Saved(call["out"], call["lse"], call["lse_rem"])
+        grads = launch.backward(
+            problem_of(call), options_of(call), saved, call["grad_out"], call["grad_lse"],
+            call["compute_dbias"],
+        )  # fmt: skip
+        return tuple(grads)[:4] if ops.varlen else tuple(grads)
+
+    return kernel
+
+
+def _public_kernel(ops: Op):
+    def kernel(*args, **kwargs):
+        call = bind(ops.public, args, kwargs)
+        call["scale"] = options_of(call).scale
+        out, _, _ = ops.forward(*unbind(ops.forward, call))
+        return out
+
+    return kernel
+
+
+for _ops in (DENSE_OPS, VARLEN_OPS):
+    for _key in ("CPU", "CUDA"):
+        _lib.impl(_ops.forward.name().split("::")[1], forward_kernel(_ops), _key)
+        _lib.impl(_ops.backward.name().split("::")[1], backward_kernel(_ops), _key)
+    _lib.impl(_ops.public.name().split("::")[1], _public_kernel(_ops), "CompositeExplicitAutograd")
+
+
+# Fake kernels: exactly the shapes, dtypes and (contiguous) strides the real kernels return.
+
+
+def _forward_fake(ops: Op):
+    def fake(*args, **kwargs):
+        problem = check_call(bind(ops.forward, args, kwargs), ops.fn, values=False)
+        query = problem.query
+        out = query.new_empty((*query.shape[:-1], problem.value_dim))
+        rows = (
+            (problem.heads, problem.lq)
+            if ops.varlen
+            else (query.shape[0], problem.heads, problem.lq)
+        )
+        stats = stats_dtype(query.dtype)
+        return out, query.new_empty(rows, dtype=stats), query.new_empty(rows, dtype=stats)
+
+    return fake
+
+
+def _backward_fake(ops: Op):
+    def fake(*args, **kwargs):
+        call = bind(ops.backward, args, kwargs)
+        query, key, value, bias = call["query"], call["key"], call["value"], call["bias"]
+        grads = (
+            query.new_empty(query.shape),
+            key.new_empty(key.shape),
+            value.new_empty(value.shape),
+        )
+        if call["compute_dbias"] and bias is not None:
+            dbias = bias.new_empty(bias.shape)
+        else:
+            dbias = query.new_empty((0,))
+        if ops.varlen:
+            return (*grads, dbias)
+        sinks = call["sinks"]
+        dsinks = query.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
+        return (*grads, dbias, dsinks)
+
+    return fake
+
+
+for _ops in (DENSE_OPS, VARLEN_OPS):
+    torch.library.register_fake(_ops.forward.name(), _forward_fake(_ops), lib=_lib)
+    torch.library.register_fake(_ops.backward.name(), _backward_fake(_ops), lib=_lib)
+
+
+# Autograd.
 
 
 _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
@@ -120,160 +286,6 @@ def autocast_off(query):
     if not torch.is_autocast_enabled(query.device.type):
         return contextlib.nullcontext()
     return torch.autocast(query.device.type, enabled=False)
-
-
-@dataclass(frozen=True)
-class Options:
-    """The non-tensor arguments that travel from forward to backward."""
-
-    scale: float
-    is_causal: bool
-    softcap: float
-    deterministic: bool
-    window: tuple[int, int]
-
-
-# Backend kernels.
-
-
-def _forward_impl(
-    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic=False,
-    window_size=NO_WINDOW, sinks=None,
-):  # fmt: skip
-    fn = "dmattn::attention"
-    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn=fn)
-    check_seqused_k_values(seqused_k, key.shape[1], fn)
-    check_sinks(sinks, query, fn)
-    check_sinks_values(sinks, fn)
-    window = check_window(window_size, fn)
-    return launch.attention_forward(
-        query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window, sinks
-    )
-
-
-def _backward_impl(
-    grad_out,
-    grad_lse,
-    query,
-    key,
-    value,
-    out,
-    lse,
-    lse_rem,
-    mask,
-    bias,
-    scale,
-    is_causal,
-    softcap,
-    seqused_k,
-    deterministic,
-    compute_dbias,
-    window_size=NO_WINDOW,
-    sinks=None,
-):
-    return launch.attention_backward(
-        grad_out,
-        grad_lse,
-        query,
-        key,
-        value,
-        out,
-        lse,
-        lse_rem,
-        mask,
-        bias,
-        scale,
-        is_causal,
-        softcap,
-        seqused_k,
-        deterministic,
-        compute_dbias and bias is not None,
-        tuple(window_size),
-        sinks,
-    )
-
-
-for _key in ("CPU", "CUDA"):
-    _lib.impl("attention_forward", _forward_impl, _key)
-    _lib.impl("attention_backward", _backward_impl, _key)
-
-
-def _attention_impl(
-    query,
-    key,
-    value,
-    mask=None,
-    bias=None,
-    scale=None,
-    is_causal=False,
-    softcap=0.0,
-    seqused_k=None,
-    deterministic=False,
-    window_size=NO_WINDOW,
-    sinks=None,
-):
-    scale = default_scale(query) if scale is None else scale
-    out, _, _ = torch.ops.dmattn.attention_forward(
-        query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic,
-        window_size, sinks,
-    )  # fmt: skip
-    return out
-
-
-_lib.impl("attention", _attention_impl, "CompositeExplicitAutograd")
-
-
-# Fake kernels: exactly the shapes, dtypes and (contiguous) strides the real kernels return.
-
-
-@torch.library.register_fake("dmattn::attention_forward")
-def _forward_fake(
-    query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic=False,
-    window_size=NO_WINDOW, sinks=None,
-):  # fmt: skip
-    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn::attention")
-    check_sinks(sinks, query, "dmattn::attention")
-    check_window(window_size, "dmattn::attention")
-    b, lq, h, _ = query.shape
-    out = query.new_empty((b, lq, h, value.shape[-1]))
-    lse = query.new_empty((b, h, lq), dtype=stats_dtype(query.dtype))
-    lse_rem = query.new_empty((b, h, lq), dtype=stats_dtype(query.dtype))
-    return out, lse, lse_rem
-
-
-@torch.library.register_fake("dmattn::attention_backward")
-def _backward_fake(
-    grad_out,
-    grad_lse,
-    query,
-    key,
-    value,
-    out,
-    lse,
-    lse_rem,
-    mask,
-    bias,
-    scale,
-    is_causal,
-    softcap,
-    seqused_k,
-    deterministic,
-    compute_dbias,
-    window_size=NO_WINDOW,
-    sinks=None,
-):
-    dq = query.new_empty(query.shape)
-    dk = key.new_empty(key.shape)
-    dv = value.new_empty(value.shape)
-    if compute_dbias and bias is not None:
-        dbias = bias.new_empty(bias.shape)
-    else:
-        dbias = query.new_empty((0,))
-    dsinks = query.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
-    return dq, dk, dv, dbias, dsinks
-
-
-# Autograd.
 
 
 def _apply(function: type[torch.autograd.Function], *args):
@@ -325,84 +337,97 @@ def _needs_grad(*tensors) -> bool:
     return _has_tangent(tensors)
 
 
+# The differentiable inputs of AttentionFunction, in its apply order, then the call's Spec.
+INPUTS = (
+    "query", "key", "value", "mask", "bias", "sinks", "seqused_k", "cu_seqlens_q", "cu_seqlens_k",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Spec:
+    """AttentionFunction's non-tensor argument: the options, the packed layout's longest
+    sequences, and which ops run it."""
+
+    options: Options
+    ops: Op
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    def problem(self, tensors: dict) -> Problem:
+        return Problem(*(tensors[name] for name in INPUTS), self.max_seqlen_q, self.max_seqlen_k)
+
+
 class AttentionFunction(torch.autograd.Function):
-    """(query, key, value, mask, bias, seqused_k, sinks, Options) -> (out, lse, lse_rem)."""
+    """(query, key, value, mask, bias, sinks, seqused_k, cu_seqlens_q, cu_seqlens_k, Spec) ->
+    (out, lse, lse_rem), for either layout."""
 
     @staticmethod
-    def forward(query, key, value, mask, bias, seqused_k, sinks, options: Options):
-        return torch.ops.dmattn.attention_forward(
-            query,
-            key,
-            value,
-            mask,
-            bias,
-            options.scale,
-            options.is_causal,
-            options.softcap,
-            seqused_k,
-            options.deterministic,
-            options.window,
-            sinks,
-        )
+    def forward(*args):
+        spec = args[-1]
+        problem = spec.problem(dict(zip(INPUTS, args)))
+        op = spec.ops.forward
+        return op(*unbind(op, values_of(problem, spec.options)))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        query, key, value, mask, bias, seqused_k, sinks, options = inputs
         out, lse, lse_rem = output
-        saved = (query, key, value, mask, bias, seqused_k, sinks, out, lse, lse_rem)
+        saved = (*inputs[:-1], out, lse, lse_rem)
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*saved)
         ctx.mark_non_differentiable(lse_rem)
-        ctx.options = options
+        ctx.spec = inputs[-1]
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def jvp(ctx, t_query, t_key, t_value, _t_mask, t_bias, _t_seqused_k, t_sinks, _t_options):
-        query, key, value, mask, bias, seqused_k, sinks, out, lse, lse_rem = ctx.saved_tensors
-        o = ctx.options
+    def jvp(ctx, *tangents):
+        *inputs, out, lse, lse_rem = ctx.saved_tensors
+        spec, o = ctx.spec, ctx.spec.options
+        problem = spec.problem(dict(zip(INPUTS, inputs)))
+        t = dict(zip(INPUTS, tangents))
+        dual = (t["query"], t["key"], t["value"], t["bias"])
+        q, k, v, mask, bias = problem.query, problem.key, problem.value, problem.mask, problem.bias
+        if problem.varlen:
+            out_t, lse_t = chunked.varlen_jvp(
+                q, k, v, problem.cu_seqlens_q, problem.cu_seqlens_k, mask, bias, dual, lse,
+                lse_rem, o.scale, o.is_causal, o.softcap, o.window,
+            )  # fmt: skip
+            return out_t, lse_t, None
         out_t, lse_t = chunked.jvp(
-            query, key, value, mask, bias, (t_query, t_key, t_value, t_bias), lse, lse_rem,
-            o.scale, o.is_causal, o.softcap, seqused_k, window=o.window,
+            q, k, v, mask, bias, dual, lse, lse_rem, o.scale, o.is_causal, o.softcap,
+            problem.seqused_k, window=o.window,
         )  # fmt: skip
-        if t_sinks is not None:
+        if t["sinks"] is not None:
             # The sink's share w = exp(sinks[h] - lse) of each row: lse' gains w * sinks', and
             # out' loses w * sinks' * out (chunked.jvp's P already sums to 1 - w).
-            w = chunked.sink_share(sinks, lse, lse_rem) * t_sinks.to(lse.dtype)[:, None]
+            w = chunked.sink_share(problem.sinks, lse, lse_rem) * t["sinks"].to(lse.dtype)[:, None]
             lse_t = lse_t + w.to(lse_t.dtype)
             out_t = out_t - (out.to(w.dtype) * w.transpose(1, 2)[..., None]).to(out_t.dtype)
         return out_t, lse_t, None
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, _grad_lse_rem):
-        query, key, value, mask, bias, seqused_k, sinks, out, lse, lse_rem = ctx.saved_tensors
+        *inputs, out, lse, lse_rem = ctx.saved_tensors
+        none = (None,) * (len(INPUTS) + 1)
         if grad_out is None and grad_lse is None:
-            return (None,) * 8
+            return none
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        o = ctx.options
-        compute_dbias = bias is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, dbias, dsinks = torch.ops.dmattn.attention_backward(
-            grad_out,
-            grad_lse,
-            query,
-            key,
-            value,
-            out,
-            lse,
-            lse_rem,
-            mask,
-            bias,
-            o.scale,
-            o.is_causal,
-            o.softcap,
-            seqused_k,
-            o.deterministic,
-            compute_dbias,
-            o.window,
-            sinks,
-        )
-        dsinks = dsinks if sinks is not None and ctx.needs_input_grad[6] else None
-        return dq, dk, dv, None, (dbias if compute_dbias else None), None, dsinks, None
+        spec = ctx.spec
+        problem = spec.problem(dict(zip(INPUTS, inputs)))
+        wanted = dict(zip(INPUTS, ctx.needs_input_grad))
+        compute_dbias = problem.bias is not None and wanted["bias"]
+        op = spec.ops.backward
+        call = values_of(problem, spec.options)
+        call.update(
+            grad_out=grad_out, grad_lse=grad_lse, out=out, lse=lse, lse_rem=lse_rem,
+            compute_dbias=compute_dbias,
+        )  # fmt: skip
+        grads = dict(zip(("query", "key", "value", "bias", "sinks"), op(*unbind(op, call))))
+        if not compute_dbias:
+            grads["bias"] = None
+        if problem.sinks is None or not wanted["sinks"]:
+            grads["sinks"] = None
+        return (*(grads.get(name) for name in INPUTS), None)
 
 
 DOUBLE_BACKWARD_ERROR = (
@@ -415,11 +440,11 @@ DOUBLE_BACKWARD_ERROR = (
 
 
 class _BackwardFunction(torch.autograd.Function):
-    """attention_backward's own autograd: usable once, refuses to be differentiated."""
+    """A backward op's own autograd: usable once, refuses to be differentiated."""
 
     @staticmethod
-    def forward(*args):
-        return torch.ops.dmattn.attention_backward(*args)
+    def forward(op, *args):
+        return op(*args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -432,73 +457,6 @@ class _BackwardFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, *tangents):
         raise NotImplementedError(DOUBLE_BACKWARD_ERROR)
-
-
-def _attention_autograd(
-    keyset,
-    query,
-    key,
-    value,
-    mask=None,
-    bias=None,
-    scale=None,
-    is_causal=False,
-    softcap=0.0,
-    seqused_k=None,
-    deterministic=False,
-    window_size=NO_WINDOW,
-    sinks=None,
-):
-    if _needs_grad(query, key, value, bias, sinks):
-        scale = default_scale(query) if scale is None else scale
-        window = check_window(window_size, "dmattn::attention")
-        options = Options(scale, is_causal, softcap, deterministic, window)
-        out, _, _ = _apply(
-            AttentionFunction, query, key, value, mask, bias, seqused_k, sinks, options
-        )
-        return out
-    with below_autograd():
-        return torch.ops.dmattn.attention.default.redispatch(
-            keyset & AFTER_AUTOGRAD_KEYSET,
-            query,
-            key,
-            value,
-            mask,
-            bias,
-            scale,
-            is_causal,
-            softcap,
-            seqused_k,
-            deterministic,
-            window_size,
-            sinks,
-        )
-
-
-def _forward_autograd(
-    keyset, query, key, value, mask, bias, scale, is_causal, softcap, seqused_k,
-    deterministic=False, window_size=NO_WINDOW, sinks=None,
-):  # fmt: skip
-    if _needs_grad(query, key, value, bias, sinks):
-        window = check_window(window_size, "dmattn::attention")
-        options = Options(scale, is_causal, softcap, deterministic, window)
-        return _apply(AttentionFunction, query, key, value, mask, bias, seqused_k, sinks, options)
-    with below_autograd():
-        return torch.ops.dmattn.attention_forward.default.redispatch(
-            keyset & AFTER_AUTOGRAD_KEYSET,
-            query,
-            key,
-            value,
-            mask,
-            bias,
-            scale,
-            is_causal,
-            softcap,
-            seqused_k,
-            deterministic,
-            window_size,
-            sinks,
-        )
 
 
 def _outer_grad_levels(tensors) -> bool:
@@ -537,230 +495,47 @@ def _base_requires_grad(tensors) -> bool:
     return False
 
 
-def _backward_autograd(keyset, *args):
-    if _outer_grad_levels(a for a in args if isinstance(a, torch.Tensor)):
-        raise NotImplementedError(DOUBLE_BACKWARD_ERROR)
-    if _needs_grad(*(a for a in args if isinstance(a, torch.Tensor))):
-        return _apply(_BackwardFunction, *args)
-    with below_autograd():
-        return torch.ops.dmattn.attention_backward.default.redispatch(
-            keyset & AFTER_AUTOGRAD_KEYSET, *args
-        )
+def _differentiable_kernel(ops: Op, public: bool):
+    """The Autograd kernel of ops.public (public) or ops.forward: AttentionFunction where a
+    gradient is wanted, else the op below autograd."""
+    op = ops.public if public else ops.forward
+
+    def kernel(keyset, *args, **kwargs):
+        call = bind(op, args, kwargs)
+        if _needs_grad(call["query"], call["key"], call["value"], call["bias"], call.get("sinks")):
+            check_window(call["window_size"], ops.fn)
+            opts = options_of(call)
+            spec = Spec(opts, ops, call.get("max_seqlen_q", 0), call.get("max_seqlen_k", 0))
+            result = _apply(AttentionFunction, *(call.get(name) for name in INPUTS), spec)
+            return result[0] if public else result
+        with below_autograd():
+            return op.redispatch(keyset & AFTER_AUTOGRAD_KEYSET, *args, **kwargs)
+
+    return kernel
 
 
-_lib.impl("attention", _attention_autograd, "Autograd", with_keyset=True)
-_lib.impl("attention_forward", _forward_autograd, "Autograd", with_keyset=True)
-_lib.impl("attention_backward", _backward_autograd, "Autograd", with_keyset=True)
+def _backward_autograd(ops: Op):
+    op = ops.backward
+
+    def kernel(keyset, *args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if _outer_grad_levels(tensors):
+            raise NotImplementedError(DOUBLE_BACKWARD_ERROR)
+        if _needs_grad(*tensors):
+            return _apply(_BackwardFunction, op, *unbind(op, bind(op, args, kwargs)))
+        with below_autograd():
+            return op.redispatch(keyset & AFTER_AUTOGRAD_KEYSET, *args, **kwargs)
+
+    return kernel
 
 
-# Variable-length batches.
-
-VARLEN_SCHEMA = (
-    "attention_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
-    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask=None, "
-    "Tensor? bias=None, float? scale=None, bool is_causal=False, float softcap=0.0, "
-    "bool deterministic=False, int[2] window_size=[-1, -1]) -> Tensor"
-)
-VARLEN_FORWARD_SCHEMA = (
-    "attention_varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
-    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, Tensor? bias, "
-    "float scale, bool is_causal, float softcap, bool deterministic=False, "
-    "int[2] window_size=[-1, -1]) -> (Tensor out, Tensor lse, Tensor lse_rem)"
-)
-VARLEN_BACKWARD_SCHEMA = (
-    "attention_varlen_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, "
-    "Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor cu_seqlens_q, "
-    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, "
-    "Tensor? bias, float scale, bool is_causal, float softcap, bool deterministic, "
-    "bool compute_dbias, int[2] window_size=[-1, -1]) -> (Tensor grad_query, Tensor grad_key, "
-    "Tensor grad_value, Tensor grad_bias)"
-)
-for _schema in (VARLEN_SCHEMA, VARLEN_FORWARD_SCHEMA, VARLEN_BACKWARD_SCHEMA):
-    _lib.define(_schema)
-
-
-def _varlen_forward_impl(
-    query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
-    deterministic=False, window_size=NO_WINDOW,
-):  # fmt: skip
-    fn = "dmattn::attention_varlen"
-    window = check_window(window_size, fn)
-    check_varlen_inputs(
-        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, softcap, fn=fn
-    )
-    check_cu_seqlens_values(cu_q, cu_k, query.shape[0], key.shape[0], max_q, max_k, fn)
-    return launch.attention_varlen_forward(
-        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap, window
-    )
-
-
-def _varlen_backward_impl(
-    grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
-    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias, window_size=NO_WINDOW,
-):  # fmt: skip
-    return launch.attention_varlen_backward(
-        grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
-        mask, bias, scale, is_causal, softcap, deterministic, compute_dbias and bias is not None,
-        tuple(window_size),
-    )  # fmt: skip
-
-
-for _key in ("CPU", "CUDA"):
-    _lib.impl("attention_varlen_forward", _varlen_forward_impl, _key)
-    _lib.impl("attention_varlen_backward", _varlen_backward_impl, _key)
-
-
-def _varlen_impl(
-    query, key, value, cu_q, cu_k, max_q, max_k, mask=None, bias=None, scale=None,
-    is_causal=False, softcap=0.0, deterministic=False, window_size=NO_WINDOW,
-):  # fmt: skip
-    scale = default_scale(query) if scale is None else scale
-    out, _, _ = torch.ops.dmattn.attention_varlen_forward(
-        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
-        deterministic, window_size,
-    )  # fmt: skip
-    return out
-
-
-_lib.impl("attention_varlen", _varlen_impl, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("dmattn::attention_varlen_forward")
-def _varlen_forward_fake(
-    query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
-    deterministic=False, window_size=NO_WINDOW,
-):  # fmt: skip
-    check_window(window_size, "dmattn::attention_varlen")
-    check_varlen_inputs(
-        query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, softcap,
-        fn="dmattn::attention_varlen",
-    )  # fmt: skip
-    total_q, h, _ = query.shape
-    out = query.new_empty((total_q, h, value.shape[-1]))
-    lse = query.new_empty((h, total_q), dtype=stats_dtype(query.dtype))
-    lse_rem = query.new_empty((h, total_q), dtype=stats_dtype(query.dtype))
-    return out, lse, lse_rem
-
-
-@torch.library.register_fake("dmattn::attention_varlen_backward")
-def _varlen_backward_fake(
-    grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k, max_q, max_k,
-    mask, bias, scale, is_causal, softcap, deterministic, compute_dbias, window_size=NO_WINDOW,
-):  # fmt: skip
-    dbias = bias.new_empty(bias.shape) if compute_dbias and bias is not None else None
-    if dbias is None:
-        dbias = query.new_empty((0,))
-    grads = (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape))
-    return (*grads, dbias)
-
-
-@dataclass(frozen=True)
-class VarlenOptions(Options):
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-
-class VarlenAttentionFunction(torch.autograd.Function):
-    """(query, key, value, cu_q, cu_k, mask, bias, VarlenOptions) -> (out, lse, lse_rem)."""
-
-    @staticmethod
-    def forward(query, key, value, cu_q, cu_k, mask, bias, options: VarlenOptions):
-        o = options
-        return torch.ops.dmattn.attention_varlen_forward(
-            query, key, value, cu_q, cu_k, o.max_seqlen_q, o.max_seqlen_k, mask, bias,
-            o.scale, o.is_causal, o.softcap, o.deterministic, o.window,
-        )  # fmt: skip
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        query, key, value, cu_q, cu_k, mask, bias, options = inputs
-        out, lse, lse_rem = output
-        ctx.save_for_backward(query, key, value, cu_q, cu_k, mask, bias, out, lse, lse_rem)
-        ctx.save_for_forward(query, key, value, cu_q, cu_k, mask, bias, out, lse, lse_rem)
-        ctx.mark_non_differentiable(lse_rem)
-        ctx.options = options
-        ctx.set_materialize_grads(False)
-
-    @staticmethod
-    def jvp(ctx, t_query, t_key, t_value, _t_cu_q, _t_cu_k, _t_mask, t_bias, _t_options):
-        query, key, value, cu_q, cu_k, mask, bias, _, lse, lse_rem = ctx.saved_tensors
-        o = ctx.options
-        out_t, lse_t = chunked.varlen_jvp(
-            query, key, value, cu_q, cu_k, mask, bias, (t_query, t_key, t_value, t_bias), lse,
-            lse_rem, o.scale, o.is_causal, o.softcap, o.window,
-        )  # fmt: skip
-        return out_t, lse_t, None
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse, _grad_lse_rem):
-        query, key, value, cu_q, cu_k, mask, bias, out, lse, lse_rem = ctx.saved_tensors
-        if grad_out is None and grad_lse is None:
-            return (None,) * 8
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        o = ctx.options
-        compute_dbias = bias is not None and ctx.needs_input_grad[6]
-        dq, dk, dv, dbias = torch.ops.dmattn.attention_varlen_backward(
-            grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k,
-            o.max_seqlen_q, o.max_seqlen_k, mask, bias, o.scale, o.is_causal, o.softcap,
-            o.deterministic, compute_dbias, o.window,
-        )  # fmt: skip
-        return dq, dk, dv, None, None, None, (dbias if compute_dbias else None), None
-
-
-def _varlen_autograd(
-    keyset, query, key, value, cu_q, cu_k, max_q, max_k, mask=None, bias=None, scale=None,
-    is_causal=False, softcap=0.0, deterministic=False, window_size=NO_WINDOW,
-):  # fmt: skip
-    if _needs_grad(query, key, value, bias):
-        scale = default_scale(query) if scale is None else scale
-        window = check_window(window_size, "dmattn::attention_varlen")
-        options = VarlenOptions(scale, is_causal, softcap, deterministic, window, max_q, max_k)
-        args = (query, key, value, cu_q, cu_k, mask, bias, options)
-        out, _, _ = _apply(VarlenAttentionFunction, *args)
-        return out
-    with below_autograd():
-        return torch.ops.dmattn.attention_varlen.default.redispatch(
-            keyset & AFTER_AUTOGRAD_KEYSET, query, key, value, cu_q, cu_k, max_q,
-            max_k, mask, bias, scale, is_causal, softcap, deterministic, window_size,
-        )  # fmt: skip
-
-
-def _varlen_forward_autograd(
-    keyset, query, key, value, cu_q, cu_k, max_q, max_k, mask, bias, scale, is_causal, softcap,
-    deterministic=False, window_size=NO_WINDOW,
-):  # fmt: skip
-    if _needs_grad(query, key, value, bias):
-        window = check_window(window_size, "dmattn::attention_varlen")
-        options = VarlenOptions(scale, is_causal, softcap, deterministic, window, max_q, max_k)
-        return _apply(VarlenAttentionFunction, query, key, value, cu_q, cu_k, mask, bias, options)
-    with below_autograd():
-        return torch.ops.dmattn.attention_varlen_forward.default.redispatch(
-            keyset & AFTER_AUTOGRAD_KEYSET, query, key, value, cu_q, cu_k, max_q,
-            max_k, mask, bias, scale, is_causal, softcap, deterministic, window_size,
-        )  # fmt: skip
-
-
-def _varlen_backward_autograd(keyset, *args):
-    if _outer_grad_levels(a for a in args if isinstance(a, torch.Tensor)):
-        raise NotImplementedError(DOUBLE_BACKWARD_ERROR)
-    if _needs_grad(*(a for a in args if isinstance(a, torch.Tensor))):
-        return _apply(_VarlenBackwardFunction, *args)
-    with below_autograd():
-        return torch.ops.dmattn.attention_varlen_backward.default.redispatch(
-            keyset & AFTER_AUTOGRAD_KEYSET, *args
-        )
-
-
-class _VarlenBackwardFunction(_BackwardFunction):
-    @staticmethod
-    def forward(*args):
-        return torch.ops.dmattn.attention_varlen_backward(*args)
-
-
-_lib.impl("attention_varlen", _varlen_autograd, "Autograd", with_keyset=True)
-_lib.impl("attention_varlen_forward", _varlen_forward_autograd, "Autograd", with_keyset=True)
-_lib.impl("attention_varlen_backward", _varlen_backward_autograd, "Autograd", with_keyset=True)
+for _ops in (DENSE_OPS, VARLEN_OPS):
+    for _op, _kernel in (
+        (_ops.public, _differentiable_kernel(_ops, public=True)),
+        (_ops.forward, _differentiable_kernel(_ops, public=False)),
+        (_ops.backward, _backward_autograd(_ops)),
+    ):
+        _lib.impl(_op.name().split("::")[1], _kernel, "Autograd", with_keyset=True)
 
 
 # Autocast: the differentiable ops cast their floating inputs once (autocast_inputs) and run
@@ -769,32 +544,23 @@ _lib.impl("attention_varlen_backward", _varlen_backward_autograd, "Autograd", wi
 
 
 def _autocast_kernel(op, cast: bool):
-    def kernel(keyset, *args):
-        device = next(a for a in args if isinstance(a, torch.Tensor)).device.type
+    def kernel(keyset, *args, **kwargs):
+        call = bind(op, args, kwargs)
         if cast:
-            # The dispatcher drops trailing arguments left at their defaults (bias among them).
-            bias_at = 8 if "varlen" in op.name() else 4
-            bias = args[bias_at] if len(args) > bias_at else None
-            q, k, v, bias = autocast_inputs(*args[:3], bias)
-            rest = (bias, *args[bias_at + 1 :]) if len(args) > bias_at else ()
-            args = (q, k, v, *args[3:bias_at], *rest)
-        with without_autocast(device):
-            return op(*args)
+            cast_to = autocast_inputs(call["query"], call["key"], call["value"], call["bias"])
+            call.update(zip(("query", "key", "value", "bias"), cast_to))
+        with without_autocast(call["query"].device.type):
+            return op(*unbind(op, call))
 
     return kernel
 
 
-for _name, _cast in (
-    ("attention", True),
-    ("attention_forward", True),
-    ("attention_backward", False),
-    ("attention_varlen", True),
-    ("attention_varlen_forward", True),
-    ("attention_varlen_backward", False),
-):
-    for _key in ("AutocastCPU", "AutocastCUDA"):
-        _op = getattr(torch.ops.dmattn, _name).default
-        _lib.impl(_name, _autocast_kernel(_op, _cast), _key, with_keyset=True)
+for _ops in (DENSE_OPS, VARLEN_OPS):
+    for _op, _cast in ((_ops.public, True), (_ops.forward, True), (_ops.backward, False)):
+        for _key in ("AutocastCPU", "AutocastCUDA"):
+            _lib.impl(
+                _op.name().split("::")[1], _autocast_kernel(_op, _cast), _key, with_keyset=True
+            )
 
 
 # The vmap rules (batching.py) register on import, once the ops above exist.

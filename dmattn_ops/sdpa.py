@@ -2,7 +2,7 @@
 
 A call with no mask, bias, softcap or seqused_k is plain softmax attention; on CUDA in
 float16/bfloat16 PyTorch ships fused forward and backward kernels for it that are faster than our
-dense Triton kernels on Hopper (bench/NOTES.md 22, 26). The forward op then runs the kernel that
+dense Triton kernels on Hopper. The forward op then runs the kernel that
 `scaled_dot_product_attention` itself would pick for these tensors (`torch._fused_sdp_choice`):
 `aten._scaled_dot_product_cudnn_attention` where PyTorch picks cuDNN (on the H100, D128 GQA
 causal: 0.72 ms forward+backward against flash's 1.23 ms), else
@@ -19,8 +19,9 @@ that out and lse, a fused backward computes P = exp(s - lse') and delta = rowsum
 sinks' softmax, so its dq, dk, dv are exact; dsinks comes from the row statistics (one pass
 over out and dO).
 
-DMATTN_DENSE_SDPA=0 in the environment (read per call) forces our Triton kernels; the test
-suite sets it, so the Triton dense kernels stay tested, and tests/test_sdpa.py covers this path.
+Kernel option ``fused_sdpa=False`` (or DMATTN_DENSE_SDPA=0 in the environment, read per call)
+keeps dense calls on our Triton kernels; the test suite sets it, so the Triton dense kernels stay
+tested, and tests/test_sdpa.py covers this path.
 PyTorch's own switches apply: `torch.backends.cuda.enable_cudnn_sdp(False)` /
 `enable_flash_sdp(False)` or an `sdpa_kernel` context rule the kernel out, and GPUs before sm_80
 (no flash kernels) never take this path.
@@ -31,13 +32,13 @@ causal window of C = left + 1 keys over L = n * C positions is two batched causa
 same kernels (`window_chunk` says when): the n chunks of C rows against themselves, and each
 chunk's queries against the previous chunk's keys, which a query at row a of its chunk sees
 from row a + 1 on: reversed, the rows 0..C-2 of the queries and 1..C-1 of the keys are causal
-again (the call is padded to C rows, the fused backward's faster length; bench/NOTES.md 75).
+again (the call is padded to C rows, the fused backward's faster length).
 (The rows after the last whole chunk of a longer sequence run on our kernels: launch.py.) The
 two parts are merged through their logsumexps (kernels/window_chunks.py, which also reverses
 the rows); the backward runs both kernels' backwards with the merged out and lse, which gives
 each part its exact share of the gradients (the probabilities exp(s - lse) and delta =
 rowsum(dO * O) are those of the whole row), and adds the reversed part back. The work is the
-window's own, at the fused kernels' speed (bench/NOTES.md 69); narrow windows stay on our
+window's own, at the fused kernels' speed; narrow windows stay on our
 kernels, where the chunks would be too short.
 """
 
@@ -51,7 +52,6 @@ from dmattn_ops import cudnn_graphs
 from dmattn_ops._alloc import empty
 from dmattn_ops._compat import fused_sdp_choice, is_fake
 from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
-from dmattn_ops.switches import switch
 from dmattn_ops.tiles import UNBOUNDED, Band
 
 reverse_rows_kernel = LazyKernel("window_chunks", "reverse_rows_kernel")
@@ -70,36 +70,56 @@ def _flash_capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
-def kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k) -> str | None:
+def kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k, enabled=True):
     """The PyTorch kernel ("cudnn" or "flash") that computes this call exactly as our contract
-    says, or None when the call stays on ours. It must be dense attention: no mask, bias,
-    softcap or seqused_k; causal only with Lq == Lk (where the fused kernels' top-left alignment
-    is our bottom-right one); CUDA fp16/bf16 on sm_80+ with one head dim, a multiple of 8 up to
-    256, unit stride along it; DMATTN_DENSE_SDPA not "0". cuDNN where SDPA would pick it (head
-    dims up to 128), else flash where PyTorch's flash backend is enabled."""
-    if mask is not None or bias is not None or seqused_k is not None or softcap > 0:
-        return None
+    says, or None when the call stays on ours (`reasons` says why)."""
+    return choose(query, key, value, mask, bias, is_causal, softcap, seqused_k, enabled)[0]
+
+
+def choose(
+    query, key, value, mask, bias, is_causal, softcap, seqused_k, enabled=True
+) -> tuple[str | None, list[str]]:
+    """(kernel, []) or (None, the reasons). It must be dense attention: no mask, bias, softcap
+    or seqused_k; causal only with Lq == Lk (where the fused kernels' top-left alignment is our
+    bottom-right one); CUDA fp16/bf16 on sm_80+ with one head dim, a multiple of 8 up to 256,
+    unit stride along it; `enabled` (kernel option fused_sdpa, DMATTN_DENSE_SDPA). cuDNN where
+    SDPA would pick it (head dims up to 128), else flash where PyTorch's flash backend is
+    enabled."""
+    reasons = [
+        f"{name}: the fused kernels compute plain softmax attention"
+        for name, present in (
+            ("a mask", mask is not None), ("a bias", bias is not None),
+            ("seqused_k", seqused_k is not None), ("softcap", softcap > 0),
+        )
+        if present
+    ]  # fmt: skip
     if not (query.is_cuda and query.dtype in DTYPES):
-        return None
-    if not switch("DMATTN_DENSE_SDPA", True):
-        return None
+        reasons.append(f"{query.device.type} {query.dtype}: the fused kernels take CUDA fp16/bf16")
+    if not enabled:
+        reasons.append("switched off (kernel option fused_sdpa, DMATTN_DENSE_SDPA=0)")
+    if reasons:
+        return None, reasons
     index = query.device.index
     if not _flash_capable(torch.cuda.current_device() if index is None else index):
-        return None
+        return None, ["a GPU before sm_80"]
     d = query.shape[-1]
     if value.shape[-1] != d or d % 8 or d > 256:
-        return None
+        reasons.append(f"D {d}, Dv {value.shape[-1]}: needs D == Dv, a multiple of 8, <= 256")
     if is_causal and query.shape[1] != key.shape[1]:
-        return None
+        reasons.append("causal with Lq != Lk: the fused kernels align causality top-left")
     if not all(t.stride(-1) == 1 for t in (query, key, value)):
-        return None
+        reasons.append("a head dim whose stride is not 1")
+    if reasons:
+        return None, reasons
     if (
         d <= _CUDNN_MAX_HEAD_DIM
         and torch.backends.cuda.cudnn_sdp_enabled()
         and _sdpa_choice(query, key, value, bool(is_causal)) == _CUDNN_CHOICE
     ):
-        return CUDNN
-    return FLASH if torch.backends.cuda.flash_sdp_enabled() else None
+        return CUDNN, []
+    if torch.backends.cuda.flash_sdp_enabled():
+        return FLASH, []
+    return None, ["PyTorch's cuDNN and flash SDPA backends are off (torch.backends / sdpa_kernel)"]
 
 
 def _sdpa_choice(query, key, value, is_causal: bool) -> int:
@@ -143,84 +163,80 @@ def _traced_choice(metas, dtype, device, is_causal, flags) -> int:
 # Windows of fewer keys stay on our kernels, which are faster there: the copies and the merge
 # cost the same per row whatever the window, and the fused kernels' work shrinks with it. H100,
 # B1 L16384 H32/8 D128, fwd+bwd ms chunked / ours: window 4096 7.69 / 9.33, 2048 5.15 / 5.43,
-# 1024 3.83 / 3.20, 512 3.29 / 2.11 (bench/NOTES.md 69).
+# 1024 3.83 / 3.20, 512 3.29 / 2.11. Kernel option window_min_keys replaces it.
 WINDOW_MIN_KEYS = 2048
 
 
-def window_chunk(query, key, band: Band) -> int | None:
+def window_chunk(query, key, band: Band, min_keys: int = WINDOW_MIN_KEYS) -> int | None:
     """C, the chunk of a windowed call that runs as chunked causal calls (module docstring): a
     band of left + 1 keys ending at the query (causal, or right = 0), Lq == Lk, at least
-    WINDOW_MIN_KEYS keys; a window as long as the sequence is one chunk, plain causal attention.
-    None for any other band. Rows past the last whole chunk (window_tail) are not this module's:
-    launch.py runs them on our kernels."""
+    min_keys keys; a window as long as the sequence is one chunk, plain causal attention.
+    None for any other band. Rows past the last whole chunk (the plan's tail) are not this
+    module's: launch.py runs them on our kernels."""
     if not band.has_window or band.right != 0 or band.left == UNBOUNDED:
         return None
     length = query.shape[1]
     c = band.left + 1
-    if key.shape[1] != length or c < WINDOW_MIN_KEYS:
+    if key.shape[1] != length or c < min_keys:
         return None
     return min(c, length)
 
 
-def may_take(query, key, band: Band) -> bool:
-    """The shape test of `route`, before `kernel` is asked: no window, or one this module
-    could run."""
+def window_route(
+    query, key, value, band: Band, min_keys: int, graphs: bool
+) -> tuple[bool, int | None, list[str]]:
+    """How a windowed dense call could run here, by its shape alone: (on cuDNN's graphs
+    possible, chunk C or None, reasons if neither). graphs: the kernel option cudnn_graphs."""
+    if not band.has_window:
+        return False, None, []
+    on_graphs = graphs and cudnn_graphs.window_of(query, key, band) is not None
+    chunk = window_chunk(query, key, band, min_keys)
+    if on_graphs or chunk is not None:
+        return on_graphs, chunk, []
     return (
-        not band.has_window
-        or cudnn_graphs.window_of(query, key, band) is not None
-        or window_chunk(query, key, band) is not None
+        False,
+        None,
+        [
+            f"window {band.left, band.right} over Lq {query.shape[1]}, Lk {key.shape[1]}: the "
+            f"fused kernels take causal windows of Lq == Lk with at least {min_keys} keys (or "
+            f"{cudnn_graphs.MIN_KEYS} on cuDNN's graphs)"
+        ],
     )
 
 
-def route(query, key, value, band: Band, which, backward: bool = False) -> str | None:
-    """What this pass of a dense call that `kernel` gave to `which` runs on, decided once in its
-    plan: `which` without a window; GRAPHS for a window cuDNN's own graphs take (cudnn_graphs.py,
-    asked per pass); `which` in chunks for a window window_chunk takes; None for any other
-    window (our kernels)."""
-    if not band.has_window:
-        return which
-    if which == CUDNN and cudnn_graphs.supports(query, key, value, band, backward):
-        return GRAPHS
-    return which if window_chunk(query, key, band) is not None else None
+def graphs_take(query, key, value, band: Band, which, backward: bool) -> bool:
+    """Whether this pass of a windowed call on `which` runs on cuDNN's own graphs
+    (cudnn_graphs.supports, asked per pass)."""
+    return which == CUDNN and cudnn_graphs.supports(query, key, value, band, backward)
 
 
-def window_tail(query, key, band: Band, which) -> int:
-    """How many query rows of a chunked window call (window_chunk) follow its last whole chunk;
-    0 for any other call, and for windows on cuDNN's graphs (which == GRAPHS), taken whole."""
-    c = window_chunk(query, key, band)
-    if not c or which == GRAPHS:
-        return 0
-    return query.shape[1] % c
-
-
-def forward(query, key, value, scale, band: Band, which):
+def forward(query, key, value, scale, band: Band, which, chunk=None):
     """(out (B, Lq, H, D), lse (B, H, Lq) float32, lse_rem zeros) of a dense call through the
     kernel `which` ("cudnn" or "flash"); a windowed one through cuDNN's graphs (which ==
-    GRAPHS), else in chunks (window_chunk)."""
+    GRAPHS), else in whole chunks of `chunk` rows (the plan's)."""
     if which == GRAPHS:
         out, lse = cudnn_graphs.forward(query, key, value, scale, band)
-    elif (c := _whole_chunks(query, key, band)) is not None:
-        out, lse = _window_forward(query, key, value, scale, c, which)
+    elif chunk is not None:
+        out, lse = _window_forward(query, key, value, scale, _whole(query, chunk), which)
     else:
         out, lse = _forward(query, key, value, scale, band.is_causal, which)
     return out, lse, torch.zeros_like(lse)
 
 
-def backward(grad_out, query, key, value, out, lse, scale, band: Band, which):
+def backward(grad_out, query, key, value, out, lse, scale, band: Band, which, chunk=None):
     """dq, dk, dv of a dense call (no lse gradient), contiguous, in the inputs' dtypes, through
     the kernel `which`; a windowed one as `forward` runs it (either way is exact from the
     forward's out and lse)."""
     if which == GRAPHS:
         return cudnn_graphs.backward(grad_out, query, key, value, out, lse, scale, band)
-    c = _whole_chunks(query, key, band)
-    if c is None:
+    if chunk is None:
         return _backward(grad_out, query, key, value, out, lse, scale, band.is_causal, which)
+    c = _whole(query, chunk)
     return _window_backward(grad_out, query, key, value, out, lse, scale, c, which)
 
 
-def _whole_chunks(query, key, band: Band) -> int | None:
-    c = window_chunk(query, key, band)
-    if c is not None and query.shape[1] % c:
+def _whole(query, c: int) -> int:
+    if query.shape[1] % c:
         raise ValueError(
             f"a chunked window call takes whole chunks of {c} rows, not {query.shape[1]}: the "
             "rows past the last one run on our kernels (launch.py)"
@@ -318,7 +334,7 @@ def _window_forward(query, key, value, scale, c, which):
     if n == 1:
         return out, lse_diag
     # Chunk t's queries 0..c-2 against chunk t-1's keys 1..c-1, reversed (a chunk's last query
-    # sees no key of the previous chunk), padded to c rows (bench/NOTES.md 75: the fused
+    # sees no key of the previous chunk), padded to c rows (the fused
     # backward is 4% slower at c - 1 rows): the queries from the previous chunk's last row, the
     # keys from row 0. That padding query sees all of the previous chunk's keys (its own
     # window, which the diagonal part has), the padding key is seen by it alone, and the merge

@@ -44,7 +44,7 @@ def _row_stats(STATS, o_row, m_m, VECTOR: tl.constexpr):
     VECTOR: one 16-byte load per row, for the dk/dv kernel's transposed tiles, where the rows
     are columns and each thread holds many of them: three vector loads there made Triton 3.6
     copy every column a thread holds on its own, 48 four-byte copies per thread and query tile
-    against 2 (bench/NOTES.md 54). Kernels whose rows are tile rows (dq) keep three loads:
+    against 2. Kernels whose rows are tile rows (dq) keep three loads:
     the 16-byte one costs their packed-keys call 4% there."""
     if VECTOR:
         i_c = tl.arange(0, 4)
@@ -69,7 +69,7 @@ def _dq_row_stats(
     where the forward stored -inf) and lse_rem from the forward's LSE and LSE_REM (contiguous,
     rows o_row), stored as float32 rows [lse, lse_rem, delta, 0] of STATS. Returns (lse,
     lse_rem, delta). Computed here instead of in a kernel of their own: the dq program already
-    holds dO (bench/NOTES.md 56)."""
+    holds dO."""
     delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)
     if HAS_GRAD_LSE:
         delta -= tl.load(GRAD_LSE + o_grad, mask=m_m, other=0.0)
@@ -150,7 +150,7 @@ def _dkdv_tile(
         # A 64-bit tile base and 32-bit offsets within the tile: the offsets are loop-invariant
         # and stay in registers across the loop, where 64-bit ones took twice as many (the
         # kernel spilled 644 bytes per thread at the model's call, 388 with these; dk/dv -9% at
-        # B4 L2048). 64-query tiles ran 5% slower with them (bench/NOTES.md 58).
+        # B4 L2048). 64-query tiles ran 5% slower with them.
         o_q0 = tl.cast(qb * BLOCK_M, tl.int64)
         p_qt = p_q + o_q0 * stride_qm + (i_r[None, :] * stride_qm + i_d[:, None] * stride_qd)
         p_dot = p_do + o_q0 * stride_dom + (i_r[:, None] * stride_dom + i_dv[None, :] * stride_dod)
@@ -742,7 +742,7 @@ def attention_bwd_dq_kernel(
     scale, softcap = as_fp32(scale), as_fp32(softcap)
     # A causal call's last query tiles see the most keys: each tile over every (batch, head),
     # last first (grid_tile); not with key lists, whose consecutive query tiles of one head
-    # share the packed rows in L2 (bench/NOTES.md 77).
+    # share the packed rows in L2.
     tile_major = IS_CAUSAL and not HAS_WINDOW and not VARLEN and not COMPACT
     i_mb, i_bh = grid_tile(tile_major, tile_major)
     POS_M: tl.constexpr = BLOCK_M // PACK_G  # positions per tile

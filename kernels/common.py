@@ -40,7 +40,7 @@ def grid_tile(TILE_MAJOR: tl.constexpr, LAST_FIRST: tl.constexpr):
     mask makes the work grow or shrink with the tile (LAST_FIRST where it grows), the longest
     programs start first and the short ones fill the tail of the grid. Otherwise a row's tiles
     run side by side, sharing its K and V in L2 (the better order for windows and varlen,
-    whose tiles carry alike or uneven work; bench/NOTES.md 77)."""
+    whose tiles carry alike or uneven work)."""
     tiles = tl.num_programs(0)
     if TILE_MAJOR:
         i_lin = tl.program_id(1) * tiles + tl.program_id(0)

@@ -2,8 +2,8 @@
 (opt-in through DMATTN_HOPPER=1: dmattn_ops/hopper.py says why).
 
 Triton's `tl.dot` kernels software-pipeline one warpgroup's loads and products; on the H100 they
-stop at 60-80% of cuDNN's TFLOP/s (bench/NOTES.md 64-66). These kernels split each program
-into FlashAttention-3's roles with `gl.warp_specialize` (bench/NOTES.md 70):
+stop at 60-80% of cuDNN's TFLOP/s. These kernels split each program
+into FlashAttention-3's roles with `gl.warp_specialize`:
 
 * a loader partition, one warp, issues every TMA load into shared-memory rings and signals
   their mbarriers;

@@ -33,3 +33,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel_options():
+    """use(**options): the rest of the test runs inside dmattn_ops.kernel_options(**options)
+    (forcing a route, a config, packing, a split), left when the test ends."""
+    import contextlib
+
+    import dmattn_ops
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **options: stack.enter_context(dmattn_ops.kernel_options(**options))

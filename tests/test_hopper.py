@@ -9,7 +9,8 @@ from helpers import Case, assert_close
 from test_triton import run_case
 
 import dmattn_ops
-from dmattn_ops import configs, plan, reference
+from dmattn_ops import plan, reference
+from dmattn_ops.problem import Options, Problem
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
@@ -32,6 +33,17 @@ def topk_mask(b, hkv, lk, k, device, skip_first=0):
     ]
 
 
+def forward_plan(q, k, v, mask, bias, is_causal, softcap=0.0, seqused_k=None, window=(-1, -1)):
+    problem = Problem(q, k, v, mask, bias, None, seqused_k).collapsed()
+    return plan.plan(problem, Options(0.125, is_causal, softcap, window=window))
+
+
+def backward_plan(q, k, v, mask, bias, is_causal):
+    problem = Problem(q, k, v, mask, bias).collapsed(grad_bias=bias is not None)
+    opts = Options(0.125, is_causal)
+    return plan.plan(problem, opts, plan.BACKWARD, compute_dbias=bias is not None)
+
+
 def test_plan_takes_hopper_only_where_it_applies(monkeypatch):
     c = Case(2, 300, 300, 8, 2, 128, 128)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,20 +52,22 @@ def test_plan_takes_hopper_only_where_it_applies(monkeypatch):
     mask = topk_mask(c.b, c.hkv, c.lk, 64, dev)
     bias = torch.randn(c.b, c.hkv, 1, c.lk, dtype=torch.bfloat16, device=dev)
     args = (q, k, k, mask, bias, True, 0.0, None)
-    p = plan.forward_plan(*args)
-    assert p.path == plan.KEY_LISTS and p.pack and p.hopper == ON_HOPPER
-    assert plan.backward_plan(*args, None, False, True).hopper == ON_HOPPER
+    p = forward_plan(*args)
+    assert p.route == plan.KEY_LISTS and p.pack and p.hopper == ON_HOPPER
+    assert backward_plan(*args[:6]).hopper == ON_HOPPER
     # What keeps a call on the Triton kernels.
-    assert not plan.forward_plan(*args[:6], 30.0, None).hopper  # softcap
-    assert not plan.forward_plan(*args, window=(64, 0)).hopper
-    assert not plan.forward_plan(q.float(), k.float(), k.float(), *args[3:]).hopper
-    assert not plan.forward_plan(q[..., :64], k[..., :64], k[..., :64], *args[3:]).hopper
+    assert not forward_plan(*args[:6], 30.0, None).hopper  # softcap
+    assert not forward_plan(*args, window=(64, 0)).hopper
+    assert not forward_plan(q.float(), k.float(), k.float(), *args[3:]).hopper
+    assert not forward_plan(q[..., :64], k[..., :64], k[..., :64], *args[3:]).hopper
     per_entry = bias.expand(c.b, c.hkv, c.lq, c.lk).contiguous()
-    assert not plan.forward_plan(*args[:4], per_entry, *args[5:]).hopper
+    assert not forward_plan(*args[:4], per_entry, *args[5:]).hopper
     monkeypatch.setenv("DMATTN_HOPPER", "0")
-    assert not plan.forward_plan(*args).hopper
+    assert not forward_plan(*args).hopper
     monkeypatch.delenv("DMATTN_HOPPER")  # the default
-    assert not plan.forward_plan(*args).hopper
+    assert not forward_plan(*args).hopper
+    with dmattn_ops.kernel_options(hopper=False):
+        assert not forward_plan(*args).hopper
 
 
 CASES = [
@@ -70,19 +84,19 @@ CASES = [
 @pytest.mark.parametrize("case, mask_b, bias_kind, is_causal", CASES)
 @pytest.mark.parametrize("split", [1, 2], ids=["split1", "split2"])
 def test_hopper_key_lists_match_the_oracle(case, mask_b, bias_kind, is_causal, split, dtype,
-                                           monkeypatch):  # fmt: skip
+                                           kernel_options):  # fmt: skip
     """out, lse, dq, dk, dv and dbias within the bounds of PyTorch's own error in the dtype;
     causal rows whose position precedes every listed key are empty (out 0, lse -inf)."""
     c = case
     if split > c.h // c.hkv:
         pytest.skip("split must divide G")
-    monkeypatch.setattr(configs, "SPLIT_OVERRIDE", split)
+    kernel_options(dkdv_split=split)
     mask = topk_mask(mask_b, c.hkv, c.lk, max(1, c.lk // 4), "cuda", skip_first=20)
     bias = None
     if bias_kind is not None:
         heads = c.hkv if bias_kind == "group" else c.h
         bias = torch.randn(c.b, heads, 1, c.lk, dtype=dtype, device="cuda")
-    p = plan.forward_plan(
+    p = forward_plan(
         torch.empty(c.b, c.lq, c.h, c.d, dtype=dtype, device="cuda"),
         torch.empty(c.b, c.lk, c.hkv, c.d, dtype=dtype, device="cuda"),
         torch.empty(c.b, c.lk, c.hkv, c.dv, dtype=dtype, device="cuda"),
@@ -146,7 +160,7 @@ def test_hopper_matches_the_triton_kernels_at_the_model_shape(monkeypatch):
         out = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, backend="triton")
         return (out, *torch.autograd.grad(out, (q, k, v, bias), go))
 
-    assert plan.forward_plan(q, k, v, mask, bias, True, 0.0, None).hopper
+    assert forward_plan(q, k, v, mask, bias, True).hopper
     ours = run()
     monkeypatch.setenv("DMATTN_HOPPER", "0")
     triton = run()

@@ -11,7 +11,7 @@ import torch
 from helpers import Case, assert_close, low_precision_bound, make_bias, make_mask, make_qkv
 
 import dmattn_ops
-from dmattn_ops import inductor, plan, reference
+from dmattn_ops import inductor, reference
 from dmattn_ops.masks import topk_mask
 
 gpu = pytest.mark.gpu
@@ -186,14 +186,14 @@ def _gpu_case(kind: str):
 
 @gpu
 @pytest.mark.parametrize("kind", ["dense", "keys", "keys-heads", "tables"])
-def test_compiled_kernels_match_eager_exactly(kind, monkeypatch, inductor_kernels):
+def test_compiled_kernels_match_eager_exactly(kind, monkeypatch, inductor_kernels, kernel_options):
     """keys-heads: the key lists' forward and dq kernels with a KV group's query heads per
     program (plan._pack_heads), which long calls take, at this short length."""
     from torch._inductor.utils import run_and_get_code
 
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "0")
     if kind == "keys-heads":
-        monkeypatch.setattr(plan, "PACK_HEADS_MIN_LQ", 0)
+        kernel_options(pack_heads=True)
     torch._dynamo.reset()
     q, k, v, mask, bias = _gpu_case(kind)
 

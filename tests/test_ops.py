@@ -26,13 +26,13 @@ class TestSchemas(expecttest.TestCase):
     def test_forward_schema(self):
         self.assertExpectedInline(
             str(OPS["attention_forward"]._schema),
-            """dmattn::attention_forward(Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic=False, int[2] window_size=-1, Tensor? sinks=None) -> (Tensor out, Tensor lse, Tensor lse_rem)""",
+            """dmattn::attention_forward(Tensor query, Tensor key, Tensor value, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic=False, int[2] window_size=-1, Tensor? sinks=None, str? kernel_options=None) -> (Tensor out, Tensor lse, Tensor lse_rem)""",
         )
 
     def test_backward_schema(self):
         self.assertExpectedInline(
             str(OPS["attention_backward"]._schema),
-            """dmattn::attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic, bool compute_dbias, int[2] window_size=-1, Tensor? sinks=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias, Tensor grad_sinks)""",
+            """dmattn::attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, Tensor? seqused_k, bool deterministic, bool compute_dbias, int[2] window_size=-1, Tensor? sinks=None, str? kernel_options=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias, Tensor grad_sinks)""",
         )
 
 

@@ -11,6 +11,7 @@ import torch
 import dmattn_ops
 from dmattn_ops import launch, plan
 from dmattn_ops.plan import DECODE, DENSE, EMPTY, KEY_LISTS, PYTORCH, SDPA, TILE_TABLES
+from dmattn_ops.problem import Options, Problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -30,34 +31,36 @@ def mask_of(*shape, lk=LK):
 
 
 def forward(q, k, v, mask=None, bias=None, is_causal=True, window=(-1, -1), sinks=None):
-    mask, bias = launch.collapse_broadcast(mask), launch.collapse_broadcast(bias)
-    return plan.forward_plan(q, k, v, mask, bias, is_causal, 0.0, None, window, sinks)
+    problem = Problem(q, k, v, mask, bias, sinks).collapsed()
+    return plan.plan(problem, Options(0.25, is_causal, window=window))
 
 
 def backward(
     q, k, v, mask=None, bias=None, compute_dbias=True, grad_lse=None, det=False, sinks=None
 ):  # fmt: skip
-    return plan.backward_plan(
-        q, k, v, launch.collapse_broadcast(mask), bias, True, 0.0, None, grad_lse, det,
-        compute_dbias and bias is not None, sinks=sinks,
+    dbias = compute_dbias and bias is not None
+    problem = Problem(q, k, v, mask, bias, sinks).collapsed(grad_bias=dbias)
+    return plan.plan(
+        problem, Options(0.25, True, deterministic=det), plan.BACKWARD,
+        grad_lse=grad_lse is not None, compute_dbias=dbias,
     )  # fmt: skip
 
 
 def test_empty_calls_launch_nothing():
     q, k, v = qkv()
-    assert forward(q[:, :0], k, v).path == EMPTY
-    assert forward(q, k[:, :0], v[:, :0]).path == EMPTY
-    assert backward(q[:0], k[:0], v[:0]).path == EMPTY
+    assert forward(q[:, :0], k, v).route == EMPTY
+    assert forward(q, k[:, :0], v[:, :0]).route == EMPTY
+    assert backward(q[:0], k[:0], v[:0]).route == EMPTY
 
 
 def test_float64_and_cpu_without_the_interpreter_run_pytorch(monkeypatch):
     q, k, v = qkv(dtype=torch.float64)
-    assert forward(q, k, v).path == PYTORCH
-    assert backward(q, k, v).path == PYTORCH
+    assert forward(q, k, v).route == PYTORCH
+    assert backward(q, k, v).route == PYTORCH
     monkeypatch.setattr(plan, "interpreter_on", lambda: False)
     q, k, v = qkv(device="cpu")
-    assert forward(q, k, v).path == PYTORCH
-    assert backward(q, k, v).path == PYTORCH
+    assert forward(q, k, v).route == PYTORCH
+    assert backward(q, k, v).route == PYTORCH
 
 
 @needs_triton
@@ -70,18 +73,18 @@ def test_masks_shared_by_all_queries_take_key_lists():
         mask_of(B, 1, 1).expand(B, H, LQ, LK),  # expanded views are the same mask
     ):
         fwd = forward(q, k, v, mask, bias)
-        assert (fwd.path, fwd.pack) == (KEY_LISTS, True)
+        assert (fwd.route, fwd.pack) == (KEY_LISTS, True)
         bwd = backward(q, k, v, mask, bias)
-        assert (bwd.path, bwd.pack, bwd.dbias) == (KEY_LISTS, True, "group")
+        assert (bwd.route, bwd.pack, bwd.dbias) == (KEY_LISTS, True, "group")
         assert fwd.config.block_m == bwd.configs.dq.block_m  # packed tiles on both passes
 
 
 @needs_triton
 def test_masks_per_query_or_per_query_head_under_gqa_take_tile_tables():
     q, k, v = qkv()
-    assert forward(q, k, v, mask_of(B, HKV, LQ)).path == TILE_TABLES
-    assert forward(q, k, v, mask_of(B, H, 1)).path == TILE_TABLES  # a list per query head
-    assert backward(q, k, v, mask_of(B, 1, LQ)).path == TILE_TABLES
+    assert forward(q, k, v, mask_of(B, HKV, LQ)).route == TILE_TABLES
+    assert forward(q, k, v, mask_of(B, H, 1)).route == TILE_TABLES  # a list per query head
+    assert backward(q, k, v, mask_of(B, 1, LQ)).route == TILE_TABLES
 
 
 @needs_triton
@@ -92,27 +95,27 @@ def test_bias_kinds_decide_packing_and_the_dbias_mode():
     # A bias with query rows is read per score at the keys' own columns: no packed rows.
     assert forward(q, k, v, mask, entry).pack is False
     got = backward(q, k, v, mask, entry)
-    assert (got.path, got.pack, got.dbias) == (KEY_LISTS, False, "direct")
+    assert (got.route, got.pack, got.dbias) == (KEY_LISTS, False, "direct")
     got = backward(q, k, v, mask, torch.randn(1, H, 1, LK, device=DEVICE))
-    assert (got.path, got.pack, got.dbias) == (KEY_LISTS, True, "cols")
+    assert (got.route, got.pack, got.dbias) == (KEY_LISTS, True, "cols")
     # Query rows shared over the batch: dbias has its own kernel, which reads tile tables.
     got = backward(q, k, v, mask, torch.randn(1, H, LQ, LK, device=DEVICE))
-    assert (got.path, got.dbias) == (TILE_TABLES, "bcast")
+    assert (got.route, got.dbias) == (TILE_TABLES, "bcast")
     # Without dbias, the same bias is only read.
     got = backward(q, k, v, mask, torch.randn(1, H, LQ, LK, device=DEVICE), compute_dbias=False)
-    assert (got.path, got.dbias) == (KEY_LISTS, None)
+    assert (got.route, got.dbias) == (KEY_LISTS, None)
 
 
 @needs_triton
-def test_pack_keys_switch(monkeypatch):
+def test_pack_keys_option():
     q, k, v = qkv()
-    monkeypatch.setattr(plan, "PACK_KEYS", False)
-    got = forward(q, k, v, mask_of(B, HKV, 1), torch.randn(B, HKV, 1, LK, device=DEVICE))
-    assert (got.path, got.pack) == (KEY_LISTS, False)
+    with dmattn_ops.kernel_options(pack_keys=False):
+        got = forward(q, k, v, mask_of(B, HKV, 1), torch.randn(B, HKV, 1, LK, device=DEVICE))
+    assert (got.route, got.pack) == (KEY_LISTS, False)
 
 
 @needs_triton
-def test_long_packed_calls_take_a_kv_groups_heads_per_program(monkeypatch):
+def test_long_packed_calls_take_a_kv_groups_heads_per_program():
     """Packed key lists of long calls run G = H / Hkv query heads per forward and dq program,
     where the group shares one key list and bias; short calls, a bias per query head and
     gathered keys keep one head per program."""
@@ -120,49 +123,49 @@ def test_long_packed_calls_take_a_kv_groups_heads_per_program(monkeypatch):
     mask, bias = mask_of(B, HKV, 1), torch.randn(B, HKV, 1, LK, device=DEVICE)
     assert forward(q, k, v, mask, bias).heads == 1  # LQ = 40 is short
     assert backward(q, k, v, mask, bias).heads == 1
-    monkeypatch.setattr(plan, "PACK_HEADS_MIN_LQ", LQ)
     g = H // HKV
-    assert forward(q, k, v, mask, bias).heads == g
-    assert backward(q, k, v, mask, bias).heads == g
-    assert forward(q, k, v, mask_of(1, 1, 1), None).heads == g
-    per_head = torch.randn(B, H, 1, LK, device=DEVICE)
-    assert forward(q, k, v, mask, per_head).heads == 1
-    assert backward(q, k, v, mask, per_head).heads == 1
-    monkeypatch.setattr(plan, "PACK_KEYS", False)
-    assert forward(q, k, v, mask, bias).heads == 1
+    with dmattn_ops.kernel_options(pack_heads=True):  # as a call of PACK_HEADS_MIN_LQ queries
+        assert forward(q, k, v, mask, bias).heads == g
+        assert backward(q, k, v, mask, bias).heads == g
+        assert forward(q, k, v, mask_of(1, 1, 1), None).heads == g
+        per_head = torch.randn(B, H, 1, LK, device=DEVICE)
+        assert forward(q, k, v, mask, per_head).heads == 1
+        assert backward(q, k, v, mask, per_head).heads == 1
+        with dmattn_ops.kernel_options(pack_keys=False):
+            assert forward(q, k, v, mask, bias).heads == 1
 
 
 @needs_triton
 def test_dense_and_decode():
     q, k, v = qkv()
-    assert forward(q, k, v).path == DENSE
-    assert forward(q, k, v, window=(8, 0)).path == DENSE
+    assert forward(q, k, v).route == DENSE
+    assert forward(q, k, v, window=(8, 0)).route == DENSE
     assert forward(q, k, v).band.is_causal and forward(q, k, v, window=(8, 0)).band.has_window
     q1, kc, vc = qkv(lq=1, lk=200)
-    assert forward(q1, kc, vc).path == DECODE
-    assert forward(q1, kc, vc, mask_of(B, HKV, 1, lk=200)).path == DECODE
-    assert forward(q1, kc, vc, mask_of(B, H, 1, lk=200)).path == TILE_TABLES  # per query head
-    assert forward(*qkv(lq=17, lk=200)).path == DENSE  # more queries than decode takes
-    assert backward(q1, kc, vc).path == DENSE  # the backward has no decode path
+    assert forward(q1, kc, vc).route == DECODE
+    assert forward(q1, kc, vc, mask_of(B, HKV, 1, lk=200)).route == DECODE
+    assert forward(q1, kc, vc, mask_of(B, H, 1, lk=200)).route == TILE_TABLES  # per query head
+    assert forward(*qkv(lq=17, lk=200)).route == DENSE  # more queries than decode takes
+    assert backward(q1, kc, vc).route == DENSE  # the backward has no decode path
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch's fused kernels need CUDA")
 def test_dense_half_precision_calls_take_sdpa_unless_told_not_to(monkeypatch):
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
     q, k, v = qkv(lq=64, lk=64, dtype=torch.bfloat16)
-    assert forward(q, k, v).path == SDPA
-    assert backward(q, k, v).path == SDPA
+    assert forward(q, k, v).route == SDPA
+    assert backward(q, k, v).route == SDPA
     # Sinks are joined to the fused kernels' results (sdpa.py).
     sinks = torch.zeros(H, device=DEVICE)
-    assert forward(q, k, v, sinks=sinks).path == SDPA
-    assert backward(q, k, v, sinks=sinks).path == SDPA
+    assert forward(q, k, v, sinks=sinks).route == SDPA
+    assert backward(q, k, v, sinks=sinks).route == SDPA
     # What the fused kernels cannot do keeps the call on ours.
-    assert forward(q, k, v, window=(8, 0)).path == DENSE
-    assert forward(q, k, v, mask_of(B, HKV, 1, lk=64)).path == KEY_LISTS
-    assert backward(q, k, v, grad_lse=torch.ones(B, H, 64, device=DEVICE)).path == DENSE
-    assert backward(q, k, v, det=True).path == DENSE
+    assert forward(q, k, v, window=(8, 0)).route == DENSE
+    assert forward(q, k, v, mask_of(B, HKV, 1, lk=64)).route == KEY_LISTS
+    assert backward(q, k, v, grad_lse=torch.ones(B, H, 64, device=DEVICE)).route == DENSE
+    assert backward(q, k, v, det=True).route == DENSE
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "0")
-    assert forward(q, k, v).path == DENSE
+    assert forward(q, k, v).route == DENSE
 
 
 @needs_triton
@@ -183,17 +186,141 @@ def test_the_launcher_runs_the_plan(monkeypatch):
     spy("build_tables")
     q, k, v = qkv()
     forced = [KEY_LISTS]
-    real_plan = plan.forward_plan
+    real_plan = plan.plan
 
-    def forward_plan(*args):
-        p = real_plan(*args)
-        assert p.path == forced[0]
+    def spied_plan(*args, **kwargs):
+        p = real_plan(*args, **kwargs)
+        assert p.route == forced[0]
         return p
 
-    monkeypatch.setattr(plan, "forward_plan", forward_plan)
+    monkeypatch.setattr(plan, "plan", spied_plan)
     with torch.no_grad():
         dmattn_ops.attention(q, k, v, mask_of(B, HKV, 1), is_causal=True, backend="triton")
         assert seen == ["build_key_lists"]
         forced[0] = TILE_TABLES
         dmattn_ops.attention(q, k, v, mask_of(B, HKV, LQ), is_causal=True, backend="triton")
         assert seen == ["build_key_lists", "build_tables"]
+
+
+@needs_triton
+def test_each_pass_is_planned_once_and_repeated_calls_reuse_the_plan(monkeypatch):
+    """An eager differentiable call decides its forward once and its backward once (the
+    backward starting from the forward's route); a second call of the same shapes decides
+    nothing: the plans come from the cache."""
+    counted = {"window_chunk": 0, "choose": 0}
+
+    def count(module, name):
+        real = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            counted[name.lstrip("_")] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapped)
+
+    from dmattn_ops import sdpa
+
+    count(sdpa, "window_chunk")
+    count(plan, "_choose")
+    q, k, v = (t.requires_grad_() for t in qkv(lq=33, lk=57))  # shapes no other test plans
+    mask = mask_of(B, HKV, 1, lk=57)
+    before = plan.calls["decided"]
+    dmattn_ops.attention(q, k, v, mask, is_causal=True, window_size=(9, 0)).sum().backward()
+    assert plan.calls["decided"] - before == 2
+    # One route choice per pass; the window's fused chunks are weighed once, in the forward:
+    # the backward starts from the forward's route (key lists), past the fused kernels.
+    assert counted == {"window_chunk": 1, "choose": 2}
+    dmattn_ops.attention(q, k, v, mask, is_causal=True, window_size=(9, 0)).sum().backward()
+    assert plan.calls["decided"] - before == 2
+    assert counted == {"window_chunk": 1, "choose": 2}
+
+
+@needs_triton
+def test_forced_routes_and_their_refusals():
+    q, k, v = qkv()
+    shared = mask_of(B, HKV, 1)
+    with dmattn_ops.kernel_options(route="tile_tables"):
+        assert forward(q, k, v, shared).route == TILE_TABLES
+        assert backward(q, k, v, shared).route == TILE_TABLES
+    with (
+        dmattn_ops.kernel_options(route="key_lists"),
+        pytest.raises(ValueError, match=r"route='key_lists'.*no key list per KV group"),
+    ):
+        forward(q, k, v, mask_of(B, H, LQ))
+    with dmattn_ops.kernel_options(route="decode"):
+        with pytest.raises(ValueError, match="decode takes Lq <= 16"):
+            forward(q, k, v)
+        assert backward(q, k, v).route == DENSE  # decode is forward only: auto backward
+    with (
+        dmattn_ops.kernel_options(route="varlen"),
+        pytest.raises(ValueError, match="no cu_seqlens"),
+    ):
+        forward(q, k, v)
+    # The call's own options win over the block's.
+    with dmattn_ops.kernel_options(route="key_lists"):
+        told = dmattn_ops.explain(q, k, v, shared, kernel_options={"route": "pytorch"})
+        assert (told.forward.route, told.backward.route) == (PYTORCH, PYTORCH)
+
+
+def test_explain_names_the_route_and_every_other_routes_reasons():
+    q, k, v = qkv(dtype=torch.float64)
+    told = dmattn_ops.explain(q, k, v, mask_of(B, HKV, 1), is_causal=True)
+    assert (told.forward.route, told.backward.route) == (PYTORCH, PYTORCH)
+    assert any("float64" in why for why in told.forward.reasons[KEY_LISTS])
+    assert told.forward.reasons[PYTORCH] == []
+    text = str(told)
+    assert text.startswith("forward: pytorch") and "\nbackward: pytorch" in text
+    assert "key_lists: torch.float64: the Triton kernels take" in text
+    assert "flex.py" in str(dmattn_ops.explain(q, k, v, backend="flex"))
+    empty = dmattn_ops.explain(q[:, :0], k, v)
+    assert empty.forward.route == EMPTY
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch's fused kernels need CUDA")
+def test_explain_shows_why_a_dense_call_left_the_fused_kernels(monkeypatch):
+    monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
+    q, k, v = qkv(lq=64, lk=64, dtype=torch.bfloat16)
+    told = dmattn_ops.explain(q, k, v, is_causal=True, return_lse=True)
+    assert told.forward.route == SDPA and told.backward.route == DENSE
+    assert "a gradient of lse" in told.backward.reasons[SDPA][0]
+    told = dmattn_ops.explain(q, k, v, kernel_options={"fused_sdpa": False})
+    assert told.forward.route == DENSE and "switched off" in told.forward.reasons[SDPA][-1]
+
+
+def test_kernel_options_are_checked():
+    q, k, v = qkv(dtype=torch.float64)
+    for bad, error in (
+        ({"route": "fast"}, "route'] must be one of"),
+        ({"speed": 1}, "unknown kernel option 'speed'"),
+        ({"fwd_config": (48, 64, 4, 2)}, "powers of two"),
+        ({"dkdv_split": 0}, "positive int"),
+    ):
+        with pytest.raises(ValueError, match=error):
+            dmattn_ops.attention(q, k, v, kernel_options=bad)
+    with pytest.raises(TypeError, match="must be a bool"):
+        dmattn_ops.attention(q, k, v, kernel_options={"pack_keys": 1})
+    with pytest.raises(ValueError, match="backend 'auto' or 'triton'"):
+        dmattn_ops.attention(q, k, v, backend="flex", kernel_options={"route": "pytorch"})
+    with pytest.raises(ValueError, match="unknown kernel option"):
+        dmattn_ops.kernel_options(speed=1).__enter__()
+    with pytest.raises(ValueError, match="not name=value"):
+        torch.ops.dmattn.attention_forward(
+            q, k, v, None, None, 0.25, False, 0.0, None, kernel_options="route"
+        )
+
+
+@needs_triton
+def test_kernel_options_reach_the_ops_inside_compiled_graphs():
+    """The options travel through the op schemas as a constant string: a fullgraph compile
+    keeps them, and the forced route computes the same values."""
+    q, k, v = qkv()
+    mask = mask_of(B, HKV, 1)
+
+    def f(q, k, v):
+        return dmattn_ops.attention(
+            q, k, v, mask, is_causal=True, kernel_options={"route": "tile_tables"}
+        )
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    want = dmattn_ops.attention(q, k, v, mask, is_causal=True)
+    assert (compiled(q, k, v) - want).abs().max() < 1e-5

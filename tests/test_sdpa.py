@@ -335,12 +335,12 @@ def test_window_chunks_compute_the_window(monkeypatch, b, n, c, h, hkv, d):
         assert_close(got.double(), w, bound, name)
 
 
-def _on_stand_in_fused_path(monkeypatch) -> list:
+def _on_stand_in_fused_path(monkeypatch, kernel_options) -> list:
     """The stand-in fused kernels (_fused_stand_ins) for dense calls and causal windows of 4
     keys or more; returns the list of the query lengths sdpa.forward is called with."""
     _fused_stand_ins(monkeypatch)
-    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 4)
-    monkeypatch.setattr(sdpa, "kernel", lambda *args: "cudnn")
+    kernel_options(window_min_keys=4)
+    monkeypatch.setattr(sdpa, "choose", lambda *args: ("cudnn", []))
     calls = []
     real = sdpa.forward
     monkeypatch.setattr(sdpa, "forward", lambda *a: calls.append(a[0].shape[1]) or real(*a))
@@ -349,11 +349,11 @@ def _on_stand_in_fused_path(monkeypatch) -> list:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's CPU run of the glue")
 @pytest.mark.parametrize("length,c", [(30, 8), (68, 24)], ids=["decode-tail", "dense-tail"])
-def test_window_tails_run_on_our_kernels(monkeypatch, length, c):
+def test_window_tails_run_on_our_kernels(monkeypatch, kernel_options, length, c):
     """A length that is no multiple of the chunk: the whole chunks through the (stand-in) fused
     kernels, the rows after them through ours (decode or dense), joined in the op's forward and
     backward: the causal window of c keys, against the oracle."""
-    calls = _on_stand_in_fused_path(monkeypatch)
+    calls = _on_stand_in_fused_path(monkeypatch, kernel_options)
     q = torch.randn(1, length, 4, 16)
     k, v = torch.randn(1, length, 2, 16), torch.randn(1, length, 2, 16)
     g = torch.randn(1, length, 4, 16)
@@ -378,11 +378,11 @@ def test_window_tails_run_on_our_kernels(monkeypatch, length, c):
     "length,window", [(24, None), (24, (7, 0)), (30, (7, 0))],
     ids=["dense", "window-chunks", "window-tail"],
 )  # fmt: skip
-def test_sinks_on_the_fused_path(monkeypatch, length, window):
+def test_sinks_on_the_fused_path(monkeypatch, kernel_options, length, window):
     """Sinks on the (stand-in) fused kernels' path: joined to the forward's result, and the
     backward from the joined out and lse with dsinks from the row statistics, against the
     oracle; a dense causal call, whole window chunks, and chunks with a tail on our kernels."""
-    calls = _on_stand_in_fused_path(monkeypatch)
+    calls = _on_stand_in_fused_path(monkeypatch, kernel_options)
     q = torch.randn(2, length, 4, 16)
     k, v = torch.randn(2, length, 2, 16), torch.randn(2, length, 2, 16)
     g = torch.randn(2, length, 4, 16)
@@ -405,21 +405,27 @@ def test_sinks_on_the_fused_path(monkeypatch, length, window):
         assert_close(got.double(), w.double(), 1e-4 * max(1.0, w.abs().max().item()), name)
 
 
-def test_window_chunk_rules(monkeypatch):
-    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 4)
+def test_window_chunk_rules(monkeypatch, kernel_options):
     q, k, _ = _operands("meta", lq=32, lk=32)
-    assert sdpa.window_chunk(q, k, Band.of(True, (7, 0))) == 8
-    assert sdpa.window_chunk(q, k, Band.of(True, (7, -1))) == 8  # causal caps the right side
-    assert sdpa.window_chunk(q, k, Band.of(False, (7, 0))) == 8
-    assert sdpa.window_chunk(q, k, Band.of(True, (40, 0))) == 32  # the whole sequence: causal
-    assert sdpa.window_chunk(q, k, Band.of(True, (6, 0))) == 7  # 4 rows after 4 chunks:
-    assert sdpa.window_tail(q, k, Band.of(True, (6, 0)), "cudnn") == 4  # on our kernels
-    assert sdpa.window_tail(q, k, Band.of(True, (7, 0)), "cudnn") == 0
-    assert sdpa.window_chunk(q, k, Band.of(False, (7, 2))) is None  # keys right of the query
-    assert sdpa.window_chunk(q, k, Band.of(True, (-1, 0))) is None  # no window at all
-    assert sdpa.window_chunk(q, k, Band.of(True, (2, 0))) is None  # under WINDOW_MIN_KEYS
+    assert sdpa.window_chunk(q, k, Band.of(True, (7, 0)), 4) == 8
+    assert sdpa.window_chunk(q, k, Band.of(True, (7, -1)), 4) == 8  # causal caps the right side
+    assert sdpa.window_chunk(q, k, Band.of(False, (7, 0)), 4) == 8
+    assert sdpa.window_chunk(q, k, Band.of(True, (40, 0)), 4) == 32  # the whole sequence: causal
+    assert sdpa.window_chunk(q, k, Band.of(False, (7, 2)), 4) is None  # keys right of the query
+    assert sdpa.window_chunk(q, k, Band.of(True, (-1, 0)), 4) is None  # no window at all
+    assert sdpa.window_chunk(q, k, Band.of(True, (2, 0)), 4) is None  # under min_keys
     q16, _, _ = _operands("meta", lq=16, lk=32)
-    assert sdpa.window_chunk(q16, k, Band.of(True, (7, 0))) is None  # Lq != Lk
+    assert sdpa.window_chunk(q16, k, Band.of(True, (7, 0)), 4) is None  # Lq != Lk
+    # The plan of such a call on the (stand-in) fused kernels: whole chunks, and the rows
+    # after the last one (its tail) on our kernels.
+    from dmattn_ops import plan
+    from dmattn_ops.problem import Options, Problem
+
+    monkeypatch.setattr(sdpa, "choose", lambda *args: ("cudnn", []))
+    kernel_options(window_min_keys=4)
+    for left, chunk, tail in ((6, 7, 4), (7, 8, 0)):
+        p = plan.plan(Problem(q, k, k), Options(0.25, True, window=(left, 0)))
+        assert (p.route, p.fused, p.chunk, p.tail) == (plan.SDPA, "cudnn", chunk, tail)
 
 
 @gpu
@@ -428,10 +434,12 @@ def test_window_chunk_rules(monkeypatch):
 @pytest.mark.parametrize(
     "c,n", [(64, 1), (64, 2), (128, 4)], ids=["one-chunk", "two-chunks", "four-chunks"]
 )
-def test_windowed_calls_run_fused_kernels_in_chunks(dispatch_on, monkeypatch, c, n, dtype, which):
+def test_windowed_calls_run_fused_kernels_in_chunks(
+    dispatch_on, monkeypatch, kernel_options, c, n, dtype, which
+):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 64)
+    kernel_options(window_min_keys=64)
     case = Case(2, n * c, n * c, 8, 2, 128, 128)
     only = SDPBackend.CUDNN_ATTENTION if which == "cudnn" else SDPBackend.FLASH_ATTENTION
     with sdpa_kernel([only]):
@@ -444,38 +452,40 @@ def test_windowed_calls_run_fused_kernels_in_chunks(dispatch_on, monkeypatch, c,
 
 @gpu
 @pytest.mark.parametrize("tail", [8, 40], ids=["decode-tail", "dense-tail"])
-def test_windowed_calls_with_a_partial_chunk(dispatch_on, monkeypatch, tail):
+def test_windowed_calls_with_a_partial_chunk(dispatch_on, monkeypatch, kernel_options, tail):
     """The rows after the last whole chunk run on our kernels (decode or dense)."""
-    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 64)
+    kernel_options(window_min_keys=64)
     _check(Case(2, 128 + tail, 128 + tail, 8, 2, 128, 128), torch.bfloat16, True, window=(63, 0))
     assert len(dispatch_on["forward"]) == 1 and len(dispatch_on["backward"]) == 1
 
 
 @gpu
 @pytest.mark.parametrize("tail", [0, 40], ids=["whole-chunks", "dense-tail"])
-def test_windowed_calls_with_sinks(dispatch_on, monkeypatch, tail):
+def test_windowed_calls_with_sinks(dispatch_on, monkeypatch, kernel_options, tail):
     """GPT-OSS's pattern (a causal window and a sink per head) on the chunked fused path."""
-    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 64)
+    kernel_options(window_min_keys=64)
     c = Case(2, 128 + tail, 128 + tail, 8, 2, 64, 64)
     _check(c, torch.bfloat16, True, window=(63, 0), sinks=True)
     assert len(dispatch_on["forward"]) == 1 and len(dispatch_on["backward"]) == 1
 
 
 @gpu
-def test_windows_the_chunks_cannot_serve_stay_on_our_kernels(dispatch_on, monkeypatch):
-    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 64)
+def test_windows_the_chunks_cannot_serve_stay_on_our_kernels(
+    dispatch_on, monkeypatch, kernel_options
+):
+    kernel_options(window_min_keys=64)
     _check(Case(1, 256, 256, 4, 2, 64, 64), torch.bfloat16, False, window=(63, 5))
-    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 128)
+    kernel_options(window_min_keys=128)
     _check(Case(1, 256, 256, 4, 2, 64, 64), torch.bfloat16, True, window=(63, 0))
     assert dispatch_on == {"forward": [], "backward": []}
 
 
 @gpu
-def test_compiled_windowed_call_with_a_partial_chunk(dispatch_on, monkeypatch):
+def test_compiled_windowed_call_with_a_partial_chunk(dispatch_on, monkeypatch, kernel_options):
     """Traced into a compiled graph: the chunks' copies and merge, both fused calls and the
     tail on our kernels, forward and backward, against the oracle."""
     torch._dynamo.reset()
-    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 64)
+    kernel_options(window_min_keys=64)
 
     def attention(*args, **kwargs):
         return dmattn_ops.attention(*args, **kwargs), torch.zeros(())
@@ -535,10 +545,11 @@ def test_graph_support_is_checked_per_pass(monkeypatch):
     cudnn_graphs._builds.cache_clear()
 
 
-def test_a_graph_cudnn_declines_leaves_the_window_to_the_other_routes(monkeypatch):
+def test_a_graph_cudnn_declines_leaves_the_window_to_the_other_routes(monkeypatch, kernel_options):
     """A graph whose build fails (cuDNN's support check) is remembered as declined, once per
     shape and pass, and the call's plan takes the chunked calls or our kernels instead."""
     from dmattn_ops import plan
+    from dmattn_ops.problem import Options, Problem
 
     tries = []
 
@@ -551,20 +562,19 @@ def test_a_graph_cudnn_declines_leaves_the_window_to_the_other_routes(monkeypatc
     monkeypatch.setattr(cudnn_graphs, "_build", declined)
     monkeypatch.setattr(cudnn_graphs, "MIN_KEYS", 1)
     monkeypatch.setattr(cudnn_graphs._local, "graphs", {}, raising=False)
-    monkeypatch.setattr(sdpa, "kernel", lambda *args: "cudnn")
-    monkeypatch.setattr(plan, "use_triton", lambda query: True)
+    monkeypatch.setattr(sdpa, "choose", lambda *args: ("cudnn", []))
     cudnn_graphs._builds.cache_clear()
     q, k, _ = _operands("meta", lq=32, lk=32)
     band = Band.of(True, (7, 0))
     assert not cudnn_graphs.supports(q, k, k, band)
     assert not cudnn_graphs.supports(q, k, k, band)
     assert tries == ["fwd"]
-    p = plan.forward_plan(q, k, k, None, None, True, 0.0, None, (7, 0))
-    assert p.path != plan.SDPA  # a window of 8 keys: under WINDOW_MIN_KEYS, so our kernels
-    monkeypatch.setattr(sdpa, "WINDOW_MIN_KEYS", 4)
-    p = plan.forward_plan(q, k, k, None, None, True, 0.0, None, (7, 0))
-    assert p.path == plan.SDPA and p.fused == sdpa.CUDNN  # chunks
-    assert sdpa.window_tail(q, k, band, p.fused) == 0
+    opts = Options(0.25, True, window=(7, 0))
+    p = plan.plan(Problem(q, k, k), opts)
+    assert p.route != plan.SDPA  # a window of 8 keys: under window_min_keys, so our kernels
+    kernel_options(window_min_keys=4)
+    p = plan.plan(Problem(q, k, k), opts)
+    assert (p.route, p.fused, p.chunk, p.tail) == (plan.SDPA, sdpa.CUDNN, 8, 0)  # chunks
     cudnn_graphs._builds.cache_clear()
 
 

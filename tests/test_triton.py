@@ -26,6 +26,7 @@ from helpers import (
 import dmattn_ops
 from dmattn_ops import configs, launch, plan, reference
 from dmattn_ops.kernels.common import grid_tile, run_end, run_tile
+from dmattn_ops.problem import Problem
 from dmattn_ops.tiles import Band, PackFrom
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -270,7 +271,9 @@ def test_skipped_tiles_are_never_loaded():
     # Whole key tiles of every kernel: block sizes are powers of two.
     q16 = torch.empty(1, 1, 1, 16, device=DEVICE)
     mask16 = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=DEVICE)
-    tile = max(plan.config(k, q16, q16, mask16, None).block_n for k in ("fwd", "dkdv", "dq"))
+    tile = max(
+        plan.config(k, Problem(q16, q16, q16, mask16)).block_n for k in ("fwd", "dkdv", "dq")
+    )
     c = Case(1, 3 * tile, 6 * tile, 2, 1, 16, 16)
     mask = make_mask((1, 1, c.lq, c.lk), density=0.7, device=DEVICE)
     dead = slice(tile, 3 * tile)
@@ -301,10 +304,9 @@ def test_bf16_large_logits():
 
 
 @pytest.mark.parametrize("dq_block_m", [16, 32], ids=["same-grid", "pooled-grid"])
-def test_backward_kernels_on_their_own_tile_grids(monkeypatch, dq_block_m):
+def test_backward_kernels_on_their_own_tile_grids(kernel_options, dq_block_m):
     # The dq kernel's tile tables pooled from the dk/dv kernel's finer ones (one mask pass).
-    override = {"dkdv": configs.Config(16, 16, 1, 1), "dq": configs.Config(dq_block_m, 16, 1, 1)}
-    monkeypatch.setattr(configs, "OVERRIDE", override)
+    kernel_options(dkdv_config=(16, 16, 1, 1), dq_config=(dq_block_m, 16, 1, 1))
     c = Case(2, 70, 75, 2, 1, 16, 16)
     seqused = torch.tensor([75, 50], dtype=torch.int32)
     mask = make_mask((c.b, c.h, c.lq, c.lk), density=0.3, device=DEVICE)
@@ -339,11 +341,11 @@ def test_deterministic_backward_is_bitwise_reproducible():
 
 @pytest.mark.parametrize("split", [1, 2, 4])
 @pytest.mark.parametrize("mask_kind", ["key-lists", "tables", "none"])
-def test_dkdv_split_across_query_heads(monkeypatch, split, mask_kind):
+def test_dkdv_split_across_query_heads(kernel_options, split, mask_kind):
     """The dk/dv kernel with a KV group's 4 query heads split over 1, 2 or 4 programs (float32
     parts summed by the reduce kernel): the oracle's gradients, with seqused_k, causal
     alignment, a per-key bias's dbias columns, and NaN in every K/V row no list holds."""
-    monkeypatch.setattr(configs, "SPLIT_OVERRIDE", split)
+    kernel_options(dkdv_split=split)
     c = Case(2, 45, 70, 8, 2, 32, 24)
     seqused = torch.tensor([70, 52], dtype=torch.int32)
     mask = None
@@ -358,8 +360,8 @@ def test_dkdv_split_across_query_heads(monkeypatch, split, mask_kind):
 
 
 @pytest.mark.parametrize("split", [2, 4])
-def test_dkdv_split_never_reads_unlisted_keys_and_is_reproducible(monkeypatch, split):
-    monkeypatch.setattr(configs, "SPLIT_OVERRIDE", split)
+def test_dkdv_split_never_reads_unlisted_keys_and_is_reproducible(kernel_options, split):
+    kernel_options(dkdv_split=split)
     c = Case(2, 40, 60, 4, 1, 16, 16)
     mask = make_mask((c.b, 1, 1, c.lk), density=0.3, device=DEVICE)
     q = torch.randn(c.b, c.lq, c.h, c.d, device=DEVICE, dtype=torch.bfloat16)
@@ -506,12 +508,13 @@ def test_cuda_graph_capture_forward_backward():
 
 
 def spy_on(monkeypatch, name: str) -> list:
-    """Wraps launch.<name>; returns the list of its calls' first-argument shapes."""
+    """Wraps launch.<name>; returns the list of its calls' query shapes (its first argument
+    is the call's Problem)."""
     calls = []
     real = getattr(launch, name)
 
     def spy(*args):
-        calls.append(args[0].shape)
+        calls.append(args[0].query.shape)
         return real(*args)
 
     monkeypatch.setattr(launch, name, spy)
@@ -519,10 +522,10 @@ def spy_on(monkeypatch, name: str) -> list:
 
 
 @pytest.fixture(params=[True, False], ids=["packed", "gathered"])
-def pack_spy(request, monkeypatch):
-    """Runs a test with plan.PACK_KEYS on and off; records whether each key-list build
-    packed K, V and the bias."""
-    monkeypatch.setattr(plan, "PACK_KEYS", request.param)
+def pack_spy(request, monkeypatch, kernel_options):
+    """Runs a test with the kernel option pack_keys on and off; records whether each key-list
+    build packed K, V and the bias."""
+    kernel_options(pack_keys=request.param)
     packed = []
     real = launch.build_key_lists
 
@@ -581,21 +584,20 @@ def test_key_lists_never_load_unlisted_keys(bias_pattern, pack_spy):
 
 
 @pytest.fixture
-def heads_spy(monkeypatch):
-    """Packs a KV group's query heads into one forward / dq program at every length
-    (plan.PACK_HEADS_MIN_LQ = 0; on the GPU only long calls do) and records the heads per
-    program of every forward and backward plan."""
-    monkeypatch.setattr(plan, "PACK_HEADS_MIN_LQ", 0)
+def heads_spy(monkeypatch, kernel_options):
+    """Packs a KV group's query heads into one forward / dq program at every length (kernel
+    option pack_heads; on the GPU only long calls do) and records the heads per program of
+    every forward and backward plan."""
+    kernel_options(pack_heads=True)
     heads = []
-    for name in ("forward_plan", "backward_plan"):
-        real = getattr(plan, name)
+    real = plan.plan
 
-        def spy(*args, real=real, **kwargs):
-            p = real(*args, **kwargs)
-            heads.append(p.heads)
-            return p
+    def spy(*args, **kwargs):
+        p = real(*args, **kwargs)
+        heads.append(p.heads)
+        return p
 
-        monkeypatch.setattr(plan, name, spy)
+    monkeypatch.setattr(plan, "plan", spy)
     return heads
 
 

@@ -13,8 +13,8 @@ def no_kernel_may_run(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a kernel ran for an invalid call")
 
-    monkeypatch.setattr(launch, "attention_forward", forbidden)
-    monkeypatch.setattr(launch, "attention_backward", forbidden)
+    monkeypatch.setattr(launch, "forward", forbidden)
+    monkeypatch.setattr(launch, "backward", forbidden)
 
 
 def qkv(b=2, lq=5, lk=7, h=4, hkv=2, d=8, dv=8, dtype=torch.float32):

@@ -226,8 +226,8 @@ class TestVarlenSchemas(expecttest.TestCase):
             "\n".join(str(op._schema) for op in OPS.values()),
             """\
 dmattn::attention_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask=None, Tensor? bias=None, float? scale=None, bool is_causal=False, float softcap=0., bool deterministic=False, int[2] window_size=-1) -> Tensor
-dmattn::attention_varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, bool deterministic=False, int[2] window_size=-1) -> (Tensor out, Tensor lse, Tensor lse_rem)
-dmattn::attention_varlen_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, bool deterministic, bool compute_dbias, int[2] window_size=-1) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)""",
+dmattn::attention_varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, bool deterministic=False, int[2] window_size=-1, str? kernel_options=None) -> (Tensor out, Tensor lse, Tensor lse_rem)
+dmattn::attention_varlen_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, Tensor lse_rem, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? mask, Tensor? bias, float scale, bool is_causal, float softcap, bool deterministic, bool compute_dbias, int[2] window_size=-1, str? kernel_options=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_bias)""",
         )
 
 
