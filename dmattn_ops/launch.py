@@ -161,7 +161,7 @@ def forward(problem: Problem, opts: Options) -> Saved:
         if p.tail:
             result = _window_tail_forward(problem, opts, p)
         else:
-            result = sdpa.forward(query, key, value, scale, band, p.fused, p.chunk)
+            result = sdpa.forward(query, key, value, scale, band, p.fused, chunk=p.chunk)
         return Saved(*_join_sinks(*result, sinks))
     if p.route == DECODE:
         return Saved(*decode_forward(problem, opts, p))
@@ -308,7 +308,7 @@ def backward(
             dq, dk, dvv = _window_tail_backward(problem, opts, p, saved, grad_out)
         else:
             dq, dk, dvv = sdpa.backward(
-                grad_out, query, key, value, out, lse, scale, p.band, p.fused, p.chunk
+                grad_out, query, key, value, out, lse, scale, p.band, p.fused, chunk=p.chunk
             )
         dsinks = (
             no_sinks
@@ -607,7 +607,7 @@ def _window_tail_forward(problem: Problem, opts: Options, p: plan.Plan):
     query, key, value = problem.query, problem.key, problem.value
     head = query.shape[1] - p.tail
     out, lse, lse_rem = sdpa.forward(
-        query[:, :head], key[:, :head], value[:, :head], opts.scale, p.band, p.fused, p.chunk
+        query[:, :head], key[:, :head], value[:, :head], opts.scale, p.band, p.fused, chunk=p.chunk
     )
     tail = Problem(query[:, head:], key, value)
     out_t, lse_t, rem_t = forward(tail, _tail_options(opts))
@@ -620,7 +620,7 @@ def _window_tail_backward(problem: Problem, opts: Options, p: plan.Plan, saved: 
     head = query.shape[1] - p.tail
     dq, dk, dv = sdpa.backward(
         grad_out[:, :head], query[:, :head], key[:, :head], value[:, :head], out[:, :head],
-        lse[:, :, :head], opts.scale, p.band, p.fused, p.chunk,
+        lse[:, :, :head], opts.scale, p.band, p.fused, chunk=p.chunk,
     )  # fmt: skip
     tail = Problem(query[:, head:], key, value)
     tail_saved = Saved(out[:, head:], lse[:, :, head:], lse_rem[:, :, head:])

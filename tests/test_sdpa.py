@@ -28,7 +28,7 @@ def dispatch_on(monkeypatch):
         real = getattr(sdpa, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
-            calls[_name].append(args[-1])
+            calls[_name].append(args[-1])  # the kernel ("cudnn", "flash"); the chunk is a keyword
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(sdpa, name, spy)
@@ -64,9 +64,8 @@ def test_applies_rules(monkeypatch):
     assert sdpa.kernel(*_operands("cuda", lq=4), None, None, False, 0.0, None)
     assert not sdpa.kernel(*_operands("cuda", d=20, dv=20), None, None, False, 0.0, None)
     assert not sdpa.kernel(*_operands("cuda", dv=32), None, None, False, 0.0, None)
-    monkeypatch.setenv("DMATTN_DENSE_SDPA", "0")
-    assert not sdpa.kernel(q, k, v, None, None, True, 0.0, None)
-    monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
+    # Switched off (kernel option fused_sdpa, which DMATTN_DENSE_SDPA=0 sets: test_plan.py).
+    assert sdpa.kernel(q, k, v, None, None, True, 0.0, None, enabled=False) is None
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION]):
