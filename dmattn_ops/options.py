@@ -20,6 +20,7 @@ They reach a call three ways, later ones winning:
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, replace
 from typing import TypedDict
 
@@ -235,6 +236,7 @@ def kernel_options(**options):
         yield
     finally:
         _ACTIVE.pop()
+        _TUNINGS.clear()
 
 
 def active() -> str:
@@ -242,18 +244,31 @@ def active() -> str:
     return repr(_ACTIVE)
 
 
+_SWITCHES = ("DMATTN_DENSE_SDPA", "DMATTN_CUDNN_GRAPHS", "DMATTN_HOPPER")
+# (switch values, encoded options, active blocks) -> Tuning. A block is keyed by its dict's id,
+# alive while the block is active; a later block reusing a freed id holds a different dict, so
+# blocks clear their entries when they end.
+_TUNINGS: dict = {}
+
+
 def tuning(encoded: str | None = None) -> Tuning:
     """The options a call runs with: environment switches, then the active kernel_options
     blocks, then the call's own (encoded)."""
-    base = Tuning(
-        fused_sdpa=switch("DMATTN_DENSE_SDPA", True),
-        cudnn_graphs=switch("DMATTN_CUDNN_GRAPHS", True),
-        hopper=switch("DMATTN_HOPPER", False),
-    )
-    if not _ACTIVE and not encoded:
-        return base
-    merged: dict = {}
-    for layer in _ACTIVE:
-        merged.update(layer)
-    merged.update(decode(encoded))
-    return replace(base, **merged)
+    get = os.environ.get
+    key = (get(_SWITCHES[0]), get(_SWITCHES[1]), get(_SWITCHES[2]), encoded, *map(id, _ACTIVE))
+    found = _TUNINGS.get(key)
+    if found is None:
+        base = Tuning(
+            fused_sdpa=switch("DMATTN_DENSE_SDPA", True),
+            cudnn_graphs=switch("DMATTN_CUDNN_GRAPHS", True),
+            hopper=switch("DMATTN_HOPPER", False),
+        )
+        merged: dict = {}
+        for layer in _ACTIVE:
+            merged.update(layer)
+        merged.update(decode(encoded))
+        found = replace(base, **merged) if merged else base
+        if len(_TUNINGS) > 256:
+            _TUNINGS.clear()
+        _TUNINGS[key] = found
+    return found

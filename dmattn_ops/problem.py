@@ -9,7 +9,7 @@ and packed (`cu_seqlens`) sequences are layouts of one problem, as FlashAttentio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -114,34 +114,39 @@ class Problem:
 
     def collapsed(self, grad_bias: bool = False) -> Problem:
         """The problem as the kernels take it: broadcast dims of mask (and of bias, unless its
-        gradient keeps the caller's shape) collapsed, index tensors dense."""
-        return replace(
-            self,
-            mask=self.mask if self.varlen else collapse_broadcast(self.mask),
-            bias=self.bias if grad_bias or self.varlen else collapse_broadcast(self.bias),
-            seqused_k=dense_index(self.seqused_k), sinks=dense_index(self.sinks),
-            cu_seqlens_q=dense_index(self.cu_seqlens_q),
-            cu_seqlens_k=dense_index(self.cu_seqlens_k),
+        gradient keeps the caller's shape) collapsed, index tensors dense. The problem itself
+        where nothing changes (the common case: no expanded views)."""
+        varlen = self.varlen
+        mask = self.mask if varlen else collapse_broadcast(self.mask)
+        bias = self.bias if grad_bias or varlen else collapse_broadcast(self.bias)
+        seqused_k, sinks = dense_index(self.seqused_k), dense_index(self.sinks)
+        cu_q, cu_k = dense_index(self.cu_seqlens_q), dense_index(self.cu_seqlens_k)
+        if (
+            mask is self.mask and bias is self.bias and seqused_k is self.seqused_k
+            and sinks is self.sinks and cu_q is self.cu_seqlens_q and cu_k is self.cu_seqlens_k
+        ):  # fmt: skip
+            return self
+        return Problem(
+            self.query, self.key, self.value, mask, bias, sinks, seqused_k, cu_q, cu_k,
+            self.max_seqlen_q, self.max_seqlen_k,
         )  # fmt: skip
 
     def signature(self) -> tuple | None:
-        """What the planner may read of the tensors (sizes, strides, dtypes, devices), as a
-        hashable key; None when a size is symbolic (such calls are planned each time)."""
-        parts = []
-        for t in (
-            self.query, self.key, self.value, self.mask, self.bias, self.sinks, self.seqused_k,
-            self.cu_seqlens_q,
-        ):  # fmt: skip
-            if t is None:
-                parts.append(None)
-                continue
-            shape, stride = tuple(t.shape), tuple(t.stride())
-            if not all(type(n) is int for n in shape + stride):
-                return None
-            parts.append((shape, stride, t.storage_offset(), t.dtype, t.device))
-        if not (type(self.max_seqlen_q) is int and type(self.max_seqlen_k) is int):
+        """What the planner may read of the tensors (sizes, strides, storage offsets, dtypes,
+        devices), as a hashable key; None when a size is symbolic (torch.SymInt does not hash:
+        such calls are planned each time)."""
+        key = tuple(
+            None if t is None else (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
+            for t in (
+                self.query, self.key, self.value, self.mask, self.bias, self.sinks,
+                self.seqused_k, self.cu_seqlens_q,
+            )
+        ) + (self.max_seqlen_q, self.max_seqlen_k)  # fmt: skip
+        try:
+            hash(key)
+        except TypeError:
             return None
-        return (*parts, self.max_seqlen_q, self.max_seqlen_k)
+        return key
 
 
 @dataclass(frozen=True)
