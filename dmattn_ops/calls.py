@@ -8,32 +8,38 @@ defaults, which `bind` restores).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from dmattn_ops.problem import Options, Problem
 
+_SIGNATURES: dict = {}  # op -> (argument names, their defaults)
 
-@functools.cache
-def _arguments(name: str) -> tuple[tuple[str, object], ...]:
-    """(name, default) of each argument of op `name` ("dmattn::attention_forward")."""
-    namespace, op = name.split("::")
-    schema = getattr(getattr(torch.ops, namespace), op).default._schema
-    return tuple(
-        (a.name, tuple(a.default_value) if isinstance(a.default_value, list) else a.default_value)
-        for a in schema.arguments
-    )
+
+def _signature(op) -> tuple[tuple, tuple]:
+    """(names, defaults) of op's arguments (an OpOverload, or an op's "ns::name")."""
+    found = _SIGNATURES.get(op)
+    if found is None:
+        if isinstance(op, str):
+            namespace, name = op.split("::")
+            op = getattr(getattr(torch.ops, namespace), name).default
+        arguments = op._schema.arguments
+        defaults = tuple(
+            tuple(a.default_value) if isinstance(a.default_value, list) else a.default_value
+            for a in arguments
+        )
+        found = _SIGNATURES[op] = (tuple(a.name for a in arguments), defaults)
+    return found
 
 
 def bind(op, args: tuple, kwargs: dict | None = None) -> dict:
-    """{argument name: value} of one call of op (an OpOverload or OpOverloadPacket), defaults
-    filled in."""
-    names = _arguments(op.name() if hasattr(op, "name") else op._qualified_op_name)
-    call = {name: default for name, default in names}
-    for (name, _), value in zip(names, args):
-        call[name] = value
+    """{argument name: value} of one call of op (an OpOverload), defaults filled in."""
+    names, defaults = _signature(op)
+    if len(args) == len(names) and not kwargs:
+        return dict(zip(names, args))
+    call = dict(zip(names, defaults))
+    call.update(zip(names, args))
     if kwargs:
         call.update(kwargs)
     return call
@@ -41,7 +47,9 @@ def bind(op, args: tuple, kwargs: dict | None = None) -> dict:
 
 def unbind(op, call: dict) -> tuple:
     """The positional arguments of op for the named values of `call` (absent names: defaults)."""
-    return tuple(call.get(name, default) for name, default in _arguments(op.name()))
+    names, defaults = _signature(op)
+    get = call.get
+    return tuple([get(name, default) for name, default in zip(names, defaults)])
 
 
 def default_scale(query: torch.Tensor) -> float:
