@@ -6,6 +6,7 @@ import torch
 
 from dmattn_ops import flex, ops, options, plan, reference
 from dmattn_ops.calls import default_scale
+from dmattn_ops.chunked import add_sinks
 from dmattn_ops.options import KernelOptions
 from dmattn_ops.problem import Options, Problem
 from dmattn_ops.validate import (
@@ -18,24 +19,6 @@ from dmattn_ops.validate import (
     check_window,
     has_window,
 )
-
-
-def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
-    """(out, lse) of attention without sinks -> with them: lse' = logaddexp(lse, sinks[h]),
-    out' = out * exp(lse - lse'), exactly the softmax with the sink in its denominator.
-    Differentiable in out, lse (so in every input) and sinks; finite everywhere: a sink of -inf
-    is no sink, and a row with no key and a sink of -inf keeps lse -inf."""
-    s = sinks.to(lse.dtype)[None, :, None]  # [1, H, 1]
-    s_finite = s.clamp(min=torch.finfo(lse.dtype).min)
-    with_sink = torch.logaddexp(lse, s_finite)
-    weight = torch.exp(lse - with_sink)  # in [0, 1]; 0 for a row with no key
-    # A sink of -inf is no sink, exactly: clamped to finfo.min it would still take half of a
-    # row whose lse lies near finfo.min (a bias of finfo.min on every allowed key).
-    none = s == float("-inf")
-    lse_new = torch.where(none, lse, with_sink)
-    weight = torch.where(none, 1.0, weight)
-    out_new = (out.to(weight.dtype) * weight.transpose(1, 2)[..., None]).to(out.dtype)
-    return out_new, lse_new
 
 
 def _encoded(kernel_options, backend: str, fn: str) -> str | None:

@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from dmattn_ops.chunked import varlen_bounds, zero_unseen_keys
+from dmattn_ops.chunked import add_sinks, varlen_bounds, zero_unseen_keys
 from dmattn_ops.validate import (
     NO_WINDOW,
     check_backend,
@@ -39,6 +39,8 @@ from dmattn_ops.validate import (
     check_flags,
     check_inputs,
     check_seqused_k_values,
+    check_sinks,
+    check_sinks_values,
     check_varlen_inputs,
     check_window,
     has_window,
@@ -323,7 +325,7 @@ def _flex(q, k, v, options, kwargs):
     return _compiled_flex()(q, k, v, **kwargs)
 
 
-def kernel_options(bias, d: int, device) -> dict | None:
+def flex_kernel_options(bias, d: int, device) -> dict | None:
     """Flex kernel options that compile on an H100: with a bias read per query row, flex's
     default backward asks for more shared memory than Hopper has; one stage fits."""
     if device.type != "cuda":
@@ -350,9 +352,13 @@ def attention(
     deterministic: bool = False,
     return_lse: bool = False,
     backend: str = "flex",
+    sinks: torch.Tensor | None = None,
     window_size: tuple[int, int] = NO_WINDOW,
+    kernel_options=None,
 ):
     """`dmattn_ops.attention` through FlexAttention (same signature, shapes and semantics;
+    sinks join Flex's (out, lse) in PyTorch, chunked.add_sinks; kernel_options choose among
+    this library's kernels, so any raises here;
     ``backend`` keeps the signature: this function is the "flex" backend whatever its value,
     and an unknown name raises as there).
 
@@ -365,6 +371,21 @@ def attention(
     check_flags(
         "dmattn.flex", is_causal=is_causal, deterministic=deterministic, return_lse=return_lse
     )
+    if kernel_options is not None:
+        raise ValueError(
+            "dmattn.flex: kernel_options choose among this library's kernels (backend 'auto' "
+            "or 'triton'); FlexAttention runs none of them"
+        )
+    if sinks is not None:
+        check_sinks(sinks, query, "dmattn.flex")
+        check_sinks_values(sinks, "dmattn.flex")
+        out, lse = attention(
+            query, key, value, mask, bias, scale=scale, is_causal=is_causal, softcap=softcap,
+            seqused_k=seqused_k, deterministic=deterministic, return_lse=True,
+            window_size=window_size,
+        )  # fmt: skip
+        out, lse = add_sinks(out, lse, sinks)
+        return (out, lse.float()) if return_lse else out
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn.flex")
     check_seqused_k_values(seqused_k, key.shape[1], "dmattn.flex")
     window = check_window(window_size, "dmattn.flex")
@@ -412,7 +433,7 @@ def attention(
         enable_gqa=h != hkv,
         return_lse=return_lse,
     )
-    result = _flex(q, k, v, kernel_options(bias, max(d, dv), device), kwargs)
+    result = _flex(q, k, v, flex_kernel_options(bias, max(d, dv), device), kwargs)
     if return_lse:
         out, lse = result
         lse = lse.float() if shift is None else lse.float() + shift.expand(b, h, lq)
@@ -550,7 +571,7 @@ def attention_varlen(
         enable_gqa=h != hkv,
         return_lse=return_lse,
     )
-    result = _flex(q, k, v, kernel_options(None, max(d, dv), device), kwargs)
+    result = _flex(q, k, v, flex_kernel_options(None, max(d, dv), device), kwargs)
     if return_lse:
         out, lse = result
         return out[0].transpose(0, 1), lse[0].float()

@@ -46,9 +46,11 @@ def attention(
     backend: str = "auto",
     sinks: torch.Tensor | None = None,
     window_size: tuple[int, int] = (-1, -1),
+    kernel_options=None,
     _keep_lse_dtype: bool = False,
 ):
-    r"""Dynamic Mask Attention, computed naively (the test oracle).
+    r"""Dynamic Mask Attention, computed naively (the test oracle). `attention`'s signature;
+    kernel_options choose among this library's kernels, so any raises here.
 
     Shapes: query (B, Lq, H, D), key (B, Lk, Hkv, D), value (B, Lk, Hkv, Dv); mask (bool) and
     bias each (B|1, H|Hkv|1, Lq|1, Lk); seqused_k int32 (B,). Returns out (B, Lq, H, Dv) in
@@ -79,6 +81,11 @@ def attention(
     fn = "reference.attention"
     check_backend(backend, fn)
     check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
+    if kernel_options is not None:
+        raise ValueError(
+            f"{fn}: kernel_options choose among this library's kernels (backend 'auto' or "
+            "'triton'); the reference runs none of them"
+        )
     check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn=fn)
     check_seqused_k_values(seqused_k, key.shape[1], "reference.attention")
     left, right = check_window(window_size, fn)

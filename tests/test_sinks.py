@@ -288,3 +288,32 @@ def test_the_join_kernel_joins_as_join_sinks_does(dtype):
     assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == torch.float32
     assert (got[1][0, 1, :3] == 3.0).all() and (got[0][0, :3, 1] == 0).all()  # the sink's rows
     assert torch.equal(got[0][:, :, 2], out[:, :, 2])  # -inf: no sink
+
+
+def test_flex_and_the_oracle_take_attention_s_keywords():
+    """`flex.attention` and `reference.attention` have `attention`'s signature: sinks join
+    Flex's result exactly as the oracle's; kernel_options, which choose among this library's
+    kernels, raise on both."""
+    import inspect
+
+    names = set(inspect.signature(dmattn_ops.attention).parameters) - {"_internal_lse"}
+    for fn in (dmattn_ops.flex.attention, dmattn_ops.reference.attention):
+        assert names <= set(inspect.signature(fn).parameters), fn
+        with pytest.raises(ValueError, match="kernel_options"):
+            fn(*_qkv64(), kernel_options={"route": "pytorch"})
+    q, k, v = _qkv64()
+    sinks = torch.randn(q.shape[2], dtype=torch.float64)
+    want, want_lse = reference.attention(q, k, v, is_causal=True, sinks=sinks, return_lse=True)
+    got, lse = dmattn_ops.flex.attention(q, k, v, is_causal=True, sinks=sinks, return_lse=True)
+    # Flex returns a float32 lse (the contract's), through which the sink's share is weighed:
+    # a few float32 roundings of lse, relative to out.
+    bound = 8 * 2.0**-24 * max(1.0, want_lse.abs().max().item()) * want.abs().max().item()
+    assert (got - want).abs().max() <= bound
+    assert (lse - want_lse).abs().max() <= 8 * 2.0**-24 * max(1.0, want_lse.abs().max().item())
+
+
+def _qkv64():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 9, 4, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 11, 2, 8, generator=g, dtype=torch.float64)
+    return q, k, torch.randn(1, 11, 2, 8, generator=g, dtype=torch.float64)
