@@ -342,7 +342,9 @@ def _on_stand_in_fused_path(monkeypatch, kernel_options) -> list:
     monkeypatch.setattr(sdpa, "choose", lambda *args: ("cudnn", []))
     calls = []
     real = sdpa.forward
-    monkeypatch.setattr(sdpa, "forward", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    monkeypatch.setattr(
+        sdpa, "forward", lambda *a, **k: calls.append(a[0].shape[1]) or real(*a, **k)
+    )
     return calls
 
 
