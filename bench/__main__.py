@@ -499,7 +499,7 @@ def plot(results: list[dict], path: str) -> str:
 
 def main(argv=None) -> int:
     # "ours" times our Triton kernels: dense calls would otherwise run PyTorch's flash kernels
-    # inside our op (dmattn_ops/sdpa.py), which the sdpa column already times.
+    # inside our op (dmattn_ops/executors/sdpa.py), which the sdpa column already times.
     os.environ["DMATTN_DENSE_SDPA"] = "0"
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=None, help="comma-separated case names (default all)")

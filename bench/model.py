@@ -6,13 +6,14 @@ and a residual per block, median ms per step. Variants differ only in the attent
 
 * ``sdpa``: ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``;
 * ``ours-dense``: ``dmattn_ops.attention`` without mask or bias, causal (on CUDA in bf16 it
-  runs PyTorch's flash kernels inside our op, dmattn_ops/sdpa.py);
+  runs PyTorch's flash kernels inside our op, dmattn_ops/executors/sdpa.py);
 * ``ours-dense-triton``: the same with DMATTN_DENSE_SDPA=0, our Triton dense kernels;
 * ``dma-w4`` / ``dma-w8``: ``DynamicMaskAttention`` with window L/4 or L/8 (bias per key and
   KV head, top-window mask), causal, Triton;
 * ``dma-flex``: the same layer with ``backend="flex"``, window L/4.
 
-Compiled graphs launch our kernels themselves (dmattn_ops/inductor.py); a ``+ops`` suffix
+Compiled graphs launch our kernels themselves (dmattn_ops/registration/inductor.py); a
+``+ops`` suffix
 (``dma-w4+ops``) runs a variant with DMATTN_INDUCTOR_KERNELS=0 instead: the ops stay whole in
 the graph and run our Python launchers.
 

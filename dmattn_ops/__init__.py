@@ -1,6 +1,6 @@
 """Dynamic Mask Attention as PyTorch custom ops (``torch.ops.dmattn``) backed by Triton kernels."""
 
-from dmattn_ops import flex, inductor, masks, nn, ops, reference
+from dmattn_ops import flex, masks, nn, reference
 from dmattn_ops.api import (
     attention,
     attention_varlen,
@@ -8,7 +8,8 @@ from dmattn_ops.api import (
     flash_attn_func,
     flash_attn_varlen_func,
 )
-from dmattn_ops.options import KernelOptions, kernel_options
+from dmattn_ops.core.options import KernelOptions, kernel_options
+from dmattn_ops.registration import inductor, ops
 
 __all__ = [
     "KernelOptions",

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops import flex, ops, options, plan, reference
-from dmattn_ops.calls import default_scale
-from dmattn_ops.chunked import add_sinks
-from dmattn_ops.options import KernelOptions
-from dmattn_ops.problem import Options, Problem
-from dmattn_ops.validate import (
+from dmattn_ops import flex, reference
+from dmattn_ops.core import options
+from dmattn_ops.core.options import KernelOptions
+from dmattn_ops.core.problem import Options, Problem
+from dmattn_ops.core.validate import (
     check_backend,
     check_flags,
     check_inputs,
@@ -19,6 +18,10 @@ from dmattn_ops.validate import (
     check_window,
     has_window,
 )
+from dmattn_ops.dispatch import plan
+from dmattn_ops.executors.chunked import add_sinks
+from dmattn_ops.registration import ops
+from dmattn_ops.registration.calls import default_scale
 
 
 def _encoded(kernel_options, backend: str, fn: str) -> str | None:
@@ -95,7 +98,7 @@ def attention(
             p - left <= j <= p + right, p = i + n - Lq its aligned position; -1 leaves a side
             unbounded. Combines (and) with is_causal, mask and seqused_k; key tiles outside
             the band are never read.
-        kernel_options: a `KernelOptions` dict (dmattn_ops.options): force a route, override
+        kernel_options: a `KernelOptions` dict (dmattn_ops.core.options): force a route, override
             tile configs or splits; they change speed, never the result. Backends "auto" and
             "triton" only. `dmattn_ops.explain` shows the route each pass takes and why.
 

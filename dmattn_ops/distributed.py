@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dmattn_ops.calls import default_scale
-from dmattn_ops.chunked import lse_split
-from dmattn_ops.validate import check_flags, check_inputs
+from dmattn_ops.core.validate import check_flags, check_inputs
+from dmattn_ops.executors.chunked import lse_split
+from dmattn_ops.registration.calls import default_scale
 
 LAYOUTS = ("zigzag", "contiguous")
 

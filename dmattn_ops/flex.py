@@ -31,8 +31,7 @@ import weakref
 
 import torch
 
-from dmattn_ops.chunked import add_sinks, varlen_bounds, zero_unseen_keys
-from dmattn_ops.validate import (
+from dmattn_ops.core.validate import (
     NO_WINDOW,
     check_backend,
     check_cu_seqlens_values,
@@ -45,6 +44,7 @@ from dmattn_ops.validate import (
     check_window,
     has_window,
 )
+from dmattn_ops.executors.chunked import add_sinks, varlen_bounds, zero_unseen_keys
 
 
 class BlockMaskEntry:

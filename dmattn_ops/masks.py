@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops import _triton, plan
-from dmattn_ops._triton import LazyKernel, next_power_of_2
-from dmattn_ops.tiles import operand_strides
+from dmattn_ops.core.device import next_power_of_2
+from dmattn_ops.core.operands import operand_strides
+from dmattn_ops.dispatch import plan
+from dmattn_ops.executors import _triton
+from dmattn_ops.executors._triton import LazyKernel
+from dmattn_ops.registration import inductor
 
 topk_mask_kernel = LazyKernel("topk_mask", "topk_mask_kernel")
 
@@ -209,6 +212,7 @@ def topk_select(
 
 
 _fused_topk = torch.library.custom_op("dmattn::topk_select", topk_select, mutates_args=())
+inductor.trace_into_graphs(torch.ops.dmattn.topk_select.default, topk_select)
 
 
 @_fused_topk.register_fake

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from dmattn_ops.validate import (
+from dmattn_ops.core.validate import (
     check_backend,
     check_cu_seqlens_values,
     check_flags,

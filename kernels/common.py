@@ -27,7 +27,7 @@ PACKED = tl.constexpr(2)
 @triton.jit
 def as_fp32(x):
     """A float argument in float32. Triton's own launcher passes Python floats as fp32, but a
-    compiled graph's launcher (Inductor, dmattn_ops/inductor.py) types them fp64, which would
+    compiled graph's launcher (Inductor, registration/inductor.py) types them fp64, which would
     make the scores, the softmax statistics and the accumulators float64."""
     return tl.cast(x, tl.float32)
 

@@ -1,5 +1,5 @@
 """Warp-specialised Hopper (sm_90) kernels in Gluon for key-list calls with packed keys
-(opt-in through DMATTN_HOPPER=1: dmattn_ops/hopper.py says why).
+(opt-in through DMATTN_HOPPER=1: dmattn_ops/executors/hopper.py says why).
 
 Triton's `tl.dot` kernels software-pipeline one warpgroup's loads and products; on the H100 they
 stop at 60-80% of cuDNN's TFLOP/s. These kernels split each program

@@ -1,4 +1,4 @@
-"""Key lists of masks shared by all queries (the DMA pattern; dmattn_ops/tiles.py KeyLists), and
+"""Key lists of masks shared by all queries (the DMA pattern; executors/tiles.py KeyLists), and
 the packed K, V and per-key bias rows the forward and dq kernels read through them."""
 
 import triton

@@ -8,11 +8,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Dense calls on CUDA would run PyTorch's flash kernels (dmattn_ops/sdpa.py); the suite tests our
+# Dense calls on CUDA would run PyTorch's flash kernels (dmattn_ops/executors/sdpa.py); the suite tests our
 # Triton kernels, and tests/test_sdpa.py turns the dispatch back on where it tests it.
 os.environ["DMATTN_DENSE_SDPA"] = "0"
 
-from dmattn_ops import _alloc
+from dmattn_ops.executors import _alloc
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,8 @@ import torch
 from helpers import COMPUTE_ULPS, assert_close, float64_grad_bound, low_precision_bound
 
 import dmattn_ops
-from dmattn_ops import launch, masks, plan, reference
+from dmattn_ops import masks, reference
+from dmattn_ops.dispatch import launch, plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -278,7 +279,7 @@ def test_vmap_over_seqused_k_alone(backend):
 
 
 def test_unclear_inputs_of_issue_48_get_clear_answers(monkeypatch):
-    from dmattn_ops.switches import switch
+    from dmattn_ops.core.switches import switch
 
     q = torch.randn(1, 8, 2, 16)
     causal = dmattn_ops.attention(q, q, q, is_causal=True)
@@ -303,7 +304,7 @@ def test_unclear_inputs_of_issue_48_get_clear_answers(monkeypatch):
     monkeypatch.setenv("DMATTN_TEST_SWITCH", "of")
     with pytest.raises(ValueError, match="DMATTN_TEST_SWITCH='of'"):
         switch("DMATTN_TEST_SWITCH", True)
-    from dmattn_ops import inductor
+    from dmattn_ops.registration import inductor
 
     monkeypatch.setenv("DMATTN_INDUCTOR_KERNELS", "false")
     assert not inductor.enabled()

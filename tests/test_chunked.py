@@ -20,7 +20,8 @@ from helpers import (
 )
 
 import dmattn_ops
-from dmattn_ops import chunked, plan
+from dmattn_ops.dispatch import plan
+from dmattn_ops.executors import chunked
 
 
 @pytest.fixture(autouse=True)

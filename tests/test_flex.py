@@ -16,7 +16,8 @@ from helpers import (
 )
 
 import dmattn_ops
-from dmattn_ops import flex, launch, reference
+from dmattn_ops import flex, reference
+from dmattn_ops.dispatch import launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = DEVICE == "cuda" or launch.interpreter_on()

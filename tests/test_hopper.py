@@ -1,4 +1,4 @@
-"""The Hopper kernels of packed key-list calls (dmattn_ops/hopper.py, kernels/hopper.py) against
+"""The Hopper kernels of packed key-list calls (dmattn_ops/executors/hopper.py, kernels/hopper.py) against
 the float64 oracle, on an sm_90 GPU; elsewhere only the plan's choice is checked."""
 
 import math
@@ -9,8 +9,9 @@ from helpers import Case, assert_close
 from test_triton import run_case
 
 import dmattn_ops
-from dmattn_ops import plan, reference
-from dmattn_ops.problem import Options, Problem
+from dmattn_ops import reference
+from dmattn_ops.core.problem import Options, Problem
+from dmattn_ops.dispatch import plan
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
@@ -18,7 +19,7 @@ hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 
 @pytest.fixture(autouse=True)
 def hopper_on(monkeypatch):
-    """The path is opt-in (dmattn_ops/hopper.py): these tests opt in."""
+    """The path is opt-in (dmattn_ops/executors/hopper.py): these tests opt in."""
     monkeypatch.setenv("DMATTN_HOPPER", "1")
 
 

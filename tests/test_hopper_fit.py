@@ -35,8 +35,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dmattn_ops import configs
-from dmattn_ops.kernels.attention_bwd import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
+from dmattn_ops.core import configs
+from dmattn_ops.core.device import head_block
+from dmattn_ops.kernels.attention_bwd_dkdv import attention_bwd_dkdv_kernel
+from dmattn_ops.kernels.attention_bwd_dq import attention_bwd_dq_kernel
 from dmattn_ops.kernels.attention_decode import attention_decode_kernel
 from dmattn_ops.kernels.attention_fwd import attention_fwd_kernel
 
@@ -63,7 +65,7 @@ PER_KEY, PER_ENTRY = 1, 2  # kernels/common.py; the launchers pass these as HAS_
 
 
 def _flags(kind, jit, args, ops) -> dict:
-    """The constexpr flags the launcher passes with these arguments (dmattn_ops/launch.py)."""
+    """The constexpr flags the launcher passes with these arguments (dmattn_ops/dispatch/launch.py)."""
     bias_kind = {"none": 0, "key": PER_KEY, "entry": PER_ENTRY}[ops.bias]
     flags = dict(
         HAS_MASK=PER_ENTRY if args.get("MASK") is not None else 0,  # only tables pass a mask
@@ -94,7 +96,7 @@ def _flags(kind, jit, args, ops) -> dict:
 
 def _arguments(kind, jit, cfg, width, ops, float_type="fp32"):
     """Launch arguments of one kernel as the launcher passes them, for one config."""
-    block = configs.block(width)
+    block = head_block(width)
     pointer = f"*{_DTYPES[ops.itemsize]}"
     compact = ops.mask in ("key", "listed", "packed") and kind != "decode"
     tables = ops.mask == "entry"

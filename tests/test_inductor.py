@@ -1,4 +1,4 @@
-"""Compiled graphs launch our kernels themselves (dmattn_ops/inductor.py): under torch.compile
+"""Compiled graphs launch our kernels themselves (dmattn_ops/registration/inductor.py): under torch.compile
 the kernel-carrying ops are replaced by their launchers' bodies, traced, so Inductor compiles and
 launches the Triton kernels; eager calls, export and CPU graphs keep the ops whole.
 
@@ -11,8 +11,9 @@ import torch
 from helpers import Case, assert_close, low_precision_bound, make_bias, make_mask, make_qkv
 
 import dmattn_ops
-from dmattn_ops import inductor, reference
+from dmattn_ops import reference
 from dmattn_ops.masks import topk_mask
+from dmattn_ops.registration import inductor
 
 gpu = pytest.mark.gpu
 

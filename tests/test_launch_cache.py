@@ -1,4 +1,4 @@
-"""Eager launches reuse compiled kernels (dmattn_ops/_triton.py LaunchCache): the key separates
+"""Eager launches reuse compiled kernels (dmattn_ops/executors/_triton.py LaunchCache): the key separates
 every launch Triton would compile differently, a hit passes every parameter in signature order,
 and on the GPU the cached launches compute bitwise what Triton's own launch path computes."""
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import dmattn_ops
-from dmattn_ops import _triton, launch, tiles
-from dmattn_ops._triton import LaunchCache
+from dmattn_ops.dispatch import launch
+from dmattn_ops.executors import _triton, tiles
+from dmattn_ops.executors._triton import LaunchCache
 
 gpu = pytest.mark.gpu
 

@@ -25,9 +25,9 @@ def test_kernels_is_a_subpackage_and_never_top_level(tmp_path):
 def test_a_misnamed_kernel_names_itself(monkeypatch):
     """A LazyKernel whose kernel does not exist raises a LookupError naming it at first use (the
     missing attribute, raised inside a property, used to recurse through __getattr__)."""
-    from dmattn_ops._triton import LazyKernel
+    from dmattn_ops.executors._triton import LazyKernel
 
-    kernel = LazyKernel("attention_bwd", "no_such_kernel")
+    kernel = LazyKernel("attention_bwd_dq", "no_such_kernel")
     with pytest.raises(LookupError, match="no_such_kernel"):
         kernel[(1,)]
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the launch cache's path (GPU launches)
@@ -153,9 +153,49 @@ def test_sdist_and_wheel_contents(tmp_path):
 
 
 def test_the_private_torch_names_import_on_this_torch():
-    """dmattn_ops._compat holds every private name the ops import (CI runs it on the pinned and
+    """dmattn_ops.core._compat holds every private name the ops import (CI runs it on the pinned and
     the newest torch through the main job and the torch.func tests)."""
-    from dmattn_ops import _compat
+    from dmattn_ops.core import _compat
 
     for name in _compat.__all__:
         assert getattr(_compat, name) is not None, name
+
+
+LAYERS = ("core", "executors", "dispatch", "registration")  # bottom up; the public modules last
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in LAYERS:
+        return LAYERS.index(parts[1])
+    return len(LAYERS)  # a public module (api, masks, nn, flex, ...) or the package itself
+
+
+def test_layers_import_only_downwards():
+    """The README's layout: core imports nothing else of the package, executors only core,
+    dispatch those two, registration those three; the public modules anything. Every import
+    counts, those inside functions too."""
+    import ast
+    import pathlib
+
+    import dmattn_ops
+
+    root = pathlib.Path(dmattn_ops.__file__).parent
+    upward = []
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(("dmattn_ops", *path.relative_to(root).with_suffix("").parts))
+        module = module.removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module == "dmattn_ops":
+                names = [f"dmattn_ops.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if not name.startswith("dmattn_ops.") or name.startswith("dmattn_ops.kernels"):
+                    continue
+                if _layer(name) > _layer(module):
+                    upward.append(f"{module} imports {name}")
+    assert not upward, "\n".join(sorted(set(upward)))

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import dmattn_ops
-from dmattn_ops import launch, plan
-from dmattn_ops.plan import DECODE, DENSE, EMPTY, KEY_LISTS, PYTORCH, SDPA, TILE_TABLES
-from dmattn_ops.problem import Options, Problem
+from dmattn_ops.core.problem import Options, Problem
+from dmattn_ops.dispatch import launch, plan
+from dmattn_ops.dispatch.plan import DECODE, DENSE, EMPTY, KEY_LISTS, PYTORCH, SDPA, TILE_TABLES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -218,7 +218,7 @@ def test_each_pass_is_planned_once_and_repeated_calls_reuse_the_plan(monkeypatch
 
         monkeypatch.setattr(module, name, wrapped)
 
-    from dmattn_ops import sdpa
+    from dmattn_ops.executors import sdpa
 
     count(sdpa, "window_chunk")
     count(plan, "_choose")

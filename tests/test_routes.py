@@ -11,7 +11,8 @@ import torch
 from helpers import assert_close, low_precision_bound, max_err
 
 import dmattn_ops
-from dmattn_ops import plan, reference
+from dmattn_ops import reference
+from dmattn_ops.dispatch import plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(

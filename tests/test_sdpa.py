@@ -1,4 +1,4 @@
-"""Dense calls through PyTorch's fused kernels, cuDNN or flash (dmattn_ops/sdpa.py): when each
+"""Dense calls through PyTorch's fused kernels, cuDNN or flash (dmattn_ops/executors/sdpa.py): when each
 applies, that both match the float64 oracle, and that the calls they cannot serve stay on our
 kernels.
 
@@ -10,8 +10,9 @@ import torch
 from helpers import Case, assert_close, low_precision_bound, param
 
 import dmattn_ops
-from dmattn_ops import chunked, cudnn_graphs, reference, sdpa
-from dmattn_ops.tiles import Band
+from dmattn_ops import reference
+from dmattn_ops.core.band import Band
+from dmattn_ops.executors import chunked, cudnn_graphs, sdpa
 
 gpu = pytest.mark.gpu
 
@@ -419,8 +420,8 @@ def test_window_chunk_rules(monkeypatch, kernel_options):
     assert sdpa.window_chunk(q16, k, Band.of(True, (7, 0)), 4) is None  # Lq != Lk
     # The plan of such a call on the (stand-in) fused kernels: whole chunks, and the rows
     # after the last one (its tail) on our kernels.
-    from dmattn_ops import plan
-    from dmattn_ops.problem import Options, Problem
+    from dmattn_ops.core.problem import Options, Problem
+    from dmattn_ops.dispatch import plan
 
     monkeypatch.setattr(sdpa, "choose", lambda *args: ("cudnn", []))
     kernel_options(window_min_keys=4)
@@ -549,8 +550,8 @@ def test_graph_support_is_checked_per_pass(monkeypatch):
 def test_a_graph_cudnn_declines_leaves_the_window_to_the_other_routes(monkeypatch, kernel_options):
     """A graph whose build fails (cuDNN's support check) is remembered as declined, once per
     shape and pass, and the call's plan takes the chunked calls or our kernels instead."""
-    from dmattn_ops import plan
-    from dmattn_ops.problem import Options, Problem
+    from dmattn_ops.core.problem import Options, Problem
+    from dmattn_ops.dispatch import plan
 
     tries = []
 

@@ -10,7 +10,8 @@ from helpers import (
 )
 
 import dmattn_ops
-from dmattn_ops import launch, reference
+from dmattn_ops import reference
+from dmattn_ops.dispatch import launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = DEVICE == "cuda" or launch.interpreter_on()
@@ -265,7 +266,7 @@ def test_the_join_kernel_joins_as_join_sinks_does(dtype):
     that is not 0, strided rows."""
     if not TRITON:
         pytest.skip("needs CUDA or the interpreter")
-    from dmattn_ops import chunked
+    from dmattn_ops.executors import chunked
 
     g = torch.Generator().manual_seed(5)
     b, lq, h, dv = 2, 37, 4, 24

@@ -24,10 +24,13 @@ from helpers import (
 )
 
 import dmattn_ops
-from dmattn_ops import configs, launch, plan, reference
+from dmattn_ops import reference
+from dmattn_ops.core import configs
+from dmattn_ops.core.band import Band
+from dmattn_ops.core.problem import Problem
+from dmattn_ops.dispatch import launch, plan
+from dmattn_ops.executors.tiles import PackFrom
 from dmattn_ops.kernels.common import grid_tile, run_end, run_tile
-from dmattn_ops.problem import Problem
-from dmattn_ops.tiles import Band, PackFrom
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(

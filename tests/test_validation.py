@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dmattn_ops
-from dmattn_ops import launch, plan
+from dmattn_ops.dispatch import launch, plan
 
 
 @pytest.fixture(autouse=True)

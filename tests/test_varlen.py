@@ -12,7 +12,8 @@ import torch
 from helpers import DTYPES, assert_close, float64_grad_bound, low_precision_bound
 
 import dmattn_ops
-from dmattn_ops import launch, plan, reference
+from dmattn_ops import reference
+from dmattn_ops.dispatch import launch, plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_OK = DEVICE == "cuda" or launch.interpreter_on()

@@ -13,7 +13,8 @@ from helpers import (
 )
 
 import dmattn_ops
-from dmattn_ops import flex, launch, reference
+from dmattn_ops import flex, reference
+from dmattn_ops.dispatch import launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = DEVICE == "cuda" or launch.interpreter_on()
@@ -343,7 +344,7 @@ def test_invalid_windows_raise(window, error, match):
 
 
 def test_a_window_unbounded_below_under_causality_is_plain_causal():
-    from dmattn_ops.tiles import Band
+    from dmattn_ops.core.band import Band
 
     assert Band.of(True, (-1, 3)) == Band.of(True, (-1, 0)) == Band.of(True, (-1, -1))
     assert Band.of(True, (-1, -1)) == (True, False, 0, 0)

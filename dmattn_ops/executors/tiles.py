@@ -11,84 +11,17 @@ from typing import NamedTuple
 
 import torch
 
-from dmattn_ops._alloc import empty
-from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
+from dmattn_ops.core.band import Band
+from dmattn_ops.core.device import cdiv, head_block
+from dmattn_ops.core.operands import batch_strides, head_div, operand_strides
+from dmattn_ops.executors._alloc import empty
+from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
 key_lists_kernel = LazyKernel("key_lists", "key_lists_kernel")
 varlen_key_lists_kernel = LazyKernel("key_lists", "varlen_key_lists_kernel")
 mask_block_any_kernel = LazyKernel("block_mask", "mask_block_any_kernel")
 tile_cols_kernel = LazyKernel("block_mask", "tile_cols_kernel")
 tile_rows_kernel = LazyKernel("block_mask", "tile_rows_kernel")
-
-
-# A window side left unbounded (-1) reaches the kernels as this many keys: past any length
-# they take (int32 positions), and small enough that position +- it stays inside int32.
-UNBOUNDED = 1 << 29
-
-
-class Band(NamedTuple):
-    """How a launch restricts keys by position: (IS_CAUSAL, HAS_WINDOW, win_left, win_right).
-    A window (kernels/common.py score_tile) takes causality into its right side, so at most
-    one of the two flags is set, and calls without a window launch exactly as before."""
-
-    is_causal: bool
-    has_window: bool
-    left: int
-    right: int
-
-    @staticmethod
-    def of(is_causal: bool, window: tuple[int, int]) -> Band:
-        left, right = window
-        if left < 0 and (right < 0 or is_causal):
-            # No lower bound, and no upper bound beyond causality's: the plain launch (dense
-            # causal calls keep PyTorch's fused kernels, sdpa.py).
-            return Band(bool(is_causal), False, 0, 0)
-        if is_causal:
-            right = 0 if right < 0 else min(right, 0)
-        return Band(False, True, UNBOUNDED if left < 0 else left, UNBOUNDED if right < 0 else right)
-
-    def args(self) -> tuple[int, int]:
-        """win_left, win_right."""
-        return self.left, self.right
-
-    def flags(self) -> dict:
-        return dict(IS_CAUSAL=self.is_causal, HAS_WINDOW=self.has_window)
-
-    def width(self) -> int | None:
-        """Keys a query may see at most (left + right + 1) when both sides are bounded."""
-        if not self.has_window or UNBOUNDED in (self.left, self.right):
-            return None
-        return self.left + self.right + 1
-
-
-def _block(dim: int) -> int:
-    return max(16, next_power_of_2(dim))
-
-
-def operand_strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
-    """Strides of a (B|1, H|Hkv|1, Lq|1, Lk) operand with 0 on its broadcast dims."""
-    if t is None:
-        return (0, 0, 0, 0)
-    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
-
-
-def head_div(t: torch.Tensor | None, h: int, hkv: int) -> int:
-    """Query head h reads head h // div of the operand."""
-    if t is None or t.shape[1] == h:
-        return 1
-    return h // hkv if t.shape[1] == hkv else h
-
-
-# HAS_MASK / HAS_BIAS of a launch (kernels/common.py PER_KEY, PER_ENTRY): 0 without the operand,
-# PER_KEY when its query stride is 0 (the launchers pass 0 on broadcast dims), else PER_ENTRY.
-PER_KEY, PER_ENTRY = 1, 2
-
-
-def operand_kind(t: torch.Tensor | None) -> int:
-    """The HAS_MASK / HAS_BIAS value of a launch with operand t (see above)."""
-    if t is None:
-        return 0
-    return PER_ENTRY if operand_strides(t)[2] != 0 else PER_KEY
 
 
 @dataclass
@@ -170,12 +103,12 @@ def build_tables(
     tile_rows_kernel[(nq, bt * hm)](
         mask_any, seqused_k, active, kv_num, kv_idx, kv_int, sb, sh, sq,
         hm, lq, lk, nq, nk, *band.args(), HAS_SEQUSED=seqused_k is not None,
-        BLOCK_K=_block(nk), **common,
+        BLOCK_K=head_block(nk), **common,
     )  # fmt: skip
     tile_cols_kernel[(nk, bt * hm)](
         active, seqused_k, q_num, q_idx, q_lo, q_hi,
         hm, lq, lk, nq, nk, *band.args(), HAS_SEQUSED=seqused_k is not None,
-        BLOCK_Q=_block(nq), **common,
+        BLOCK_Q=head_block(nq), **common,
     )  # fmt: skip
     return Tables(
         active, kv_num, kv_idx, kv_int, q_num, q_idx, q_lo, q_hi,
@@ -230,11 +163,6 @@ class KeyLists:
     packed: Packed | None = None
 
 
-def compactable(mask: torch.Tensor | None, h: int, hkv: int) -> bool:
-    """Masks that allow the same keys for every query, with one key list per KV group."""
-    return mask is not None and mask.shape[2] == 1 and (mask.shape[1] != h or h == hkv)
-
-
 def build_key_lists(
     mask, seqused_k, b, lq, lk, band: Band, block_m, pack: PackFrom | None = None
 ) -> KeyLists:
@@ -272,7 +200,7 @@ def build_key_lists(
         )  # fmt: skip
         key_strides, value_strides = batch_strides(key), batch_strides(value)
     prefix = empty((rows * groups, lk), dtype=torch.int32, device=device)
-    block_d = _block(max(d, dv))
+    block_d = head_block(max(d, dv))
     sb, sh, _, sn = operand_strides(bias)
     interpreted = interpreter_on()
     # Short chunks: a program's work is one dependent chain of loads (its chunk, the rows it
@@ -295,11 +223,6 @@ def build_key_lists(
         keys_stride_h=lk, end_stride_b=end_stride_b, count_stride_b=count_stride_b,
         key_start=key_start, packed=packed,
     )  # fmt: skip
-
-
-def batch_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """t's strides with 0 for a batch dim of 1 (varlen passes its packed tensors as (1, ...))."""
-    return (0 if t.shape[0] == 1 else t.stride(0), *t.stride()[1:])
 
 
 def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, band: Band, block_m, max_k) -> KeyLists:

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.autograd.forward_ad as fwad
 
-from dmattn_ops import chunked, launch, options
-from dmattn_ops._compat import (
+from dmattn_ops.core import options
+from dmattn_ops.core._compat import (
     AFTER_AUTOGRAD_KEYSET,
     SingleLevelFunction,
     below_autograd,
@@ -47,10 +47,8 @@ from dmattn_ops._compat import (
     unwrap_dead_wrappers,
     without_autocast,
 )
-from dmattn_ops.calls import bind, options_of, problem_of, unbind, values_of
-from dmattn_ops.chunked import stats_dtype
-from dmattn_ops.problem import Options, Problem
-from dmattn_ops.validate import (
+from dmattn_ops.core.problem import Options, Problem
+from dmattn_ops.core.validate import (
     check_cu_seqlens_values,
     check_inputs,
     check_seqused_k_values,
@@ -59,6 +57,10 @@ from dmattn_ops.validate import (
     check_varlen_inputs,
     check_window,
 )
+from dmattn_ops.dispatch import launch
+from dmattn_ops.executors import chunked
+from dmattn_ops.executors.chunked import stats_dtype
+from dmattn_ops.registration.calls import bind, options_of, problem_of, unbind, values_of
 
 ATTENTION_SCHEMA = (
     "attention(Tensor query, Tensor key, Tensor value, Tensor? mask=None, Tensor? bias=None, "
@@ -564,4 +566,4 @@ for _ops in (DENSE_OPS, VARLEN_OPS):
 
 
 # The vmap rules (batching.py) register on import, once the ops above exist.
-from dmattn_ops import batching  # noqa: E402, F401
+from dmattn_ops.registration import batching  # noqa: E402, F401

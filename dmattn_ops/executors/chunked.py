@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops._alloc import empty
+from dmattn_ops.executors._alloc import empty
 
 _MAX_TILE_ELEMENTS = 1 << 22
 

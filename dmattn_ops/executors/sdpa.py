@@ -48,11 +48,13 @@ import functools
 
 import torch
 
-from dmattn_ops import cudnn_graphs
-from dmattn_ops._alloc import empty
-from dmattn_ops._compat import fused_sdp_choice, is_fake
-from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
-from dmattn_ops.tiles import UNBOUNDED, Band
+from dmattn_ops.core._compat import fused_sdp_choice, is_fake
+from dmattn_ops.core.band import UNBOUNDED, Band
+from dmattn_ops.core.device import cdiv, next_power_of_2
+from dmattn_ops.core.options import WINDOW_MIN_KEYS
+from dmattn_ops.executors import cudnn_graphs
+from dmattn_ops.executors._alloc import empty
+from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
 reverse_rows_kernel = LazyKernel("window_chunks", "reverse_rows_kernel")
 window_merge_kernel = LazyKernel("window_chunks", "window_merge_kernel")
@@ -158,13 +160,6 @@ def _traced_choice(metas, dtype, device, is_causal, flags) -> int:
         except torch.OutOfMemoryError:
             return -1
         return _choice_of(*real, is_causal)
-
-
-# Windows of fewer keys stay on our kernels, which are faster there: the copies and the merge
-# cost the same per row whatever the window, and the fused kernels' work shrinks with it. H100,
-# B1 L16384 H32/8 D128, fwd+bwd ms chunked / ours: window 4096 7.69 / 9.33, 2048 5.15 / 5.43,
-# 1024 3.83 / 3.20, 512 3.29 / 2.11. Kernel option window_min_keys replaces it.
-WINDOW_MIN_KEYS = 2048
 
 
 def window_chunk(query, key, band: Band, min_keys: int = WINDOW_MIN_KEYS) -> int | None:

@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from dmattn_ops.switches import switch
+from dmattn_ops.core.switches import switch
 
 # Found once, at import, without importing it. A module constant rather than a cached function:
 # torch.compile traces the public functions that ask, and warns about every functools.cache
@@ -47,14 +47,6 @@ def torch_wrap_triton(fn):
     from torch.library import wrap_triton
 
     return wrap_triton(fn)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def launch_cache_on() -> bool:
@@ -187,7 +179,7 @@ def _grid3(grid) -> tuple:
     return grid + (1,) * (3 - len(grid))
 
 
-_TRACING = 0  # > 0 while dmattn_ops/inductor.py traces a launcher for a compiled graph
+_TRACING = 0  # > 0 while dmattn_ops/registration/inductor.py traces a launcher for a compiled graph
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from dmattn_ops._compat import FakeTensor, FunctionalTensor, functorch
+from dmattn_ops.core._compat import FakeTensor, FunctionalTensor, functorch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256

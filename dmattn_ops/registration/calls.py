@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from dmattn_ops.problem import Options, Problem
+from dmattn_ops.core.problem import Options, Problem
 
 _SIGNATURES: dict = {}  # op -> (argument names, their defaults)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dmattn_ops.tiles import Band
+from dmattn_ops.core.band import Band
 
 DENSE, SEQUSED, VARLEN = "dense", "seqused_k", "cu_seqlens"
 

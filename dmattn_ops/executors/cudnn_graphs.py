@@ -28,8 +28,8 @@ import threading
 
 import torch
 
-from dmattn_ops.switches import switch
-from dmattn_ops.tiles import UNBOUNDED, Band
+from dmattn_ops.core.band import UNBOUNDED, Band
+from dmattn_ops.core.switches import switch
 
 # A cuDNN 9 backend; whether it takes a window's graph is asked per shape (`supports`), so an
 # older 9.x that lacks one falls back. Measured on 9.19 (PyTorch 2.11's CUDA 13 wheels).

@@ -20,7 +20,7 @@ Tested on torch 2.11 (GPU), 2.13.0 and 2.14.1 (CI).
 * `without_autocast(device_type)`: leaves the Autocast key of a device for the ops below.
 * `fused_sdp_choice`: which fused kernel `scaled_dot_product_attention` would pick.
 
-dmattn_ops/inductor.py, an Inductor lowering by nature, imports Inductor's modules itself.
+registration/inductor.py, an Inductor lowering by nature, imports Inductor's modules itself.
 """
 
 import torch

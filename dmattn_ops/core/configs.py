@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dmattn_ops.core.device import head_block
+
 SM90_SHARED = 232_448  # H100 / H200: cudaDevAttrMaxSharedMemoryPerBlockOptin
 SM80_SHARED = 166_912  # A100
 KINDS = ("fwd", "dkdv", "dq", "decode")
@@ -68,11 +70,6 @@ def _kind(t) -> str:
 
 
 INTERPRETER_CONFIG = Config(16, 16, 1, 1)
-
-
-def block(dim: int) -> int:
-    """Head-dim block: the next power of two, at least 16."""
-    return max(16, 1 << max(0, dim - 1).bit_length())
 
 
 # Windows of at most this many keys (left + right + 1) take narrow-band tiles in dense calls.
@@ -140,7 +137,7 @@ def _table(kind: str, width: int, ops: Operands, lq: int | None, window=None) ->
         cfg = Config(cfg.block_m, min(cfg.block_n, 64), cfg.num_warps, min(cfg.num_stages, 2))
     if lq is not None and lq < cfg.block_m:
         # A 128-row tile for Lq = 1 would be 127/128 padding.
-        block_m = max(16, 1 << max(0, lq - 1).bit_length())
+        block_m = head_block(lq)
         if kind == "dkdv" and itemsize <= 2 and width <= 128:
             # A dk/dv program then steps over one query tile per head: wider key tiles and
             # 2 stages (case E: 1.70 ms against 2.25 for 64-key tiles, 3 stages).
@@ -158,7 +155,7 @@ def _operand_tile(kind: str, rows: int, cols: int, itemsize: int) -> int:
 def shared_bytes(kind: str, cfg: Config, d: int, dv: int, ops: Operands) -> int:
     """Modelled shared memory of one program: num_stages copies of the tiles loaded per loop
     step, plus the tiles resident across the loop."""
-    bd = bdv = block(max(d, dv))  # launch._head_blocks: both take the larger size
+    bd = bdv = head_block(max(d, dv))  # launch._head_blocks: both take the larger size
     bm, bn, it = cfg.block_m, cfg.block_n, ops.itemsize
     operands = _operand_tile(ops.mask, bm, bn, 1)
     operands += _operand_tile(ops.bias, bm, bn, ops.bias_itemsize)

@@ -24,12 +24,19 @@ import os
 from dataclasses import dataclass, replace
 from typing import TypedDict
 
-from dmattn_ops.configs import Config
-from dmattn_ops.sdpa import WINDOW_MIN_KEYS
-from dmattn_ops.switches import switch
+from dmattn_ops.core.configs import Config
+from dmattn_ops.core.switches import switch
 
 ROUTES = ("pytorch", "sdpa", "decode", "key_lists", "tile_tables", "dense", "varlen")
 CONFIG_KINDS = ("fwd", "dq", "dkdv", "decode")
+
+
+# Windows of fewer keys stay on our kernels, which are faster there: the copies and the merge
+# cost the same per row whatever the window, and the fused kernels' work shrinks with it. H100,
+# B1 L16384 H32/8 D128, fwd+bwd ms chunked / ours: window 4096 7.69 / 9.33, 2048 5.15 / 5.43,
+# 1024 3.83 / 3.20, 512 3.29 / 2.11. Kernel option window_min_keys replaces it
+# (executors/sdpa.py window_chunk).
+WINDOW_MIN_KEYS = 2048
 
 
 class KernelOptions(TypedDict, total=False):

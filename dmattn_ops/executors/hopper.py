@@ -31,8 +31,9 @@ import importlib.util
 
 import torch
 
-from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on
-from dmattn_ops.switches import switch
+from dmattn_ops.core.device import cdiv, sm_count
+from dmattn_ops.core.switches import switch
+from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
 # Tiles: a consumer warpgroup takes BLOCK_M query rows (forward; a program has two) or
 # DKDV_BLOCK_N keys (dK/dV); the ring of K/V (forward) or Q/dO (dK/dV) tiles has STAGES slots.
@@ -72,17 +73,6 @@ def _gluon_found() -> bool:
 
 def _sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
-
-
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device: the persistent forward's program count."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -191,7 +181,7 @@ def _hopper_forward(
     lk, hkv = key.shape[1], key.shape[2]
     bias_heads, bias_mul = _bias_rows(bias, hkv)
     n_items = cdiv(lq, 2 * BLOCK_M) * b * h
-    _FORWARD_KERNEL[(min(n_items, _sm_count(query.device)),)](
+    _FORWARD_KERNEL[(min(n_items, sm_count(query.device)),)](
         _descriptor(query, BLOCK_M), _descriptor(key, FWD_BLOCK_N),
         _descriptor(value, FWD_BLOCK_N), out, lse, lse_rem, _or(bias, keys), keys, key_end,
         key_count,
@@ -233,7 +223,7 @@ def _hopper_dkdv(
     db_strides = (dbias.stride(0), dbias.stride(1)) if dbias is not None else (0, 0)
     n_parts = b * hkv * split
     n_items = dkdv_programs(lk) * n_parts
-    _DKDV_KERNEL[(min(n_items, _sm_count(query.device)),)](
+    _DKDV_KERNEL[(min(n_items, sm_count(query.device)),)](
         _descriptor(query, DKDV_BLOCK_M), _descriptor(key, DKDV_BLOCK_N),
         _descriptor(value, DKDV_BLOCK_N), _descriptor(grad_out, DKDV_BLOCK_M), stats,
         _or(bias, keys), keys, key_count, dk, dv, _or(dbias, dk), _or(part_dk, stats),

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops import chunked
-from dmattn_ops.calls import bind, unbind
+from dmattn_ops.executors import chunked
+from dmattn_ops.registration.calls import bind, unbind
 
 # Dense ops: the vmapped dim is folded into the batch dim B, one launch for all of it.
 

@@ -36,11 +36,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dmattn_ops import configs, hopper, options, sdpa
-from dmattn_ops._triton import available, interpreter_on
-from dmattn_ops.configs import Config
-from dmattn_ops.problem import Options, Problem
-from dmattn_ops.tiles import PER_ENTRY, Band, compactable, operand_kind
+from dmattn_ops.core import configs, options
+from dmattn_ops.core.band import Band
+from dmattn_ops.core.configs import Config
+from dmattn_ops.core.operands import PER_ENTRY, compactable, operand_kind
+from dmattn_ops.core.problem import Options, Problem
+from dmattn_ops.executors import hopper, sdpa
+from dmattn_ops.executors._triton import available, interpreter_on
 
 EMPTY, PYTORCH, SDPA, DECODE, VARLEN, KEY_LISTS, TILE_TABLES, DENSE = (
     "empty", "pytorch", "sdpa", "decode", "varlen", "key_lists", "tile_tables", "dense",

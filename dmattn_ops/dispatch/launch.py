@@ -16,12 +16,22 @@ from typing import NamedTuple
 
 import torch
 
-from dmattn_ops import chunked, configs, hopper, options, plan, sdpa
-from dmattn_ops._alloc import empty
-from dmattn_ops._triton import LazyKernel, cdiv, interpreter_on, next_power_of_2
-from dmattn_ops.chunked import stats_dtype
-from dmattn_ops.configs import Config
-from dmattn_ops.plan import (
+from dmattn_ops.core import configs, options
+from dmattn_ops.core.band import UNBOUNDED, Band
+from dmattn_ops.core.configs import Config
+from dmattn_ops.core.device import cdiv, head_block, next_power_of_2, sm_count
+from dmattn_ops.core.operands import (
+    PER_ENTRY,
+    batch_strides,
+    compactable,
+    head_div,
+    operand_kind,
+    operand_strides,
+)
+from dmattn_ops.core.problem import Options, Problem
+from dmattn_ops.core.problem import dense_index as _dense
+from dmattn_ops.dispatch import plan
+from dmattn_ops.dispatch.plan import (
     DECODE,
     EMPTY,
     KEY_LISTS,
@@ -30,33 +40,29 @@ from dmattn_ops.plan import (
     TILE_TABLES,
     BackwardConfigs,
 )
-from dmattn_ops.problem import Options, Problem
-from dmattn_ops.problem import dense_index as _dense
-from dmattn_ops.tiles import (
-    PER_ENTRY,
-    UNBOUNDED,
-    Band,
+from dmattn_ops.executors import chunked, hopper, sdpa
+from dmattn_ops.executors._alloc import empty
+from dmattn_ops.executors._triton import LazyKernel, interpreter_on
+from dmattn_ops.executors.chunked import stats_dtype
+from dmattn_ops.executors.tiles import (
     PackFrom,
     _pool_queries,
-    batch_strides,
     block_any,
     build_key_lists,
     build_tables,
     build_varlen_key_lists,
-    compactable,
-    head_div,
-    operand_kind,
-    operand_strides,
 )
 
 attention_fwd_kernel = LazyKernel("attention_fwd", "attention_fwd_kernel")
 sinks_join_kernel = LazyKernel("attention_fwd", "sinks_join_kernel")
-attention_row_stats_kernel = LazyKernel("attention_bwd", "attention_row_stats_kernel")
-attention_bwd_dbias_kernel = LazyKernel("attention_bwd", "attention_bwd_dbias_kernel")
-attention_bwd_sinks_kernel = LazyKernel("attention_bwd", "attention_bwd_sinks_kernel")
-attention_bwd_dkdv_kernel = LazyKernel("attention_bwd", "attention_bwd_dkdv_kernel")
-attention_bwd_dkdv_reduce_kernel = LazyKernel("attention_bwd", "attention_bwd_dkdv_reduce_kernel")
-attention_bwd_dq_kernel = LazyKernel("attention_bwd", "attention_bwd_dq_kernel")
+attention_row_stats_kernel = LazyKernel("attention_bwd_stats", "attention_row_stats_kernel")
+attention_bwd_dbias_kernel = LazyKernel("attention_bwd_dbias", "attention_bwd_dbias_kernel")
+attention_bwd_sinks_kernel = LazyKernel("attention_bwd_stats", "attention_bwd_sinks_kernel")
+attention_bwd_dkdv_kernel = LazyKernel("attention_bwd_dkdv", "attention_bwd_dkdv_kernel")
+attention_bwd_dkdv_reduce_kernel = LazyKernel(
+    "attention_bwd_dkdv", "attention_bwd_dkdv_reduce_kernel"
+)
+attention_bwd_dq_kernel = LazyKernel("attention_bwd_dq", "attention_bwd_dq_kernel")
 attention_decode_kernel = LazyKernel("attention_decode", "attention_decode_kernel")
 decode_combine_kernel = LazyKernel("attention_decode", "decode_combine_kernel")
 
@@ -85,16 +91,12 @@ def _backward_tables(mask, seqused_k, b, lq, lk, band: Band, cfgs: BackwardConfi
     return tables, build_tables(*args, qc.block_m, qc.block_n, mask_any=any_q)
 
 
-def _block(dim: int) -> int:
-    return max(16, next_power_of_2(dim))
-
-
 def _head_blocks(d: int, dv: int) -> dict:
     """BLOCK_D and BLOCK_DV, both the larger of the two. Triton 3.6 on an H100 computes wrong
      outputs (errors ~1, fp16 and bf16) when a masked BLOCK_D exceeds BLOCK_DV with 64-key
      tiles, e.g. D=40 (BLOCK_D 64) with Dv=24 (BLOCK_DV 32); equal blocks are always right
     ."""
-    block = _block(max(d, dv))
+    block = head_block(max(d, dv))
     return dict(BLOCK_D=block, BLOCK_DV=block)
 
 
@@ -411,7 +413,7 @@ def _launch_dbias_bcast(
 def _row_block(dv: int) -> dict:
     """Tiles of the one-pass row kernels (sinks_join_kernel, attention_row_stats_kernel)."""
     return dict(
-        BLOCK_M=16 if interpreter_on() else 64, BLOCK_DV=_block(dv), num_warps=4,
+        BLOCK_M=16 if interpreter_on() else 64, BLOCK_DV=head_block(dv), num_warps=4,
     )  # fmt: skip
 
 
@@ -538,7 +540,7 @@ def _launch_backward(
             raise ValueError(f"dmattn: kernel option dkdv_split={split} must divide G={g}")
     else:
         split = configs.dkdv_split(
-            g, nk * b * hkv, _sm_count(query.device), b * hkv * lk * (d + d_v) * 4,
+            g, nk * b * hkv, sm_count(query.device), b * hkv * lk * (d + d_v) * 4,
             query.numel() * query.element_size(), listed=dkdv_lists is not None,
             query_tiles=cdiv(span_q, hopper.DKDV_BLOCK_M if on_hopper else kv.block_m),
         )  # fmt: skip
@@ -747,12 +749,6 @@ def _varlen_backward(
 DECODE_WAVES = 8  # programs per SM to aim for (measured fastest on an H100)
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def decode_forward(problem: Problem, opts: Options, p: plan.Plan):
     """out, lse, lse_rem as `forward`, through attention_decode_kernel and its merge, which
     joins the sinks (H,) if any. Under a window the splits cover the band (at most left + Lq +
@@ -771,7 +767,7 @@ def decode_forward(problem: Problem, opts: Options, p: plan.Plan):
     if band.has_window and band.left < UNBOUNDED and band.right < UNBOUNDED:
         span = min(lk, band.left + lq + band.right + block_n)  # + a tile of alignment
     tiles = cdiv(span, block_n)
-    splits = max(1, min(tiles, cdiv(DECODE_WAVES * _sm_count(device), b * hkv)))
+    splits = max(1, min(tiles, cdiv(DECODE_WAVES * sm_count(device), b * hkv)))
     tiles_per_split = cdiv(tiles, splits)
     splits = cdiv(tiles, tiles_per_split)
     lists = build_key_lists(mask, seqused_k, b, lq, lk, band, lq) if mask is not None else None
@@ -799,7 +795,7 @@ def decode_forward(problem: Problem, opts: Options, p: plan.Plan):
     lse_rem = empty((b, h, lq), dtype=torch.float32, device=device)
     decode_combine_kernel[(rows,)](
         acc, m, l_part, out, lse, lse_rem, sinks, rows, splits, h, lq, dv, *out.stride(),
-        BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_DV=_block(dv),
+        BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_DV=head_block(dv),
         HAS_SINKS=sinks is not None, num_warps=1 if interpreter_on() else 4,
     )  # fmt: skip
     return out, lse, lse_rem

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops.switches import switch
+from dmattn_ops.core.switches import switch
 
 POISON = switch("DMATTN_POISON_EMPTY", False)
 

@@ -60,9 +60,12 @@ import pathlib
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from dmattn_ops import _triton, cudnn_graphs, masks, ops, options, plan
-from dmattn_ops.calls import bind
-from dmattn_ops.switches import switch
+from dmattn_ops.core import options
+from dmattn_ops.core.switches import switch
+from dmattn_ops.dispatch import plan
+from dmattn_ops.executors import _triton, cudnn_graphs
+from dmattn_ops.registration import ops
+from dmattn_ops.registration.calls import bind
 
 log = logging.getLogger(__name__)
 _STATIC = "static_launch_user_defined_triton_kernels"
@@ -85,7 +88,10 @@ def _launch_statically() -> None:
         return
     setattr(config, _STATIC, True)
     os.environ["TORCHINDUCTOR_" + _STATIC.upper()] = "1"  # for Inductor's compile workers
-    log.info("dmattn_ops: torch._inductor.config.%s = True (see dmattn_ops/inductor.py)", _STATIC)
+    log.info(
+        "dmattn_ops: torch._inductor.config.%s = True (see dmattn_ops.registration.inductor)",
+        _STATIC,
+    )
 
 
 def _export_keeps_ops() -> bool:
@@ -161,9 +167,10 @@ def _source_digest() -> str:
     them, which would import Triton)."""
     kernels = importlib.util.find_spec("dmattn_ops.kernels").submodule_search_locations
     digest = hashlib.sha256()
-    for folder in (pathlib.Path(ops.__file__).parent, *map(pathlib.Path, kernels)):
-        for path in sorted(folder.glob("*.py")):
-            digest.update(path.name.encode())
+    package = pathlib.Path(ops.__file__).parent.parent
+    for folder in (package, *map(pathlib.Path, kernels)):
+        for path in sorted(folder.rglob("*.py")):
+            digest.update(str(path.relative_to(folder)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -212,9 +219,12 @@ def register() -> None:
     launcher (once, at `import dmattn_ops`)."""
     _launch_statically()
     _key_compiled_graphs_on_fingerprint()
-    rules = [(torch.ops.dmattn.topk_select.default, masks.topk_select)]
     for layout in (ops.DENSE_OPS, ops.VARLEN_OPS):
-        rules.append((layout.forward, ops.forward_kernel(layout)))
-        rules.append((layout.backward, ops.backward_kernel(layout)))
-    for op, body in rules:
-        torch.library.register_torch_dispatch(op.name(), FunctionalTensorMode, _rule(body, op))
+        trace_into_graphs(layout.forward, ops.forward_kernel(layout))
+        trace_into_graphs(layout.backward, ops.backward_kernel(layout))
+
+
+def trace_into_graphs(op, body) -> None:
+    """Compiled graphs trace `body`, the op's CUDA kernel, in place of `op` (module docstring;
+    masks.py installs dmattn::topk_select's)."""
+    torch.library.register_torch_dispatch(op.name(), FunctionalTensorMode, _rule(body, op))
