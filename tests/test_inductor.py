@@ -13,7 +13,7 @@ from helpers import Case, assert_close, low_precision_bound, make_bias, make_mas
 import dmattn_ops
 from dmattn_ops import reference
 from dmattn_ops.masks import topk_mask
-from dmattn_ops.registration import inductor
+from dmattn_ops.registration import inductor, static_launch
 
 gpu = pytest.mark.gpu
 
@@ -129,21 +129,41 @@ def _python(code: str, var: str, value: str | None) -> str:
     return run.stdout.strip()
 
 
-def test_import_turns_the_static_launcher_on_unless_the_user_chose():
-    """In fresh processes: `import dmattn_ops` turns the option on, in its environment too, so
-    a process started after it (as Inductor's compile workers are) has it on; a choice made
-    before the import, in code or in the environment, stands."""
-    name, var = inductor._STATIC, "TORCHINDUCTOR_" + inductor._STATIC.upper()
+def test_import_changes_no_setting():
+    """SPEC: `import dmattn_ops` leaves PyTorch's settings and the environment as they were
+    (the static launcher is turned on by the first trace of our ops, static_launch.py)."""
+    code = (
+        "import os, torch, torch._inductor.config as c, torch.backends.cuda as b; "
+        "env = dict(os.environ); before = (c.save_config(), b.flash_sdp_enabled(), "
+        "torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()); "
+        "import dmattn_ops; "
+        "after = (c.save_config(), b.flash_sdp_enabled(), "
+        "torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()); "
+        "print(before == after, env == dict(os.environ))"
+    )
+    assert _python(code, "DMATTN_NOTHING", None) == "True True"
+
+
+def test_first_trace_turns_the_static_launcher_on_unless_the_user_chose():
+    """In fresh processes: launch_statically (what our fake kernels and trace rules call on
+    CUDA) turns the option on, in the environment too, so a process started after it (as
+    Inductor's compile workers are) has it on; a choice made before, in code or in the
+    environment, stands."""
+    name, var = static_launch.OPTION, static_launch.VARIABLE
+    call = (
+        "from dmattn_ops.registration.static_launch import launch_statically; launch_statically(); "
+    )
     read = f"import torch._inductor.config as c; print(c.{name})"
     spawn = (
         "import subprocess, sys; import dmattn_ops; import torch._inductor.config as c; "
+        f"first = c.{name}; {call}"
         f"w = subprocess.run([sys.executable, '-c', {read!r}], capture_output=True, text=True); "
-        f"print(c.{name}, w.stdout.strip())"
+        f"print(first, c.{name}, w.stdout.strip())"
     )
-    assert _python(spawn, var, None) == "True True"
-    in_code = f"import torch._inductor.config as c; c.{name} = False; import dmattn_ops, os; "
+    assert _python(spawn, var, None) == "False True True"
+    in_code = f"import torch._inductor.config as c; c.{name} = False; import dmattn_ops, os; {call}"
     assert _python(in_code + f"print(c.{name}, os.environ.get({var!r}))", var, None) == "False None"
-    assert _python(f"import dmattn_ops; {read}", var, "0") == "False"
+    assert _python(f"import dmattn_ops; {call}{read}", var, "0") == "False"
 
 
 def test_switch_keeps_the_ops(monkeypatch):

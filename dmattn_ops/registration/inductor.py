@@ -16,23 +16,7 @@ This is how ``torch.library.triton_op`` works (torch/_library/triton.py); it is 
 below the ops' hand-written autograd and vmap kernels (ops.py says why those cannot come from
 register_autograd), so eager calls, torch.func, opcheck and the fake kernels are unchanged.
 
-Inductor launches user-defined Triton kernels through Triton's own Python launcher unless
-``torch._inductor.config.static_launch_user_defined_triton_kernels`` is on; with it, through its
-static launcher, a few microseconds per launch. On the H100 that is the difference between a
-slower and a faster model step (B4 L2048 DMA step 17.4 ms with Triton's
-launcher, 10.3 ms with the static one, 15.9 ms with the ops whole). So `import dmattn_ops` turns
-that option on unless the user set it (in code or through its environment variable
-TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS); kernels the static launcher cannot
-take fall back to Triton's launcher by Inductor's own rule. At import, not when a graph first
-takes our kernels: a graph loaded from Inductor's caches is never traced again, and the option
-is read when its kernels load. Both the option and its environment variable: Inductor compiles
-kernels in worker processes, which are told `use_static_triton_launcher` but not this option
-(torch 2.11, _inductor/async_compile.py) and read it from the environment they inherit; with
-the option set only in the parent, every kernel of ours compiled in a worker came back with
-Triton's launcher. Workers started before `import dmattn_ops` keep their
-setting. To opt out, set the variable to 0 or the option to False before the import: Inductor
-reads that variable as a forced value, so setting the option in code after the import has no
-effect.
+Inductor launches them through its static launcher where it can (static_launch.py).
 
 The ops stay whole (one node each) in graphs with symbolic sizes (see _symbolic); for
 torch.export, which keeps them serialisable as triton_op does; for CPU tensors (Triton's
@@ -66,32 +50,15 @@ from dmattn_ops.dispatch import plan
 from dmattn_ops.executors import _triton, cudnn_graphs
 from dmattn_ops.registration import ops
 from dmattn_ops.registration.calls import bind
+from dmattn_ops.registration.static_launch import launch_statically
 
 log = logging.getLogger(__name__)
-_STATIC = "static_launch_user_defined_triton_kernels"
 
 
 def enabled() -> bool:
     """On unless DMATTN_INDUCTOR_KERNELS=0 (read per trace): then compiled graphs keep the ops
     whole and run the eager launchers."""
     return switch("DMATTN_INDUCTOR_KERNELS", True)
-
-
-def _launch_statically() -> None:
-    """Turns on Inductor's static launcher for user-defined Triton kernels, unless the user chose
-    (module docstring)."""
-    from torch._inductor import config
-
-    if getattr(config, _STATIC, True) or "TORCHINDUCTOR_" + _STATIC.upper() in os.environ:
-        return
-    if not getattr(config, "_is_default", lambda name: False)(_STATIC):
-        return
-    setattr(config, _STATIC, True)
-    os.environ["TORCHINDUCTOR_" + _STATIC.upper()] = "1"  # for Inductor's compile workers
-    log.info(
-        "dmattn_ops: torch._inductor.config.%s = True (see dmattn_ops.registration.inductor)",
-        _STATIC,
-    )
 
 
 def _export_keeps_ops() -> bool:
@@ -144,6 +111,7 @@ def _rule(body, op):
         first = call["query"] if "query" in call else call["bias"]  # topk_select: its score
         if not applies(first) or _symbolic(args):
             return mode.__torch_dispatch__(op_, types, args, kwargs)
+        launch_statically()
         with mode, _triton.tracing():
             return body(*args, **kwargs)
 
@@ -215,9 +183,8 @@ def _key_compiled_graphs_on_fingerprint() -> None:
 
 
 def register() -> None:
-    """Install the rules, record the fingerprint for Inductor's caches and turn on the static
-    launcher (once, at `import dmattn_ops`)."""
-    _launch_statically()
+    """Install the rules and record the fingerprint for Inductor's caches (once, at
+    `import dmattn_ops`: neither changes a setting of PyTorch's)."""
     _key_compiled_graphs_on_fingerprint()
     for layout in (ops.DENSE_OPS, ops.VARLEN_OPS):
         trace_into_graphs(layout.forward, ops.forward_kernel(layout))

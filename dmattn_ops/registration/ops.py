@@ -61,6 +61,7 @@ from dmattn_ops.dispatch import launch
 from dmattn_ops.executors import chunked
 from dmattn_ops.executors.chunked import stats_dtype
 from dmattn_ops.registration.calls import bind, options_of, problem_of, unbind, values_of
+from dmattn_ops.registration.static_launch import launch_statically
 
 ATTENTION_SCHEMA = (
     "attention(Tensor query, Tensor key, Tensor value, Tensor? mask=None, Tensor? bias=None, "
@@ -213,6 +214,8 @@ def _forward_fake(ops: Op):
     def fake(*args, **kwargs):
         problem = check_call(bind(ops.forward, args, kwargs), ops.fn, values=False)
         query = problem.query
+        if query.is_cuda:  # a compiled graph's trace: its kernels launch statically
+            launch_statically()
         out = query.new_empty((*query.shape[:-1], problem.value_dim))
         rows = (
             (problem.heads, problem.lq)
