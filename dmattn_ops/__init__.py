@@ -1,14 +1,17 @@
 """Dynamic Mask Attention as PyTorch custom ops (``torch.ops.dmattn``) backed by Triton kernels."""
 
 from dmattn_ops import flex, masks, nn, reference
-from dmattn_ops.api import (
-    attention,
-    attention_varlen,
-    explain,
-    flash_attn_func,
-    flash_attn_varlen_func,
-)
+from dmattn_ops.api import attention, attention_varlen, explain
 from dmattn_ops.core.options import KernelOptions, kernel_options
+from dmattn_ops.flash import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+)
 from dmattn_ops.registration import inductor, ops
 
 __all__ = [
@@ -17,7 +20,12 @@ __all__ = [
     "attention_varlen",
     "explain",
     "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "flex",
     "kernel_options",
     "masks",

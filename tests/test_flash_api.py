@@ -58,10 +58,9 @@ def test_varlen_matches_the_oracle():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(dropout_p=0.1), ValueError, "dropout_p must be 0.0"),
+        (dict(dropout_p=0.1), NotImplementedError, "dropout_p must be 0.0"),
         (dict(window_size=(-2, 0)), ValueError, "window_size left must be >= 0, or -1"),
         (dict(alibi_slopes=torch.ones(4)), NotImplementedError, "alibi_slopes"),
-        (dict(return_attn_probs=True), NotImplementedError, "return_attn_probs"),
     ],
 )
 def test_unsupported_arguments_raise_clearly(kwargs, error, match):
@@ -72,3 +71,155 @@ def test_unsupported_arguments_raise_clearly(kwargs, error, match):
     with pytest.raises(error, match=match):
         dmattn_ops.flash_attn_varlen_func(q.flatten(0, 1), k[:, :7].flatten(0, 1),
                                           v[:, :7].flatten(0, 1), cu, cu, 7, 7, **kwargs)  # fmt: skip
+
+
+def test_return_attn_probs_returns_out_lse_and_none():
+    """flash-attn's return convention: (out, softmax_lse, None), lse float32 (B, H, Lq) and
+    (H, total_q) for varlen, -inf on a row that sees no key (flash-attn: +inf)."""
+    q, k, v = _qkv(lq=9, lk=5)
+    out, lse, probs = dmattn_ops.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    want, want_lse = reference.attention(q, k, v, is_causal=True, return_lse=True)
+    assert probs is None and lse.shape == (2, 4, 9)
+    assert_close(out, want, F64 * want.abs().max().item(), "out")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)) and torch.isneginf(lse).any()
+    assert_close(lse, want_lse, F64 * 16, "lse")
+    q, k, v = (t[0] for t in _qkv(b=1, lq=12, lk=12))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out, lse, probs = dmattn_ops.flash_attn_varlen_func(
+        q, k, v, cu, cu, 7, 7, causal=True, return_attn_probs=True
+    )
+    want, want_lse = reference.attention_varlen(
+        q, k, v, cu, cu, 7, 7, is_causal=True, return_lse=True
+    )
+    assert probs is None and lse.shape == (4, 12)
+    assert_close(out, want, F64 * want.abs().max().item(), "varlen out")
+    assert_close(lse, want_lse, F64 * 16, "varlen lse")
+
+
+def test_packed_variants_match_the_unpacked_call():
+    q, k, v = _qkv(lq=9, lk=9, hkv=4)
+    bias = torch.randn(2, 4, 1, 9, dtype=torch.float64)
+    want = reference.attention(q, k, v, None, bias, is_causal=True, scale=0.5)
+    qkv = torch.stack([q, k, v], dim=2)
+    out = dmattn_ops.flash_attn_qkvpacked_func(qkv, 0.0, 0.5, True, bias=bias)
+    assert_close(out, want, F64 * want.abs().max().item(), "qkvpacked")
+    out = dmattn_ops.flash_attn_kvpacked_func(
+        q, torch.stack([k, v], dim=2), 0.0, 0.5, True, bias=bias
+    )
+    assert_close(out, want, F64 * want.abs().max().item(), "kvpacked")
+    q, k, v = (t[0] for t in _qkv(b=1, lq=12, lk=12, hkv=4))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    want = reference.attention_varlen(q, k, v, cu, cu, 7, 7, is_causal=True)
+    out = dmattn_ops.flash_attn_varlen_qkvpacked_func(torch.stack([q, k, v], 1), cu, 7, causal=True)
+    assert_close(out, want, F64 * want.abs().max().item(), "varlen qkvpacked")
+    out = dmattn_ops.flash_attn_varlen_kvpacked_func(
+        q, torch.stack([k, v], 1), cu, cu, 7, 7, causal=True
+    )
+    assert_close(out, want, F64 * want.abs().max().item(), "varlen kvpacked")
+    with pytest.raises(ValueError, match="qkv must be 5-D with 3 at dim 2"):
+        dmattn_ops.flash_attn_qkvpacked_func(q)
+
+
+def _paged(cache, page):
+    """A (B, L, Hkv, D) cache as pages in a shuffled pool and its block table."""
+    b, length = cache.shape[:2]
+    blocks = length // page
+    pool = torch.full((b * blocks + 3, page, *cache.shape[2:]), float("nan"), dtype=cache.dtype)
+    order = torch.randperm(pool.shape[0], generator=torch.Generator().manual_seed(1))[: b * blocks]
+    pool[order] = cache.reshape(b * blocks, page, *cache.shape[2:])
+    return pool, order.view(b, blocks).to(torch.int32)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_appends_in_place_and_attends_to_the_filled_cache(paged):
+    """flash_attn_with_kvcache: new k/v are written at cache_seqlens[b] onwards, in place, and the
+    call equals attention over cache_seqlens + Lnew keys (causal bottom-right aligned to them);
+    unused cache slots (NaN here) never reach the result; paged caches give the same."""
+    g = torch.Generator().manual_seed(0)
+    b, length, h, hkv, d, new = 3, 16, 4, 2, 8, 2
+    k_cache = torch.full((b, length, hkv, d), float("nan"), dtype=torch.float64)
+    v_cache = k_cache.clone()
+    filled = torch.tensor([5, 0, 11], dtype=torch.int32)
+    for i, n in enumerate(filled.tolist()):
+        k_cache[i, :n] = torch.randn(n, hkv, d, generator=g, dtype=torch.float64)
+        v_cache[i, :n] = torch.randn(n, hkv, d, generator=g, dtype=torch.float64)
+    q = torch.randn(b, new, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, new, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, new, hkv, d, generator=g, dtype=torch.float64)
+    bias = torch.randn(b, hkv, 1, length, generator=g, dtype=torch.float64)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for i, n in enumerate(filled.tolist()):
+        want_k[i, n : n + new], want_v[i, n : n + new] = k[i], v[i]
+    used = filled + new
+    want, want_lse = reference.attention(
+        q, want_k.nan_to_num(0.0), want_v.nan_to_num(0.0), None, bias, is_causal=True,
+        seqused_k=used, return_lse=True,
+    )  # fmt: skip
+    if paged:
+        kc, table = _paged(k_cache, 4)
+        vc, _ = _paged(v_cache, 4)
+    else:
+        kc, vc, table = k_cache, v_cache, None
+    out, lse = dmattn_ops.flash_attn_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=filled, block_table=table, causal=True,
+        return_softmax_lse=True, bias=bias,
+    )  # fmt: skip
+    assert not out.isnan().any()
+    assert_close(out, want, F64 * want.abs().max().item(), "kvcache out")
+    assert_close(lse, want_lse, F64 * 16, "kvcache lse")
+    written = kc[table.long()].reshape(b, length, hkv, d) if paged else kc
+    for i, n in enumerate(used.tolist()):
+        assert torch.equal(written[i, :n], want_k[i, :n])
+
+
+def test_kvcache_batch_index_and_full_cache():
+    g = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(4, 10, 2, 8, generator=g, dtype=torch.float64)
+    v_cache = torch.randn(4, 10, 2, 8, generator=g, dtype=torch.float64)
+    q = torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64)
+    idx = torch.tensor([3, 1])
+    out = dmattn_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_batch_idx=idx, causal=True)
+    want = reference.attention(q, k_cache[idx], v_cache[idx], is_causal=True)
+    assert_close(out, want, F64 * want.abs().max().item(), "cache_batch_idx")
+    out = dmattn_ops.flash_attn_with_kvcache(q, k_cache[:2], v_cache[:2], cache_seqlens=7)
+    want = reference.attention(
+        q, k_cache[:2], v_cache[:2], seqused_k=torch.tensor([7, 7], dtype=torch.int32)
+    )
+    assert_close(out, want, F64 * want.abs().max().item(), "int cache_seqlens")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rotary_cos=torch.ones(1), rotary_sin=torch.ones(1)), "rotary"),
+        (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), "cache_leftpad"),
+        (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
+    ],
+)
+def test_kvcache_unsupported_options_raise(kwargs, match):
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match=match):
+        dmattn_ops.flash_attn_with_kvcache(q, k, v, **kwargs)
+
+
+def test_paged_varlen_matches_the_packed_call():
+    """flash_attn_varlen_func with block_table: each sequence's keys read from its pages."""
+    g = torch.Generator().manual_seed(0)
+    cu_q = torch.tensor([0, 3, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 12], dtype=torch.int32)
+    q = torch.randn(5, 4, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(12, 2, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(12, 2, 8, generator=g, dtype=torch.float64)
+    bias = torch.randn(2, 12, generator=g, dtype=torch.float64)
+    want = reference.attention_varlen(q, k, v, cu_q, cu_k, 3, 7, None, bias, is_causal=True)
+    page = 4
+    dense = torch.full((2, 8, 2, 8), float("nan"), dtype=torch.float64)
+    dv = dense.clone()
+    dense[0, :7], dense[1, :5] = k[:7], k[7:]
+    dv[0, :7], dv[1, :5] = v[:7], v[7:]
+    kc, table = _paged(dense, page)
+    vc, _ = _paged(dv, page)
+    out = dmattn_ops.flash_attn_varlen_func(
+        q, kc, vc, cu_q, cu_k, 3, 7, causal=True, block_table=table, bias=bias
+    )
+    assert_close(out, want, F64 * want.abs().max().item(), "paged varlen")
