@@ -43,9 +43,10 @@ def _check_triton_can_run(query: torch.Tensor, fn: str = "dmattn.attention") -> 
             f"got {query.dtype} (backend='auto' runs float64 in PyTorch)"
         )
     if not plan.available():
-        raise RuntimeError(
+        raise ModuleNotFoundError(
             f"{fn}: backend='triton' needs the triton package, which is not installed here "
-            "(it installs on Linux); backend='auto' runs the PyTorch implementation"
+            "(it installs on Linux); backend='auto' runs the PyTorch implementation",
+            name="triton",
         )
     if not plan.triton_runs_on(query):
         raise ValueError(
