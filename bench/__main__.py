@@ -349,13 +349,20 @@ def check(f, x: Inputs, rows: torch.Tensor) -> float:
     return (got - ref).abs().max().item()
 
 
-def bench_ms(fn) -> float:
+def bench_ms(fn, device: str = "cuda") -> float:
+    """Median ms of fn: triton.testing.do_bench on CUDA; torch.utils.benchmark elsewhere (where
+    Triton may be absent, and its bench would time nothing a CPU runs)."""
+    if device != "cuda":
+        from torch.utils import benchmark
+
+        timer = benchmark.Timer(stmt="fn()", globals={"fn": fn})
+        return timer.blocked_autorange(min_run_time=0.5).median * 1e3
     import triton
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def run_case(c: Case, impls, device, dtype, log) -> list[dict]:
+def run_case(c: Case, impls, device, dtype, log, timed: bool = True) -> list[dict]:
     x = build(c, device, dtype)
     entries = allowed_entries(x)
     flops_fwd = 4 * entries * c.d
@@ -377,7 +384,7 @@ def run_case(c: Case, impls, device, dtype, log) -> list[dict]:
                 row["status"] = f"WRONG (max err {err:.3g})"
                 results.append(row)
                 continue
-            if device == "cpu":
+            if not timed:
                 results.append(row)
                 continue
             leaves = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v)]
@@ -392,13 +399,14 @@ def run_case(c: Case, impls, device, dtype, log) -> list[dict]:
                 out = f(*leaves, bias)
                 out.backward(grad)
 
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            fwdbwd()
-            torch.cuda.synchronize()
-            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            row["fwd_ms"] = bench_ms(fwd)
-            row["fwdbwd_ms"] = bench_ms(fwdbwd)
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                fwdbwd()
+                torch.cuda.synchronize()
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            row["fwd_ms"] = bench_ms(fwd, device)
+            row["fwdbwd_ms"] = bench_ms(fwdbwd, device)
             row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
             row["fwdbwd_tflops"] = 3.5 * flops_fwd / row["fwdbwd_ms"] / 1e9
         except Exception as e:  # a peer failing to compile or run is a result, not a crash
@@ -432,12 +440,16 @@ def header() -> str:
         commit = ""
     # A copy of the tree (a GPU run) may carry stale git metadata: DMATTN_COMMIT wins.
     commit = os.environ.get("DMATTN_COMMIT", "") or commit
-    import triton
+    try:
+        import triton
 
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return (
         f"date {time.strftime('%Y-%m-%d')} | device {dev} | torch {torch.__version__} | "
-        f"triton {triton.__version__} | python {platform.python_version()} | "
+        f"triton {triton_version} | python {platform.python_version()} | "
         f"commit {commit or 'unknown'}"
     )
 
@@ -502,12 +514,22 @@ def main(argv=None) -> int:
     # inside our op (dmattn_ops/executors/sdpa.py), which the sdpa column already times.
     os.environ["DMATTN_DENSE_SDPA"] = "0"
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=None, help="comma-separated case names (default all)")
+    parser.add_argument(
+        "--cases", default=None,
+        help=f"comma-separated case names (default all): {', '.join(CASES)}",
+    )  # fmt: skip
     parser.add_argument(
         "--impls", default="ours,sdpa,flex", help=f"comma-separated, of {', '.join(IMPLS)}"
     )
     parser.add_argument("--quick", action="store_true", help="skip the length sweep")
-    parser.add_argument("--out", default="bench/out", help="folder for results.csv and the plot")
+    parser.add_argument(
+        "--check-only", action="store_true",
+        help="check every implementation against the oracle, time nothing (the CI smoke run)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--out", default="dmattn-bench",
+        help="folder for results.csv, results.json and the plot (default ./dmattn-bench)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = args.cases.split(",") if args.cases else list(CASES)
@@ -537,7 +559,9 @@ def main(argv=None) -> int:
             else (f"CPU smoke of '{c.title}' at B{c.b} H{c.h} Hkv{c.hkv} Lq{c.lq} Lk{c.lk} D{c.d}")
         )
         print(f"[{idx + 1}/{len(names)}] {name}: {title} ({time.time() - start:.0f}s)", flush=True)
-        results += run_case(c, impls, device, dtype, lambda s: print(s, flush=True))
+        results += run_case(
+            c, impls, device, dtype, lambda s: print(s, flush=True), not args.check_only
+        )
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(results[0]))
         writer.writeheader()

@@ -9,6 +9,7 @@ of 512 and 2048 keys, with and without block smoothing, then attention with that
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -17,12 +18,15 @@ import dmattn_ops
 from dmattn_ops import masks
 
 
-def main() -> int:
-    import triton
-
+def main(argv=None) -> int:
+    argparse.ArgumentParser(
+        prog="python -m bench.masks", description=__doc__.splitlines()[0]
+    ).parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.masks needs a CUDA device")
         return 0
+    import triton
+
     b, h, hkv, d, length = 2, 8, 4, 64, 4096
     dev, dtype = "cuda", torch.float16
     q = torch.randn(b, length, h, d, device=dev, dtype=dtype)

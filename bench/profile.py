@@ -6,6 +6,7 @@ time of every kernel (and PyTorch op kernel) per call, largest first. CUDA only.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections import defaultdict
 
@@ -66,5 +67,17 @@ def main(names: list[str]) -> int:
     return 0
 
 
+def cli(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "cases", nargs="?", default="A,B", help=f"comma-separated, of {', '.join(CASES)}"
+    )
+    names = p.parse_args(argv).cases.split(",")
+    for name in names:
+        if name not in CASES:
+            p.error(f"unknown case {name!r}; the cases are {', '.join(CASES)}")
+    return main(names)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["A", "B"]))
+    sys.exit(cli())

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_smoke(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the smoke version is the CPU one
     res = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench", "--quick", "--check-only", "--out", str(tmp_path)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -23,6 +23,30 @@ def test_bench_smoke(tmp_path):
     assert len(rows) > 10 and all(line.rstrip().endswith("| ok |") for line in rows[1:]), res.stdout
     assert (tmp_path / "results.csv").exists()
     assert (tmp_path / "results.json").exists()
+
+
+def test_cpu_timings_and_help_without_a_gpu(tmp_path):
+    """On CPU the bench times the PyTorch paths (torch.utils.benchmark), and every entry's
+    --help answers before any device check."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    res = subprocess.run(
+        [sys.executable, "-m", "bench", "--cases", "A", "--impls", "sdpa", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    row = next(line for line in res.stdout.splitlines() if line.startswith("| A"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert any(c.replace(".", "", 1).isdigit() and float(c) > 0 for c in cells), row
+    entries = ("bench", "bench.model", "bench.masks", "bench.window", "bench.tune", "bench.cp",
+               "bench.profile")  # fmt: skip
+    for entry in entries:
+        res = subprocess.run([sys.executable, "-m", entry, "--help"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert res.returncode == 0 and "usage:" in res.stdout, (entry, res.stdout, res.stderr)
+    res = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "M-dense" in res.stdout  # the cases are listed
 
 
 def test_argument_errors_are_clear():
