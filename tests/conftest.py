@@ -26,7 +26,51 @@ def fixed_seed():
     torch.manual_seed(0)
 
 
+# The default run (README command 2) samples the parametrized sweeps: each test function runs
+# its first case and every SAMPLE-th after it, and tests marked `sweep` (the sm_90/sm_80
+# compile of every config, whole-program runs of the tools) wait for the full run. `--sweeps`
+# runs every case; `--sweeps-only` runs exactly what the default run leaves out, so that CI
+# runs the README command and then the rest, each case once.
+SAMPLE = 8
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("dmattn")
+    group.addoption(
+        "--sweeps", action="store_const", const="all", dest="sweeps", default="sample",
+        help="run every case of every sweep (the default runs a sample of each)",
+    )  # fmt: skip
+    group.addoption(
+        "--sweeps-only", action="store_const", const="rest", dest="sweeps",
+        help="run only the cases the default run leaves out",
+    )  # fmt: skip
+
+
+def _sampled(items) -> set:
+    """The items of the default run: unmarked, and a parametrized function's first case and
+    every SAMPLE-th after it (in collection order, the same in every xdist worker)."""
+    seen: dict = {}
+    kept = set()
+    for item in items:
+        if "sweep" in item.keywords:
+            continue
+        if not hasattr(item, "callspec"):
+            kept.add(item.nodeid)
+            continue
+        key = (item.path, item.originalname)
+        index = seen[key] = seen.get(key, -1) + 1
+        if index % SAMPLE == 0:
+            kept.add(item.nodeid)
+    return kept
+
+
 def pytest_collection_modifyitems(config, items):
+    mode = config.getoption("sweeps")
+    if mode != "all":
+        sample = _sampled(items)
+        keep = [i for i in items if (i.nodeid in sample) == (mode == "sample")]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

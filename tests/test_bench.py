@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.sweep
 def test_bench_smoke(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the smoke version is the CPU one
     res = subprocess.run(
@@ -25,6 +28,7 @@ def test_bench_smoke(tmp_path):
     assert (tmp_path / "results.json").exists()
 
 
+@pytest.mark.sweep
 def test_cpu_timings_and_help_without_a_gpu(tmp_path):
     """On CPU the bench times the PyTorch paths (torch.utils.benchmark), and every entry's
     --help answers before any device check."""
@@ -71,6 +75,7 @@ def test_tune_parses_its_own_cases():
     assert "M-L32768" not in tune.CASES  # not one of `python -m bench`'s cases
 
 
+@pytest.mark.sweep
 def test_context_parallel_bench_smoke():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""

@@ -42,6 +42,9 @@ from dmattn_ops.kernels.attention_bwd_dq import attention_bwd_dq_kernel
 from dmattn_ops.kernels.attention_decode import attention_decode_kernel
 from dmattn_ops.kernels.attention_fwd import attention_fwd_kernel
 
+# The compile of every config for two GPUs (12 minutes cold on two cores): the full run only.
+pytestmark = pytest.mark.sweep
+
 TARGETS = {"sm90": (90, configs.SM90_SHARED), "sm80": (80, configs.SM80_SHARED)}
 KERNELS = {
     "fwd": attention_fwd_kernel,

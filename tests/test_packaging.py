@@ -37,7 +37,7 @@ def test_a_misnamed_kernel_names_itself(monkeypatch):
         _ = kernel.arg_names
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_main_job(tmp_path):
     res = run_python(["-m", "dmattn_ops"], tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
