@@ -261,6 +261,10 @@ def flash_attn_with_kvcache(
         raise NotImplementedError(f"{fn}: cache_leftpad is not supported")
     if (k is None) != (v is None):
         raise ValueError(f"{fn}: pass both k and v (new keys and values to append), or neither")
+    if k is not None and cache_seqlens is None:
+        raise ValueError(
+            f"{fn}: appending k and v needs cache_seqlens (where each cache's new rows go)"
+        )
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{fn}: {name} must be a 4-D tensor; got {getattr(t, 'shape', t)}")

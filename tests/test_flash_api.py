@@ -172,6 +172,12 @@ def test_kvcache_appends_in_place_and_attends_to_the_filled_cache(paged):
         assert torch.equal(written[i, :n], want_k[i, :n])
 
 
+def test_kvcache_append_needs_cache_seqlens():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="appending k and v needs cache_seqlens"):
+        dmattn_ops.flash_attn_with_kvcache(q, k, v, k[:, :1], v[:, :1])
+
+
 def test_kvcache_batch_index_and_full_cache():
     g = torch.Generator().manual_seed(0)
     k_cache = torch.randn(4, 10, 2, 8, generator=g, dtype=torch.float64)
