@@ -582,8 +582,44 @@ def test_key_lists_never_load_unlisted_keys(bias_pattern, pack_spy):
     assert_close(dv, rdv, 1e-4, "dv")
     assert (dk[unlisted.expand_as(dk)] == 0).all()
     pack, packed = pack_spy
-    # Forward and backward pack (twice per pass above) unless the bias has query rows.
-    assert len(packed) == 4 and sum(packed) == (4 if pack and bias_pattern != "BHQ" else 0)
+    # One build per call above: the backward reads the forward's lists (launch.KeptLists).
+    # They pack unless the bias has query rows.
+    assert len(packed) == 2 and sum(packed) == (2 if pack and bias_pattern != "BHQ" else 0)
+
+
+def test_backward_reads_the_forward_key_lists(pack_spy):
+    # An eager call builds its key lists once and its backward reads them (launch.KeptLists);
+    # a second backward of a retained graph builds them again; under saved-tensor hooks
+    # (activation checkpointing), which decide what the graph keeps, nothing is kept. Every
+    # one of these matches the oracle.
+    c = Case(2, 40, 72, 4, 2, 16, 16)
+    mask = make_mask((c.b, c.hkv, 1, c.lk), density=0.4, device=DEVICE)
+    q = torch.randn(c.b, c.lq, c.h, c.d, device=DEVICE, requires_grad=True)
+    k = torch.randn(c.b, c.lk, c.hkv, c.d, device=DEVICE, requires_grad=True)
+    v = torch.randn(c.b, c.lk, c.hkv, c.dv, device=DEVICE, requires_grad=True)
+    bias = make_bias((c.b, c.hkv, 1, c.lk), dtype=torch.float32, device=DEVICE, requires_grad=True)
+    leaves = (q, k, v, bias)
+    ref = reference.attention(q, k, v, mask, bias, is_causal=True)
+    expected = torch.autograd.grad(ref.square().sum(), leaves)
+    _, builds = pack_spy
+
+    def check(grads):
+        for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, expected):
+            assert_close(g, r, 1e-4, name)
+
+    loss = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, backend="triton").square()
+    check(torch.autograd.grad(loss.sum(), leaves, retain_graph=True))
+    assert len(builds) == 1
+    check(torch.autograd.grad(loss.sum(), leaves))
+    assert len(builds) == 2
+
+    def layer(*leaves):
+        return dmattn_ops.attention(*leaves[:3], mask, leaves[3], is_causal=True, backend="triton")
+
+    builds.clear()
+    out = torch.utils.checkpoint.checkpoint(layer, *leaves, use_reentrant=False)
+    check(torch.autograd.grad(out.square().sum(), leaves))
+    assert len(builds) == 3  # the forward, its recomputation, the backward
 
 
 @pytest.fixture

@@ -19,6 +19,10 @@ Tested on torch 2.11 (GPU), 2.13.0 and 2.14.1 (CI).
   kernel registered by hand does when nothing needs a gradient (as torch's own custom ops do).
 * `without_autocast(device_type)`: leaves the Autocast key of a device for the ops below.
 * `fused_sdp_choice`: which fused kernel `scaled_dot_product_attention` would pick.
+* `plain_eager(tensors)`: no torch.func transform, no dispatch or function mode (fake tensors,
+  a compiled graph's trace, opcheck, FlopCounterMode) and no tensor subclass: an Autograd
+  kernel may then run the kernel below it itself. `saved_tensor_hooks_active()`: activation
+  checkpointing or offloading decides what the autograd graph keeps.
 
 registration/inductor.py, an Inductor lowering by nature, imports Inductor's modules itself.
 """
@@ -34,6 +38,22 @@ transforms_active = torch._C._are_functorch_transforms_active
 below_autograd = torch._C._AutoDispatchBelowAutograd
 AFTER_AUTOGRAD_KEYSET = torch._C._after_autograd_keyset
 fused_sdp_choice = torch._fused_sdp_choice
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_eager(tensors) -> bool:
+    return (
+        not transforms_active()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._is_torch_function_mode_enabled()
+        and all(t is None or type(t) in _PLAIN for t in tensors)
+    )
+
+
+def saved_tensor_hooks_active() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 def without_autocast(device_type: str):
@@ -52,6 +72,8 @@ __all__ = [
     "functorch",
     "fused_sdp_choice",
     "is_fake",
+    "plain_eager",
+    "saved_tensor_hooks_active",
     "transforms_active",
     "unwrap_dead_wrappers",
     "without_autocast",

@@ -45,6 +45,7 @@ from dmattn_ops.executors._alloc import empty
 from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 from dmattn_ops.executors.chunked import stats_dtype
 from dmattn_ops.executors.tiles import (
+    KeyLists,
     PackFrom,
     _pool_queries,
     block_any,
@@ -125,6 +126,55 @@ class Saved(NamedTuple):
     lse_rem: torch.Tensor
 
 
+class KeptLists:
+    """Key lists a forward built, kept for the backward of the same call, which then builds
+    none of its own (one key_lists launch and seven allocations fewer per call). Whoever makes
+    one decides how long the lists live: the eager AttentionFunction keeps one per call in its
+    autograd context (ops.py), released with the graph; a compiled graph's trace keeps one
+    per trace (inductor.py), where AOTAutograd saves the list buffers between its forward and
+    backward graphs. Packed lists hold a copy of the listed K, V and bias rows: as much memory
+    as K and V while kept.
+
+    Lists are found by the identity of the call's tensors as the op received them (the
+    autograd context and the trace hand the backward the forward's objects), its band, and
+    what shapes the lists: the query rows per tile and, for packed ones, the bias rows'
+    layout. A backward that finds none builds its own."""
+
+    def __init__(self):
+        self._kept: dict = {}
+
+    @staticmethod
+    def _key(problem: Problem, band: Band, block_m: int, pack: PackFrom | None):
+        tensors = (
+            problem.query, problem.key, problem.value, problem.mask, problem.bias,
+            problem.seqused_k,
+        )  # fmt: skip
+        # The packed bias rows' layout follows the bias's heads (build_key_lists).
+        layout = None if pack is None else (0 if pack.bias is None else pack.bias.shape[1])
+        return (*map(id, tensors), band, block_m, layout), tensors
+
+    def put(self, problem: Problem, band: Band, block_m: int, pack, lists: KeyLists) -> None:
+        key, tensors = self._key(problem, band, block_m, pack)
+        self._kept[key] = (tensors, lists)  # the tensors keep their ids from being reused
+
+    def take(self, problem: Problem, band: Band, block_m: int, pack) -> KeyLists | None:
+        found = self._kept.pop(self._key(problem, band, block_m, pack)[0], None)
+        return None if found is None else found[1]
+
+
+def _key_lists(kept, inputs: Problem, problem: Problem, band, block_m, pack, keep=False):
+    """build_key_lists of the (collapsed) problem, or the forward's lists of this call (whose
+    tensors as received are `inputs`) from `kept` (KeptLists); with `keep`, the lists built are
+    kept there for the backward."""
+    lists = kept.take(inputs, band, block_m, pack) if kept is not None and not keep else None
+    if lists is None:
+        b, lq, lk = problem.batch, problem.lq, problem.lk
+        lists = build_key_lists(problem.mask, problem.seqused_k, b, lq, lk, band, block_m, pack)
+        if keep and kept is not None:
+            kept.put(inputs, band, block_m, pack, lists)
+    return lists
+
+
 class Gradients(NamedTuple):
     """dq, dk, dv in their inputs' layouts and dtypes; dbias in bias's shape and dtype (an empty
     (0,) tensor when not computed); dsinks in sinks' (empty without sinks)."""
@@ -136,13 +186,14 @@ class Gradients(NamedTuple):
     dsinks: torch.Tensor
 
 
-def forward(problem: Problem, opts: Options) -> Saved:
+def forward(problem: Problem, opts: Options, kept: KeptLists | None = None) -> Saved:
     """out (B, Lq, H, Dv), lse and lse_rem float32 (B, H, Lq) of a validated call (varlen:
     (total_q, H, Dv) and (H, total_q); rows outside every sequence are 0 and -inf), by its
     plan. sinks: the forward kernel starts each row's softmax from its head's sink and the
     decode merge takes it as one more part; PyTorch's fused kernels (SDPA) get it joined in one
-    pass (_join_sinks), the other paths (PyTorch, an empty call) through chunked.join_sinks."""
-    problem = problem.collapsed()
+    pass (_join_sinks), the other paths (PyTorch, an empty call) through chunked.join_sinks.
+    kept: where the key lists this builds are kept for the backward (KeptLists)."""
+    inputs, problem = problem, problem.collapsed()
     p = plan.plan(problem, opts)
     if problem.varlen:
         return Saved(*_varlen_forward(problem, opts, p))
@@ -173,9 +224,9 @@ def forward(problem: Problem, opts: Options) -> Saved:
     nq = cdiv(lq, positions)
     tables = lists = None
     if p.route == KEY_LISTS:
-        lists = build_key_lists(
-            mask, seqused_k, b, lq, lk, band, hopper.BLOCK_M if p.hopper else positions,
-            PackFrom(key, value, bias, h, zero_tail=p.hopper) if p.pack else None,
+        lists = _key_lists(
+            kept, inputs, problem, band, hopper.BLOCK_M if p.hopper else positions,
+            PackFrom(key, value, bias, h, zero_tail=p.hopper) if p.pack else None, keep=True,
         )  # fmt: skip
     elif p.route == TILE_TABLES:
         seen = _seen_buffer(mask, lk)
@@ -254,16 +305,23 @@ def _sum_to_bias(cols: torch.Tensor, bias: torch.Tensor, hkv: int) -> torch.Tens
 
 
 def backward(
-    problem: Problem, opts: Options, saved: Saved, grad_out, grad_lse, compute_dbias: bool
+    problem: Problem,
+    opts: Options,
+    saved: Saved,
+    grad_out,
+    grad_lse,
+    compute_dbias: bool,
+    kept: KeptLists | None = None,
 ) -> Gradients:
     """The gradients of a validated call (Gradients). Sinks change nothing else: with lse and
     out of the forward that joined them, P = exp(s - lse) and delta = rowsum(dO * O) - grad_lse
     are the sinks' softmax already, and dsinks[h] = -sum exp(sinks[h] - lse) * delta
     (chunked.sinks_grad). Our kernels use no atomics, so every route but PyTorch's fused
     backwards (dense calls, sdpa.py) is deterministic; deterministic=True keeps dense calls on
-    our kernels."""
+    our kernels. kept: the forward's key lists of this call (KeptLists), read instead of building
+    them again where they fit."""
     compute_dbias = compute_dbias and problem.bias is not None
-    problem = problem.collapsed(grad_bias=compute_dbias)
+    inputs, problem = problem, problem.collapsed(grad_bias=compute_dbias)
     saved = Saved(saved.out, _dense(saved.lse), _dense(saved.lse_rem))
     p = plan.plan(
         problem, opts, plan.BACKWARD, grad_lse=grad_lse is not None, compute_dbias=compute_dbias
@@ -321,8 +379,8 @@ def backward(
     band, dbias_mode, cfgs = p.band, p.dbias, p.configs
     tables = dq_tables = lists = None
     if p.route == KEY_LISTS:
-        lists = build_key_lists(
-            mask, seqused_k, b, lq, lk, band, cfgs.dq.block_m // p.heads,
+        lists = _key_lists(
+            kept, inputs, problem, band, cfgs.dq.block_m // p.heads,
             PackFrom(key, value, bias, h) if p.pack else None,
         )  # fmt: skip
     elif p.route == TILE_TABLES:

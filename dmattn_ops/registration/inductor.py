@@ -40,13 +40,14 @@ import importlib.util
 import logging
 import os
 import pathlib
+import weakref
 
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from dmattn_ops.core import options
 from dmattn_ops.core.switches import switch
-from dmattn_ops.dispatch import plan
+from dmattn_ops.dispatch import launch, plan
 from dmattn_ops.executors import _triton, cudnn_graphs
 from dmattn_ops.registration import ops
 from dmattn_ops.registration.calls import bind
@@ -99,9 +100,22 @@ def _symbolic(args) -> bool:
     )
 
 
-def _rule(body, op):
+# One trace's key lists (launch.KeptLists), by the trace's mode: the backward of a training
+# graph, traced in the same pass as its forward, reads the forward's lists (AOTAutograd then
+# saves their buffers for the backward graph) instead of launching a key_lists kernel again.
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _kept(mode) -> launch.KeptLists:
+    found = _KEPT.get(mode)
+    if found is None:
+        found = _KEPT[mode] = launch.KeptLists()
+    return found
+
+
+def _rule(body, op, keeps_lists: bool):
     """The FunctionalTensorMode rule of one op: its CUDA kernel's body, traced, where it applies;
-    the op as one node otherwise."""
+    the op as one node otherwise. keeps_lists: the body takes the trace's KeptLists."""
 
     def rule(mode, op_, types, args, kwargs):
         known = (torch.Tensor, FunctionalTensor, torch._subclasses.FakeTensor)
@@ -112,6 +126,8 @@ def _rule(body, op):
         if not applies(first) or _symbolic(args):
             return mode.__torch_dispatch__(op_, types, args, kwargs)
         launch_statically()
+        if keeps_lists:
+            kwargs = {**kwargs, "kept": _kept(mode)}
         with mode, _triton.tracing():
             return body(*args, **kwargs)
 
@@ -187,11 +203,13 @@ def register() -> None:
     `import dmattn_ops`: neither changes a setting of PyTorch's)."""
     _key_compiled_graphs_on_fingerprint()
     for layout in (ops.DENSE_OPS, ops.VARLEN_OPS):
-        trace_into_graphs(layout.forward, ops.forward_kernel(layout))
-        trace_into_graphs(layout.backward, ops.backward_kernel(layout))
+        trace_into_graphs(layout.forward, ops.forward_kernel(layout), keeps_lists=True)
+        trace_into_graphs(layout.backward, ops.backward_kernel(layout), keeps_lists=True)
 
 
-def trace_into_graphs(op, body) -> None:
+def trace_into_graphs(op, body, keeps_lists: bool = False) -> None:
     """Compiled graphs trace `body`, the op's CUDA kernel, in place of `op` (module docstring;
-    masks.py installs dmattn::topk_select's)."""
-    torch.library.register_torch_dispatch(op.name(), FunctionalTensorMode, _rule(body, op))
+    masks.py installs dmattn::topk_select's). keeps_lists: `body` takes `kept`, the trace's
+    launch.KeptLists."""
+    rule = _rule(body, op, keeps_lists)
+    torch.library.register_torch_dispatch(op.name(), FunctionalTensorMode, rule)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.autograd.forward_ad as fwad
@@ -43,6 +43,8 @@ from dmattn_ops.core._compat import (
     below_autograd,
     enable_single_level_autograd_function,
     functorch,
+    plain_eager,
+    saved_tensor_hooks_active,
     transforms_active,
     unwrap_dead_wrappers,
     without_autocast,
@@ -165,29 +167,35 @@ def check_call(call: dict, fn: str, values: bool = True) -> Problem:
 
 
 def forward_kernel(ops: Op):
-    """The CPU/CUDA kernel of ops.forward: (out, lse, lse_rem)."""
+    """The CPU/CUDA kernel of ops.forward: (out, lse, lse_rem). `kept` (launch.KeptLists):
+    where its key lists are kept for the backward (a compiled graph's trace passes one)."""
 
-    def kernel(*args, **kwargs):
+    def kernel(*args, kept: launch.KeptLists | None = None, **kwargs):
         call = bind(ops.forward, args, kwargs)
         problem = check_call(call, ops.fn)
-        return tuple(launch.forward(problem, options_of(call)))
+        return tuple(launch.forward(problem, options_of(call), kept))
 
     return kernel
 
 
 def backward_kernel(ops: Op):
-    """The CPU/CUDA kernel of ops.backward: the gradients (the varlen op has no sinks)."""
+    """The CPU/CUDA kernel of ops.backward: the gradients (the varlen op has no sinks). `kept`:
+    the forward's key lists (launch.KeptLists)."""
 
-    def kernel(*args, **kwargs):
+    def kernel(*args, kept: launch.KeptLists | None = None, **kwargs):
         call = bind(ops.backward, args, kwargs)
         saved = launch.Saved(call["out"], call["lse"], call["lse_rem"])
         grads = launch.backward(
             problem_of(call), options_of(call), saved, call["grad_out"], call["grad_lse"],
-            call["compute_dbias"],
+            call["compute_dbias"], kept,
         )  # fmt: skip
-        return tuple(grads)[:4] if ops.varlen else tuple(grads)
+        return _backward_result(ops, grads)
 
     return kernel
+
+
+def _backward_result(ops: Op, grads: launch.Gradients) -> tuple:
+    return tuple(grads)[:4] if ops.varlen else tuple(grads)
 
 
 def _public_kernel(ops: Op):
@@ -351,12 +359,17 @@ INPUTS = (
 @dataclass(frozen=True)
 class Spec:
     """AttentionFunction's non-tensor argument: the options, the packed layout's longest
-    sequences, and which ops run it."""
+    sequences, and which ops run it. direct: a plain eager call (_differentiable_kernel), whose
+    forward and backward run the kernels below the ops themselves, and `kept` then holds the
+    forward's key lists for the backward (None where saved-tensor hooks, as activation
+    checkpointing and offloading install, decide what the graph keeps)."""
 
     options: Options
     ops: Op
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    direct: bool = False
+    kept: launch.KeptLists | None = field(default=None, compare=False)
 
     def problem(self, tensors: dict) -> Problem:
         return Problem(*(tensors[name] for name in INPUTS), self.max_seqlen_q, self.max_seqlen_k)
@@ -370,8 +383,14 @@ class AttentionFunction(torch.autograd.Function):
     def forward(*args):
         spec = args[-1]
         problem = spec.problem(dict(zip(INPUTS, args)))
+        call = values_of(problem, spec.options)
+        if spec.direct:
+            # What the forward op's CPU/CUDA kernel does (forward_kernel), without the
+            # dispatcher's hops on the way there.
+            check_call(call, spec.ops.fn)
+            return tuple(launch.forward(problem, spec.options, spec.kept))
         op = spec.ops.forward
-        return op(*unbind(op, values_of(problem, spec.options)))
+        return op(*unbind(op, call))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -421,13 +440,25 @@ class AttentionFunction(torch.autograd.Function):
         problem = spec.problem(dict(zip(INPUTS, inputs)))
         wanted = dict(zip(INPUTS, ctx.needs_input_grad))
         compute_dbias = problem.bias is not None and wanted["bias"]
-        op = spec.ops.backward
-        call = values_of(problem, spec.options)
-        call.update(
-            grad_out=grad_out, grad_lse=grad_lse, out=out, lse=lse, lse_rem=lse_rem,
-            compute_dbias=compute_dbias,
-        )  # fmt: skip
-        grads = dict(zip(("query", "key", "value", "bias", "sinks"), op(*unbind(op, call))))
+        direct = spec.direct and not torch.is_grad_enabled()
+        if direct and plain_eager((*inputs, grad_out, grad_lse)):
+            # backward_kernel's work, reading the forward's key lists; with a graph to build
+            # (create_graph) or under a mode, the backward op runs (and refuses a double
+            # backward, or shows itself to the mode).
+            saved = launch.Saved(out, lse, lse_rem)
+            result = launch.backward(
+                problem, spec.options, saved, grad_out, grad_lse, compute_dbias, spec.kept
+            )
+            result = _backward_result(spec.ops, result)
+        else:
+            op = spec.ops.backward
+            call = values_of(problem, spec.options)
+            call.update(
+                grad_out=grad_out, grad_lse=grad_lse, out=out, lse=lse, lse_rem=lse_rem,
+                compute_dbias=compute_dbias,
+            )  # fmt: skip
+            result = op(*unbind(op, call))
+        grads = dict(zip(("query", "key", "value", "bias", "sinks"), result))
         if not compute_dbias:
             grads["bias"] = None
         if problem.sinks is None or not wanted["sinks"]:
@@ -510,7 +541,12 @@ def _differentiable_kernel(ops: Op, public: bool):
         if _needs_grad(call["query"], call["key"], call["value"], call["bias"], call.get("sinks")):
             check_window(call["window_size"], ops.fn)
             opts = options_of(call)
-            spec = Spec(opts, ops, call.get("max_seqlen_q", 0), call.get("max_seqlen_k", 0))
+            tensors = [call.get(name) for name in INPUTS]
+            direct = plain_eager(tensors)
+            kept = launch.KeptLists() if direct and not saved_tensor_hooks_active() else None
+            spec = Spec(
+                opts, ops, call.get("max_seqlen_q", 0), call.get("max_seqlen_k", 0), direct, kept
+            )
             result = _apply(AttentionFunction, *(call.get(name) for name in INPUTS), spec)
             return result[0] if public else result
         with below_autograd():
