@@ -29,8 +29,8 @@ def fixed_seed():
 # The default run (README command 2) samples the parametrized sweeps: each test function runs
 # its first case and every SAMPLE-th after it, and tests marked `sweep` (the sm_90/sm_80
 # compile of every config, whole-program runs of the tools) wait for the full run. `--sweeps`
-# runs every case; `--sweeps-only` runs exactly what the default run leaves out, so that CI
-# runs the README command and then the rest, each case once.
+# runs every case (the GPU check, .ci/gpu); `--sweeps-only` runs exactly what the default run
+# leaves out, so that the two together run each case once.
 SAMPLE = 8
 
 
