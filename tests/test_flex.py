@@ -283,19 +283,19 @@ def test_dma_layer_with_flex_compiles_fullgraph_forward_and_backward():
         (r * torch.cos(r)).sum().backward()
         return [r.detach(), xr.grad] + [p.grad.clone() for p in layer.parameters()]
 
-    # Compiling the model must not add error beyond fp32's own: the bound is twice the larger
-    # error of two uncompiled fp32 layers against the float64 oracle (flex's, and the oracle's
-    # own math in fp32), plus rounding. One sample of flex's error alone is not a bound: the
-    # compiled graph runs other matmul and flex tile choices, and flex accumulates the bias
-    # gradient (which the A and dt_proj gradients sum over) with atomics; its q_proj gradient
-    # came out 1.6x over twice the eager sample in one of three H100 runs.
-    eager = run_eager(torch.float32, "flex")
+    # Compiling the model must not add error beyond fp32's own: the bound is twice the largest
+    # error of uncompiled fp32 layers against the float64 oracle (flex's, and the oracle's own
+    # math in fp32), plus rounding. Flex's error is a random variable, not one number: it
+    # accumulates the bias gradient (which the A and dt_proj gradients sum over) with atomics
+    # in whatever order its programs finish, and the compiled graph runs other matmul and flex
+    # tile choices. So flex's eager error is sampled several times (one sample was exceeded
+    # by the compiled layer in one of three H100 runs, two in one of eight).
+    samples = [run_eager(torch.float32, "flex") for _ in range(4)]
     fp32 = run_eager(torch.float32, "reference")
     want = run_eager(torch.float64, "reference")
-    for i, (a, w, e, r) in enumerate(zip(got, want, eager, fp32)):
-        bound = max(
-            low_precision_bound(w, e, torch.float32), low_precision_bound(w, r, torch.float32)
-        )
+    for i, (a, w, r) in enumerate(zip(got, want, fp32)):
+        errors = [low_precision_bound(w, e[i], torch.float32) for e in samples]
+        bound = max(*errors, low_precision_bound(w, r, torch.float32))
         assert_close(a.double(), w, bound, f"layer[{i}]")
 
 
