@@ -130,6 +130,36 @@ def test_double_backward_raises_clearly():
         dq.sum().backward()
 
 
+def test_dispatch_modes_see_the_forward_and_backward_ops():
+    # A plain eager call runs its kernels straight from the autograd Function (ops.py: no
+    # dispatcher hops below it); under a dispatch mode (a profiler's, FlopCounterMode, a
+    # trace) the forward and backward ops run, so the mode sees them, with the same results.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    _, (q, k, v, mask, bias), kw = SAMPLES[2]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
+
+    def run():
+        out = dmattn_ops.attention(*leaves[:3], mask, leaves[3], **kw)
+        return out, torch.autograd.grad((out * out).sum(), leaves)
+
+    plain = run()
+    with Seen() as seen:
+        moded = run()
+    assert "dmattn.attention_forward" in seen.ops and "dmattn.attention_backward" in seen.ops
+    for a, b in zip((plain[0], *plain[1]), (moded[0], *moded[1])):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 # torch.compile
 
 
