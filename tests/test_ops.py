@@ -158,6 +158,13 @@ def test_dispatch_modes_see_the_forward_and_backward_ops():
     assert "dmattn.attention_forward" in seen.ops and "dmattn.attention_backward" in seen.ops
     for a, b in zip((plain[0], *plain[1]), (moded[0], *moded[1])):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():  # no gradient: the mode sees the public op below autograd
+        out = dmattn_ops.attention(q, k, v, mask, bias, **kw)
+        with Seen() as seen:
+            moded = dmattn_ops.attention(q, k, v, mask, bias, **kw)
+    assert seen.ops == ["dmattn.attention"]
+    torch.testing.assert_close(out, moded, rtol=0, atol=0)
+    torch.testing.assert_close(out, plain[0].detach(), rtol=0, atol=0)
 
 
 # torch.compile

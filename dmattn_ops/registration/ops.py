@@ -533,22 +533,26 @@ def _base_requires_grad(tensors) -> bool:
 
 def _differentiable_kernel(ops: Op, public: bool):
     """The Autograd kernel of ops.public (public) or ops.forward: AttentionFunction where a
-    gradient is wanted, else the op below autograd."""
+    gradient is wanted, else the op below autograd. A plain eager call (plain_eager) runs the
+    kernels itself, as the ops below would, without the dispatcher's hops to them."""
     op = ops.public if public else ops.forward
 
     def kernel(keyset, *args, **kwargs):
         call = bind(op, args, kwargs)
+        tensors = [call.get(name) for name in INPUTS]
+        direct = plain_eager(tensors)
         if _needs_grad(call["query"], call["key"], call["value"], call["bias"], call.get("sinks")):
             check_window(call["window_size"], ops.fn)
             opts = options_of(call)
-            tensors = [call.get(name) for name in INPUTS]
-            direct = plain_eager(tensors)
             kept = launch.KeptLists() if direct and not saved_tensor_hooks_active() else None
             spec = Spec(
                 opts, ops, call.get("max_seqlen_q", 0), call.get("max_seqlen_k", 0), direct, kept
             )
-            result = _apply(AttentionFunction, *(call.get(name) for name in INPUTS), spec)
+            result = _apply(AttentionFunction, *tensors, spec)
             return result[0] if public else result
+        if direct:
+            saved = launch.forward(check_call(call, ops.fn), options_of(call))
+            return saved.out if public else tuple(saved)
         with below_autograd():
             return op.redispatch(keyset & AFTER_AUTOGRAD_KEYSET, *args, **kwargs)
 
