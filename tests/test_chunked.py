@@ -20,6 +20,7 @@ from helpers import (
 )
 
 import dmattn_ops
+from dmattn_ops.core.problem import Options, Problem
 from dmattn_ops.dispatch import plan
 from dmattn_ops.executors import chunked
 
@@ -44,23 +45,12 @@ SHAPES = [
 
 def run_direct(c, q, k, v, mask, bias, grad_out, kwargs, block_q, block_k):
     scale = kwargs.get("scale") or c.d**-0.5
-    args = (q, k, v, mask, bias, scale, kwargs["is_causal"], kwargs["softcap"], kwargs["seqused_k"])
-    out, lse, lse_rem = chunked.forward(*args, block_q=block_q, block_k=block_k)
-    grads = chunked.backward(
-        grad_out,
-        None,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        lse_rem,
-        *args[3:],
-        bias is not None,
-        block_q=block_q,
-        block_k=block_k,
-    )
-    return out, lse, grads
+    problem = Problem(q, k, v, mask, bias, seqused_k=kwargs["seqused_k"])
+    opts = Options(scale, kwargs["is_causal"], kwargs["softcap"])
+    blocks = dict(block_q=block_q, block_k=block_k)
+    saved = chunked.forward(problem, opts, **blocks)
+    grads = chunked.backward(problem, opts, saved, grad_out, None, bias is not None, **blocks)
+    return saved[0], saved[1], grads
 
 
 @pytest.mark.parametrize("case", SHAPES)

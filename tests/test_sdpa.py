@@ -12,6 +12,7 @@ from helpers import Case, assert_close, low_precision_bound, param
 import dmattn_ops
 from dmattn_ops import reference
 from dmattn_ops.core.band import Band
+from dmattn_ops.core.problem import Options, Problem
 from dmattn_ops.executors import chunked, cudnn_graphs, sdpa
 
 gpu = pytest.mark.gpu
@@ -288,10 +289,10 @@ def _fused_stand_ins(monkeypatch) -> list:
         return out.contiguous(), lse.contiguous()
 
     def backward(grad_out, q, k, v, out, lse, scale, is_causal, which):
+        saved = (out, lse, torch.zeros_like(lse))
         grads = chunked.backward(
-            grad_out, None, q, k, v, out, lse, torch.zeros_like(lse), None, None, scale,
-            is_causal, 0.0, None, False,
-        )  # fmt: skip
+            Problem(q, k, v), Options(scale, is_causal), saved, grad_out, None, False
+        )
         return grads[:3]
 
     monkeypatch.setattr(sdpa, "_forward", forward)

@@ -205,10 +205,7 @@ def forward(problem: Problem, opts: Options, kept: KeptLists | None = None) -> S
     if p.route == PYTORCH:
         # It multiplies whole tiles of keys (as the tile tables do, below).
         key, value = chunked.zero_unseen_keys(key, value, mask)
-        result = chunked.forward(
-            query, key, value, mask, bias, scale, opts.is_causal, softcap, seqused_k,
-            window=opts.window,
-        )  # fmt: skip
+        result = chunked.forward(replace(problem, key=key, value=value), opts)
         return Saved(*chunked.join_sinks(*result, sinks))
     if p.route == SDPA:
         if p.tail:
@@ -354,8 +351,8 @@ def backward(
     if p.route == PYTORCH:
         key, value = chunked.zero_unseen_keys(key, value, mask)
         grads = chunked.backward(
-            grad_out, grad_lse, query, key, value, out, lse, lse_rem, mask, bias,
-            scale, opts.is_causal, softcap, seqused_k, compute_dbias, window=opts.window,
+            replace(problem, key=key, value=value), opts, saved, grad_out, grad_lse,
+            compute_dbias,
         )  # fmt: skip
         if sinks is None:
             return Gradients(*grads, no_sinks)
@@ -714,10 +711,7 @@ def _varlen_forward(problem: Problem, opts: Options, p: plan.Plan):
     query, key, value = problem.query, problem.key, problem.value
     mask, bias, cu_q, cu_k = problem.mask, problem.bias, problem.cu_seqlens_q, problem.cu_seqlens_k
     if p.route == PYTORCH:
-        return chunked.varlen_forward(
-            query, key, value, cu_q, cu_k, mask, bias, opts.scale, opts.is_causal, opts.softcap,
-            opts.window,
-        )  # fmt: skip
+        return chunked.varlen_forward(problem, opts)
     total_q, h, _ = query.shape
     total_k, dv = key.shape[0], value.shape[2]
     # Written in full: rows outside every sequence are never visited by a kernel.
@@ -762,10 +756,7 @@ def _varlen_backward(
     out, lse, lse_rem = saved
     no_sinks = torch.empty((0,), dtype=query.dtype, device=query.device)
     if p.route == PYTORCH:
-        grads = chunked.varlen_backward(
-            grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k,
-            mask, bias, opts.scale, opts.is_causal, opts.softcap, compute_dbias, opts.window,
-        )  # fmt: skip
+        grads = chunked.varlen_backward(problem, opts, saved, grad_out, grad_lse, compute_dbias)
         return Gradients(*grads, no_sinks)
     total_q, h, _ = query.shape
     total_k, hkv = key.shape[0], key.shape[1]

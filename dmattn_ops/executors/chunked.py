@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dmattn_ops.core.problem import Options, Problem
 from dmattn_ops.executors._alloc import empty
 
 _MAX_TILE_ELEMENTS = 1 << 22
@@ -87,18 +88,19 @@ def _blocks(b: int, h: int, lq: int, lk: int, block_q, block_k) -> tuple[int, in
     return block_q, block_k
 
 
-class _Problem:
-    """Everything a tile needs, fixed once per call."""
+class _Tiles:
+    """Everything a tile of a dense (or seqused_k) problem needs, fixed once per call. The
+    problem's sinks are not read: the callers join them (join_sinks, sinks_grad)."""
 
-    def __init__(
-        self, query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window=(-1, -1)
-    ):
+    def __init__(self, problem: Problem, opts: Options):
+        query, key, value = problem.query, problem.key, problem.value
+        mask, bias, seqused_k = problem.mask, problem.bias, problem.seqused_k
         self.b, self.lq, self.h, self.d = query.shape
         self.lk, self.hkv, self.dv = key.shape[1], key.shape[2], value.shape[3]
         self.g = self.h // self.hkv
         self.ct = compute_dtype(query.dtype)
-        self.scale, self.is_causal, self.softcap = scale, is_causal, softcap
-        self.left, self.right = window
+        self.scale, self.is_causal, self.softcap = opts.scale, opts.is_causal, opts.softcap
+        self.left, self.right = opts.window
         device = query.device
         # [B, Hkv, G, Lq, D] and [B, Hkv, 1, Lk, D]: views, no copies.
         self.q = query.permute(0, 2, 1, 3).unflatten(1, (self.hkv, self.g))
@@ -153,28 +155,15 @@ def _rows(t: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
     return t if t.shape[3] == 1 else t[:, :, :, q0:q1]
 
 
-def forward(
-    query,
-    key,
-    value,
-    mask,
-    bias,
-    scale,
-    is_causal,
-    softcap,
-    seqused_k,
-    *,
-    window=(-1, -1),
-    block_q=None,
-    block_k=None,
-):
+def forward(problem: Problem, opts: Options, *, block_q=None, block_k=None):
     """Returns out (B, Lq, H, Dv) in query's dtype, and lse and lse_rem (B, H, Lq), float32
-    (float64 for float64 inputs).
+    (float64 for float64 inputs), of a dense or seqused_k problem (its sinks not joined).
 
     lse_rem = (max + log_sum) - lse, what rounding lse dropped (0 for empty rows); backward
     recomputes P as exp((s - lse) - lse_rem), exact however large the row max is.
     """
-    pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window)
+    pb = _Tiles(problem, opts)
+    query = problem.query
     b, lq, h, lk, hkv, g, dv, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.dv, pb.ct
     out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
     lse = empty((b, h, lq), dtype=stats_dtype(query.dtype), device=query.device)
@@ -255,30 +244,17 @@ def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 def backward(
-    grad_out,
-    grad_lse,
-    query,
-    key,
-    value,
-    out,
-    lse,
-    lse_rem,
-    mask,
-    bias,
-    scale,
-    is_causal,
-    softcap,
-    seqused_k,
-    compute_dbias,
-    *,
-    window=(-1, -1),
-    block_q=None,
-    block_k=None,
-):
+    problem: Problem, opts: Options, saved, grad_out, grad_lse, compute_dbias: bool, *,
+    block_q=None, block_k=None,
+):  # fmt: skip
     """Returns dq, dk, dv in their inputs' shapes and dtypes, and dbias in bias's shape and dtype
-    (an empty tensor when compute_dbias is False). P is recomputed as
-    exp(min((s - lse) - lse_rem, 0)): the exponent is at most 0 in exact arithmetic."""
-    pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window)
+    (an empty tensor when compute_dbias is False), of a dense or seqused_k problem whose
+    forward left `saved` = (out, lse, lse_rem). P is recomputed as exp(min((s - lse) -
+    lse_rem, 0)): the exponent is at most 0 in exact arithmetic."""
+    out, lse, lse_rem = saved
+    query, key, value, bias = problem.query, problem.key, problem.value, problem.bias
+    pb = _Tiles(problem, opts)
+    scale = opts.scale
     b, lq, h, lk, hkv, g, d, dv, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.d, pb.dv, pb.ct
     dev = query.device
     do = grad_out.permute(0, 2, 1, 3).unflatten(1, (hkv, g))  # [B, Hkv, G, Lq, Dv]
@@ -347,24 +323,32 @@ def _seq_operand(t, k0, k1):
     return None if t is None else t[None, :, None, k0:k1]
 
 
-def varlen_forward(
-    query, key, value, cu_q, cu_k, mask, bias, scale, is_causal, softcap, window=(-1, -1)
-):
-    """Packed (total, H, D) inputs -> out (total_q, H, Dv), lse and lse_rem (H, total_q); rows
-    outside every sequence are 0, -inf and 0."""
+def _spans(problem: Problem):
+    """(q0, q1, k0, k1, the sequence as a dense problem of batch 1) of each sequence of a packed
+    problem."""
+    query, key, value = problem.query, problem.key, problem.value
+    spans = varlen_spans(problem.cu_seqlens_q, problem.cu_seqlens_k, query.shape[0], key.shape[0])
+    for q0, q1, k0, k1 in spans:
+        sequence = Problem(
+            query[None, q0:q1], key[None, k0:k1], value[None, k0:k1],
+            _seq_operand(problem.mask, k0, k1), _seq_operand(problem.bias, k0, k1),
+        )  # fmt: skip
+        yield q0, q1, k0, k1, sequence
+
+
+def varlen_forward(problem: Problem, opts: Options):
+    """A packed problem's (total, H, D) inputs -> out (total_q, H, Dv), lse and lse_rem (H,
+    total_q); rows outside every sequence are 0, -inf and 0."""
+    query, value = problem.query, problem.value
     total_q, h, _ = query.shape
     out = torch.zeros((total_q, h, value.shape[-1]), dtype=query.dtype, device=query.device)
     stats = dict(dtype=stats_dtype(query.dtype), device=query.device)
     lse = torch.full((h, total_q), float("-inf"), **stats)
     lse_rem = torch.zeros((h, total_q), **stats)
-    for q0, q1, k0, k1 in varlen_spans(cu_q, cu_k, total_q, key.shape[0]):
+    for q0, q1, _, _, sequence in _spans(problem):
         if q1 == q0:
             continue
-        o, s_lse, s_lse_rem = forward(
-            query[None, q0:q1], key[None, k0:k1], value[None, k0:k1],
-            _seq_operand(mask, k0, k1), _seq_operand(bias, k0, k1),
-            scale, is_causal, softcap, None, window=window,
-        )  # fmt: skip
+        o, s_lse, s_lse_rem = forward(sequence, opts)
         out[q0:q1] = o[0]
         lse[:, q0:q1] = s_lse[0]
         lse_rem[:, q0:q1] = s_lse_rem[0]
@@ -372,21 +356,21 @@ def varlen_forward(
 
 
 def varlen_backward(
-    grad_out, grad_lse, query, key, value, out, lse, lse_rem, cu_q, cu_k,
-    mask, bias, scale, is_causal, softcap, compute_dbias, window=(-1, -1),
-):  # fmt: skip
-    """dq, dk, dv (0 outside every sequence) and dbias in bias's (H|Hkv|1, total_k) shape."""
+    problem: Problem, opts: Options, saved, grad_out, grad_lse, compute_dbias: bool
+):
+    """dq, dk, dv (0 outside every sequence) and dbias in bias's (H|Hkv|1, total_k) shape of a
+    packed problem whose forward left `saved` = (out, lse, lse_rem)."""
+    query, key, value, bias = problem.query, problem.key, problem.value, problem.bias
+    out, lse, lse_rem = saved
     dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     dbias = torch.zeros_like(bias) if compute_dbias else None
-    for q0, q1, k0, k1 in varlen_spans(cu_q, cu_k, query.shape[0], key.shape[0]):
+    for q0, q1, k0, k1, sequence in _spans(problem):
         if q1 == q0 or k1 == k0:
             continue
+        rows = (out[None, q0:q1], lse[None, :, q0:q1], lse_rem[None, :, q0:q1])
         grads = backward(
-            grad_out[None, q0:q1], None if grad_lse is None else grad_lse[None, :, q0:q1],
-            query[None, q0:q1], key[None, k0:k1], value[None, k0:k1], out[None, q0:q1],
-            lse[None, :, q0:q1], lse_rem[None, :, q0:q1],
-            _seq_operand(mask, k0, k1), _seq_operand(bias, k0, k1),
-            scale, is_causal, softcap, None, compute_dbias, window=window,
+            sequence, opts, rows, grad_out[None, q0:q1],
+            None if grad_lse is None else grad_lse[None, :, q0:q1], compute_dbias,
         )  # fmt: skip
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = grads[0][0], grads[1][0], grads[2][0]
         if dbias is not None:
@@ -401,12 +385,10 @@ def varlen_backward(
 # ops they differentiate and batch themselves.
 
 
-def jvp(
-    query, key, value, mask, bias, tangents, lse, lse_rem, scale, is_causal, softcap, seqused_k,
-    *, window=(-1, -1), block_q=None, block_k=None,
-):  # fmt: skip
-    """Tangents (out', lse') of (out, lse) for tangents (q', k', v', bias') of the inputs, any
-    of which may be None. With P the attention weights and S' = d(scores), in exact arithmetic
+def jvp(problem: Problem, opts: Options, tangents, lse, lse_rem, *, block_q=None, block_k=None):
+    """Tangents (out', lse') of (out, lse) of a dense or seqused_k problem for tangents (q', k',
+    v', bias') of its inputs, any of which may be None. With P the attention weights and S' =
+    d(scores), in exact arithmetic
 
         lse' = rowsum(P * S'),  out' = P V' + (P * S') V - lse' * out,
 
@@ -414,7 +396,8 @@ def jvp(
     entries. P is recomputed from lse and lse_rem as in backward; out from the same P. Tiles of
     (B, H, block_q, block_k) as in forward; K/V tangents past seqused_k are never read."""
     tq, tk, tv, tbias = tangents
-    pb = _Problem(query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, window)
+    query, scale = problem.query, opts.scale
+    pb = _Tiles(problem, opts)
     b, lq, h, lk, hkv, g, ct = pb.b, pb.lq, pb.h, pb.lk, pb.hkv, pb.g, pb.ct
     tq5 = None if tq is None else tq.permute(0, 2, 1, 3).unflatten(1, (hkv, g))
     tk5 = None if tk is None else tk.permute(0, 2, 1, 3).unsqueeze(2)
@@ -460,39 +443,23 @@ def jvp(
     return out_t, lse_t
 
 
-def varlen_jvp(
-    query,
-    key,
-    value,
-    cu_q,
-    cu_k,
-    mask,
-    bias,
-    tangents,
-    lse,
-    lse_rem,
-    scale,
-    is_causal,
-    softcap,
-    window=(-1, -1),
-):
-    """attention_varlen's (out', lse'), one sequence at a time; 0 on rows outside every
-    sequence."""
+def varlen_jvp(problem: Problem, opts: Options, tangents, lse, lse_rem):
+    """attention_varlen's (out', lse') of a packed problem, one sequence at a time; 0 on rows
+    outside every sequence."""
     tq, tk, tv, tbias = tangents
+    query, value = problem.query, problem.value
     total_q, h, _ = query.shape
     out_t = query.new_zeros((total_q, h, value.shape[-1]))
     lse_t = lse.new_zeros(lse.shape)
     parts_o, parts_l, covered = [], [], 0
-    for q0, q1, k0, k1 in varlen_spans(cu_q, cu_k, total_q, key.shape[0]):
+    for q0, q1, k0, k1, sequence in _spans(problem):
         if q1 == q0:
             continue
         o, ls = jvp(
-            query[None, q0:q1], key[None, k0:k1], value[None, k0:k1],
-            _seq_operand(mask, k0, k1), _seq_operand(bias, k0, k1),
+            sequence, opts,
             tuple(None if t is None else t[None, lo:hi] for t, lo, hi in (
                 (tq, q0, q1), (tk, k0, k1), (tv, k0, k1))) + (_seq_operand(tbias, k0, k1),),
-            lse[None, :, q0:q1], lse_rem[None, :, q0:q1], scale, is_causal, softcap, None,
-            window=window,
+            lse[None, :, q0:q1], lse_rem[None, :, q0:q1],
         )  # fmt: skip
         parts_o += [out_t[covered:q0], o[0]]
         parts_l += [lse_t[:, covered:q0], ls[0]]

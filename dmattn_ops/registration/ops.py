@@ -409,17 +409,10 @@ class AttentionFunction(torch.autograd.Function):
         problem = spec.problem(dict(zip(INPUTS, inputs)))
         t = dict(zip(INPUTS, tangents))
         dual = (t["query"], t["key"], t["value"], t["bias"])
-        q, k, v, mask, bias = problem.query, problem.key, problem.value, problem.mask, problem.bias
         if problem.varlen:
-            out_t, lse_t = chunked.varlen_jvp(
-                q, k, v, problem.cu_seqlens_q, problem.cu_seqlens_k, mask, bias, dual, lse,
-                lse_rem, o.scale, o.is_causal, o.softcap, o.window,
-            )  # fmt: skip
+            out_t, lse_t = chunked.varlen_jvp(problem, o, dual, lse, lse_rem)
             return out_t, lse_t, None
-        out_t, lse_t = chunked.jvp(
-            q, k, v, mask, bias, dual, lse, lse_rem, o.scale, o.is_causal, o.softcap,
-            problem.seqused_k, window=o.window,
-        )  # fmt: skip
+        out_t, lse_t = chunked.jvp(problem, o, dual, lse, lse_rem)
         if t["sinks"] is not None:
             # The sink's share w = exp(sinks[h] - lse) of each row: lse' gains w * sinks', and
             # out' loses w * sinks' * out (chunked.jvp's P already sums to 1 - w).
