@@ -44,10 +44,16 @@ def _operands(device="cpu", dtype=torch.bfloat16, lq=8, lk=8, d=16, dv=16, h=2, 
     return q, k, v
 
 
+def _fused(q, k, v, mask=None, bias=None, *, is_causal=False, softcap=0.0, seqused_k=None,
+           enabled=True):  # fmt: skip
+    problem = Problem(q, k, v, mask, bias, seqused_k=seqused_k)
+    return sdpa.kernel(problem, Options(0.25, is_causal, softcap), enabled)
+
+
 def test_applies_only_to_plain_dense_cuda_calls(monkeypatch):
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
     q, k, v = _operands("meta")
-    assert not sdpa.kernel(q, k, v, None, None, False, 0.0, None)  # not CUDA
+    assert not _fused(q, k, v)  # not CUDA
 
 
 @gpu
@@ -55,28 +61,28 @@ def test_applies_rules(monkeypatch):
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
     q, k, v = _operands("cuda")
     mask = torch.ones(1, 1, 1, 8, dtype=torch.bool, device="cuda")
-    assert sdpa.kernel(q, k, v, None, None, True, 0.0, None)
-    assert not sdpa.kernel(q, k, v, mask, None, False, 0.0, None)
-    assert not sdpa.kernel(q, k, v, None, mask.bfloat16(), False, 0.0, None)
-    assert not sdpa.kernel(q, k, v, None, None, False, 5.0, None)
+    assert _fused(q, k, v, is_causal=True)
+    assert not _fused(q, k, v, mask)
+    assert not _fused(q, k, v, bias=mask.bfloat16())
+    assert not _fused(q, k, v, softcap=5.0)
     seqused = torch.full((1,), 8, dtype=torch.int32, device="cuda")
-    assert not sdpa.kernel(q, k, v, None, None, False, 0.0, seqused)
-    assert not sdpa.kernel(*_operands("cuda", torch.float32), None, None, False, 0.0, None)
-    assert not sdpa.kernel(*_operands("cuda", lq=4), None, None, True, 0.0, None)  # Lq != Lk
-    assert sdpa.kernel(*_operands("cuda", lq=4), None, None, False, 0.0, None)
-    assert not sdpa.kernel(*_operands("cuda", d=20, dv=20), None, None, False, 0.0, None)
-    assert not sdpa.kernel(*_operands("cuda", dv=32), None, None, False, 0.0, None)
+    assert not _fused(q, k, v, seqused_k=seqused)
+    assert not _fused(*_operands("cuda", torch.float32))
+    assert not _fused(*_operands("cuda", lq=4), is_causal=True)  # Lq != Lk
+    assert _fused(*_operands("cuda", lq=4))
+    assert not _fused(*_operands("cuda", d=20, dv=20))
+    assert not _fused(*_operands("cuda", dv=32))
     # Switched off (kernel option fused_sdpa, which DMATTN_DENSE_SDPA=0 sets: test_plan.py).
-    assert sdpa.kernel(q, k, v, None, None, True, 0.0, None, enabled=False) is None
+    assert _fused(q, k, v, is_causal=True, enabled=False) is None
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION]):
-        assert not sdpa.kernel(q, k, v, None, None, True, 0.0, None)
+        assert not _fused(q, k, v, is_causal=True)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        assert sdpa.kernel(q, k, v, None, None, True, 0.0, None) == "flash"
+        assert _fused(q, k, v, is_causal=True) == "flash"
     d256 = _operands("cuda", d=256, dv=256)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):  # cuDNN only up to D128 here
-        assert sdpa.kernel(*d256, None, None, True, 0.0, None) is None
+        assert _fused(*d256, is_causal=True) is None
 
 
 @gpu
@@ -91,7 +97,7 @@ def test_the_model_shape_takes_the_kernel_sdpa_picks(monkeypatch):
         q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), None, 0.0, True, enable_gqa=True
     )
     want = {int(SDPBackend.CUDNN_ATTENTION): "cudnn", int(SDPBackend.FLASH_ATTENTION): "flash"}
-    assert sdpa.kernel(q, k, k, None, None, True, 0.0, None) == want.get(picked, "flash")
+    assert _fused(q, k, k, is_causal=True) == want.get(picked, "flash")
 
 
 def _sinks(h: int, device="cuda") -> torch.Tensor:
@@ -163,7 +169,7 @@ def test_dense_calls_run_fused_kernels_and_match_the_oracle(
     only = SDPBackend.CUDNN_ATTENTION if which == "cudnn" else SDPBackend.FLASH_ATTENTION
     with sdpa_kernel([only]):
         operands = _operands("cuda", dtype, c.lq, c.lk, c.d, c.dv, c.h, c.hkv)
-        if sdpa.kernel(*operands, None, None, is_causal, 0.0, None) is None:
+        if _fused(*operands, is_causal=is_causal) is None:
             pytest.skip(f"PyTorch's {which} kernel does not take this call here")
         _check(c, dtype, is_causal)
     assert dispatch_on == {"forward": [which], "backward": [which]}
@@ -181,7 +187,7 @@ def test_dense_calls_with_sinks_run_fused_kernels(dispatch_on, c, is_causal, whi
     only = SDPBackend.CUDNN_ATTENTION if which == "cudnn" else SDPBackend.FLASH_ATTENTION
     with sdpa_kernel([only]):
         operands = _operands("cuda", torch.bfloat16, c.lq, c.lk, c.d, c.dv, c.h, c.hkv)
-        if sdpa.kernel(*operands, None, None, is_causal, 0.0, None) is None:
+        if _fused(*operands, is_causal=is_causal) is None:
             pytest.skip(f"PyTorch's {which} kernel does not take this call here")
         _check(c, torch.bfloat16, is_causal, sinks=True)
     assert dispatch_on == {"forward": [which], "backward": [which]}
@@ -266,10 +272,10 @@ def test_traces_take_the_kernel_eager_calls_take(monkeypatch):
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
     q = torch.zeros(2, 256, 16, 128, dtype=torch.bfloat16, device="cuda")
     k = torch.zeros(2, 256, 4, 128, dtype=torch.bfloat16, device="cuda")
-    eager = sdpa.kernel(q, k, k, None, None, True, 0.0, None)
+    eager = _fused(q, k, k, is_causal=True)
     with FakeTensorMode() as mode:
         fq, fk = mode.from_tensor(q), mode.from_tensor(k)
-        assert sdpa.kernel(fq, fk, fk, None, None, True, 0.0, None) == eager
+        assert _fused(fq, fk, fk, is_causal=True) == eager
 
 
 # Sliding windows as chunked causal calls (sdpa.window_chunk).
@@ -447,7 +453,7 @@ def test_windowed_calls_run_fused_kernels_in_chunks(
     only = SDPBackend.CUDNN_ATTENTION if which == "cudnn" else SDPBackend.FLASH_ATTENTION
     with sdpa_kernel([only]):
         operands = _operands("cuda", dtype, case.lq, case.lk, case.d, case.dv, case.h, case.hkv)
-        if sdpa.kernel(*operands, None, None, True, 0.0, None) is None:
+        if _fused(*operands, is_causal=True) is None:
             pytest.skip(f"PyTorch's {which} kernel does not take this call here")
         _check(case, dtype, True, window=(c - 1, 0))
     assert dispatch_on == {"forward": [which], "backward": [which]}

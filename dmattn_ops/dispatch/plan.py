@@ -219,10 +219,7 @@ def _sdpa(problem: Problem, opts: Options, tuning, p: _Pass):
     )
     if found:
         return None, None, 0, found
-    which, found = sdpa.choose(
-        query, key, value, problem.mask, problem.bias, opts.is_causal, opts.softcap,
-        problem.seqused_k, tuning.fused_sdpa,
-    )  # fmt: skip
+    which, found = sdpa.choose(problem, opts, tuning.fused_sdpa)
     if which is None or not band.has_window:
         return which, None, 0, found
     if graphs and sdpa.graphs_take(query, key, value, band, which, p.direction == BACKWARD):

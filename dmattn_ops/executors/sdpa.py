@@ -52,6 +52,7 @@ from dmattn_ops.core._compat import fused_sdp_choice, is_fake
 from dmattn_ops.core.band import UNBOUNDED, Band
 from dmattn_ops.core.device import cdiv, next_power_of_2
 from dmattn_ops.core.options import WINDOW_MIN_KEYS
+from dmattn_ops.core.problem import Options, Problem
 from dmattn_ops.executors import cudnn_graphs
 from dmattn_ops.executors._alloc import empty
 from dmattn_ops.executors._triton import LazyKernel, interpreter_on
@@ -72,26 +73,26 @@ def _flash_capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
-def kernel(query, key, value, mask, bias, is_causal, softcap, seqused_k, enabled=True):
+def kernel(problem: Problem, opts: Options, enabled=True) -> str | None:
     """The PyTorch kernel ("cudnn" or "flash") that computes this call exactly as our contract
-    says, or None when the call stays on ours (`reasons` says why)."""
-    return choose(query, key, value, mask, bias, is_causal, softcap, seqused_k, enabled)[0]
+    says, or None when the call stays on ours (`choose` says why)."""
+    return choose(problem, opts, enabled)[0]
 
 
-def choose(
-    query, key, value, mask, bias, is_causal, softcap, seqused_k, enabled=True
-) -> tuple[str | None, list[str]]:
-    """(kernel, []) or (None, the reasons). It must be dense attention: no mask, bias, softcap
-    or seqused_k; causal only with Lq == Lk (where the fused kernels' top-left alignment is our
+def choose(problem: Problem, opts: Options, enabled=True) -> tuple[str | None, list[str]]:
+    """(kernel, []) or (None, the reasons) for a dense-layout problem (its sinks are joined
+    after the fused kernels, launch.py). It must be dense attention: no mask, bias, softcap or
+    seqused_k; causal only with Lq == Lk (where the fused kernels' top-left alignment is our
     bottom-right one); CUDA fp16/bf16 on sm_80+ with one head dim, a multiple of 8 up to 256,
     unit stride along it; `enabled` (kernel option fused_sdpa, DMATTN_DENSE_SDPA). cuDNN where
     SDPA would pick it (head dims up to 128), else flash where PyTorch's flash backend is
     enabled."""
+    query, key, value, is_causal = problem.query, problem.key, problem.value, opts.is_causal
     reasons = [
         f"{name}: the fused kernels compute plain softmax attention"
         for name, present in (
-            ("a mask", mask is not None), ("a bias", bias is not None),
-            ("seqused_k", seqused_k is not None), ("softcap", softcap > 0),
+            ("a mask", problem.mask is not None), ("a bias", problem.bias is not None),
+            ("seqused_k", problem.seqused_k is not None), ("softcap", opts.softcap > 0),
         )
         if present
     ]  # fmt: skip
