@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 import dmattn_ops
+from bench.tables import markdown
 from dmattn_ops import reference
 
 
@@ -458,13 +459,9 @@ def table(results: list[dict]) -> str:
     by_case: dict[str, dict[str, dict]] = {}
     for r in results:
         by_case.setdefault(r["case"], {})[r["impl"]] = r
-    lines = ["| case | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | peak GiB "
-             "| fwd x ours | fwd+bwd x ours | max err | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-
-    def fmt(v, spec):
-        return "-" if v is None else format(v, spec)
-
+    headers = ["case", "impl", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
+               "peak GiB", "fwd x ours", "fwd+bwd x ours", "max err", "status"]  # fmt: skip
+    rows = []
     for case, impls in by_case.items():
         ours = impls.get("ours", {})
         for name, r in impls.items():
@@ -473,13 +470,12 @@ def table(results: list[dict]) -> str:
                 ratio_f = r["fwd_ms"] / ours["fwd_ms"]
             if ours.get("fwdbwd_ms") and r.get("fwdbwd_ms"):
                 ratio_b = r["fwdbwd_ms"] / ours["fwdbwd_ms"]
-            lines.append(
-                f"| {case} | {name} | {fmt(r['fwd_ms'], '.3f')} | {fmt(r['fwdbwd_ms'], '.3f')} | "
-                f"{fmt(r['fwd_tflops'], '.0f')} | {fmt(r['fwdbwd_tflops'], '.0f')} | "
-                f"{fmt(r['peak_gib'], '.2f')} | {fmt(ratio_f, '.2f')} | {fmt(ratio_b, '.2f')} | "
-                f"{fmt(r['max_err'], '.1e')} | {r['status']} |"
-            )
-    return "\n".join(lines)
+            rows.append([
+                case, name, r["fwd_ms"], r["fwdbwd_ms"], r["fwd_tflops"], r["fwdbwd_tflops"],
+                r["peak_gib"], ratio_f, ratio_b, r["max_err"], r["status"],
+            ])  # fmt: skip
+    formats = ("", "", ".3f", ".3f", ".0f", ".0f", ".2f", ".2f", ".2f", ".1e", "")
+    return markdown(headers, rows, formats)
 
 
 def plot(results: list[dict], path: str) -> str:

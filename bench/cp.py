@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.tables import markdown
+
 B, H, HKV, D = 1, 16, 4, 128
 
 
@@ -140,19 +142,17 @@ def run(world: int, lengths, kinds) -> list[dict]:
 
 
 def table(rows, world: int) -> str:
-    lines = [f"| kind | L | 1 process ms | {world} processes ms | ratio | peak GiB 1 | peak GiB "
-             f"per rank ({world}) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-
-    def fmt(x, spec):
-        return x if isinstance(x, str) else ("-" if x is None else format(x, spec))
-
+    headers = ["kind", "L", "1 process ms", f"{world} processes ms", "ratio", "peak GiB 1",
+               f"peak GiB per rank ({world})"]  # fmt: skip
+    table = []
     for r in rows:
         one, ring = r.get("one_ms"), r.get("ring_ms")
         ratio = ring / one if isinstance(one, float) and isinstance(ring, float) else None
-        lines.append(f"| {r['kind']} | {r['length']} | {fmt(one, '.2f')} | {fmt(ring, '.2f')} | "
-                     f"{fmt(ratio, '.2f')} | {fmt(r.get('one_gib'), '.2f')} | "
-                     f"{fmt(r.get('ring_gib'), '.2f')} |")  # fmt: skip
-    return "\n".join(lines)
+        gib = (r.get("one_gib"), r.get("ring_gib"))
+        # A time is "OOM" where that run ran out of memory: the column is then text.
+        times = [f"{t:.2f}" if isinstance(t, float) else t for t in (one, ring)]
+        table.append([r["kind"], r["length"], *times, ratio, *gib])
+    return markdown(headers, table, ("", "", ".2f", ".2f", ".2f", ".2f", ".2f"))
 
 
 def main(argv=None) -> int:

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import dmattn_ops
+from bench.tables import markdown
 from dmattn_ops.masks import topk_mask
 from dmattn_ops.nn import DynamicMaskAttention
 
@@ -233,16 +234,14 @@ def run_model(shapes, variants, modes, log) -> list[dict]:
 
 
 def model_table(rows) -> str:
-    lines = ["| shape | mode | variant | ms / step | x SDPA dense | status |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
     ref = {(r["shape"], r["mode"]): r["ms"] for r in rows if r["variant"] == "sdpa"}
+    table = []
     for r in rows:
         base = ref.get((r["shape"], r["mode"]))
-        ratio = f"{r['ms'] / base:.2f}" if r["ms"] and base else "-"
-        ms = f"{r['ms']:.2f}" if r["ms"] else "-"
-        lines.append(f"| {r['shape']} | {r['mode']} | {r['variant']} | {ms} | {ratio} | "
-                     f"{r['status']} |")  # fmt: skip
-    return "\n".join(lines)
+        ratio = r["ms"] / base if r["ms"] and base else None
+        table.append([r["shape"], r["mode"], r["variant"], r["ms"] or None, ratio, r["status"]])
+    headers = ["shape", "mode", "variant", "ms / step", "x SDPA dense", "status"]
+    return markdown(headers, table, ("", "", "", ".2f", ".2f", ""))
 
 
 # Host time of one call.
@@ -357,11 +356,13 @@ def host_profile(kinds, log, calls=20, top=25) -> None:
 
 
 def host_table(rows) -> str:
-    lines = ["| operands | pass | host ms / call | GPU ms / call |", "|---|---|---|---|"]
-    for r in rows:
-        host = f"{r['host_ms']:.3f}" + (" (waited for the GPU)" if r.get("waited") else "")
-        lines.append(f"| {r['kind']} | {r['pass_']} | {host} | {r['gpu_ms']:.3f} |")
-    return "\n".join(lines)
+    table = [
+        [r["kind"], r["pass_"], f"{r['host_ms']:.3f}" + (" (waited for the GPU)" if r.get("waited")
+         else ""), r["gpu_ms"]]
+        for r in rows
+    ]  # fmt: skip
+    headers = ["operands", "pass", "host ms / call", "GPU ms / call"]
+    return markdown(headers, table, ("", "", "", ".3f"))
 
 
 def main(argv=None) -> int:
