@@ -166,6 +166,24 @@ def test_first_trace_turns_the_static_launcher_on_unless_the_user_chose():
     assert _python(f"import dmattn_ops; {call}{read}", var, "0") == "False"
 
 
+def test_turning_the_static_launcher_on_restarts_running_compile_workers():
+    """Compile workers started before our first trace (a model without our ops compiled
+    first) never read the option: they are shut down when it turns on, so that Inductor's
+    next pool starts with it in its environment (static_launch.py). A pool the user's choice
+    leaves alone (the variable set) is not touched."""
+    code = (
+        "import dmattn_ops, torch._inductor.async_compile as a\n"
+        "from dmattn_ops.registration.static_launch import launch_statically\n"
+        "class Pool:\n"
+        "    down = 0\n"
+        "    def shutdown(self): Pool.down += 1\n"
+        "a._pool_set.add(Pool()); launch_statically(); launch_statically()\n"
+        "print(Pool.down, len(a._pool_set))"
+    )
+    assert _python(code, static_launch.VARIABLE, None) == "1 0"
+    assert _python(code, static_launch.VARIABLE, "1") == "0 1"
+
+
 def test_switch_keeps_the_ops(monkeypatch):
     monkeypatch.setenv("DMATTN_INDUCTOR_KERNELS", "0")
     monkeypatch.setattr(
