@@ -177,13 +177,14 @@ def _key_lists(kept, inputs: Problem, problem: Problem, band, block_m, pack, kee
 
 class Gradients(NamedTuple):
     """dq, dk, dv in their inputs' layouts and dtypes; dbias in bias's shape and dtype (an empty
-    (0,) tensor when not computed); dsinks in sinks' (empty without sinks)."""
+    (0,) tensor when not computed); dsinks in sinks' (None without sinks: the backward ops
+    return an empty tensor there, ops._backward_result)."""
 
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
     dbias: torch.Tensor
-    dsinks: torch.Tensor
+    dsinks: torch.Tensor | None
 
 
 def forward(problem: Problem, opts: Options, kept: KeptLists | None = None) -> Saved:
@@ -332,7 +333,7 @@ def backward(
     b, lq, h, _ = query.shape
     lk, hkv = key.shape[1], key.shape[2]
     device = query.device
-    no_sinks = torch.empty((0,), dtype=query.dtype, device=device)
+    no_sinks = None  # Gradients.dsinks without sinks
     if p.route == EMPTY:
         dbias = (
             torch.zeros(bias.shape, dtype=bias.dtype, device=device)
@@ -754,7 +755,7 @@ def _varlen_backward(
     query, key, value = problem.query, problem.key, problem.value
     mask, bias, cu_q, cu_k = problem.mask, problem.bias, problem.cu_seqlens_q, problem.cu_seqlens_k
     out, lse, lse_rem = saved
-    no_sinks = torch.empty((0,), dtype=query.dtype, device=query.device)
+    no_sinks = None  # Gradients.dsinks without sinks
     if p.route == PYTORCH:
         grads = chunked.varlen_backward(problem, opts, saved, grad_out, grad_lse, compute_dbias)
         return Gradients(*grads, no_sinks)

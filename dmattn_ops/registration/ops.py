@@ -195,7 +195,12 @@ def backward_kernel(ops: Op):
 
 
 def _backward_result(ops: Op, grads: launch.Gradients) -> tuple:
-    return tuple(grads)[:4] if ops.varlen else tuple(grads)
+    """The backward op's outputs: the varlen op has no dsinks, the dense op an empty one
+    without sinks (its schema returns a Tensor)."""
+    if ops.varlen:
+        return tuple(grads)[:4]
+    dsinks = grads.dsinks if grads.dsinks is not None else grads.dq.new_empty((0,))
+    return (*tuple(grads)[:4], dsinks)
 
 
 def _public_kernel(ops: Op):
@@ -397,7 +402,10 @@ class AttentionFunction(torch.autograd.Function):
         out, lse, lse_rem = output
         saved = (*inputs[:-1], out, lse, lse_rem)
         ctx.save_for_backward(*saved)
-        ctx.save_for_forward(*saved)
+        if fwad._current_level >= 0 or transforms_active():
+            # jvp runs now or never (forward-mode AD is computed during the forward, inside a
+            # dual level or a torch.func transform), so the forward's copy is kept only then.
+            ctx.save_for_forward(*saved)
         ctx.mark_non_differentiable(lse_rem)
         ctx.spec = inputs[-1]
         ctx.set_materialize_grads(False)
@@ -442,7 +450,6 @@ class AttentionFunction(torch.autograd.Function):
             result = launch.backward(
                 problem, spec.options, saved, grad_out, grad_lse, compute_dbias, spec.kept
             )
-            result = _backward_result(spec.ops, result)
         else:
             op = spec.ops.backward
             call = values_of(problem, spec.options)
