@@ -6,7 +6,9 @@ DMATTN_DENSE_SDPA=0 so that dense cases do not run PyTorch's flash kernels), PyT
 otherwise) and FlexAttention (compiled; BlockMask from the mask, bias through score_mod). Each
 case checks every implementation's output against float32 math on sampled rows before timing it
 and reports a failure instead of a time. Times are medians of triton.testing.do_bench; TFLOP/s
-count only the allowed (query, key) entries (forward 4*D flops per entry, backward 2.5x that).
+count only the allowed (query, key) entries (forward 4*D flops per entry, backward 2.5x that);
+"work" is a case's allowed entries over those of the same call without its mask (causal,
+seqused_k and sequences kept): the share of the scores its selection leaves to compute.
 On CPU it runs a tiny smoke version of each case with the reference-checked implementations.
 """
 
@@ -20,7 +22,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -367,12 +369,19 @@ def run_case(c: Case, impls, device, dtype, log, timed: bool = True) -> list[dic
     x = build(c, device, dtype)
     entries = allowed_entries(x)
     flops_fwd = 4 * entries * c.d
+    # The selection's work: its entries over those of the same call with nothing masked
+    # (causal, seqused_k and sequences as the case has them).
+    unmasked = (
+        entries if x.mask is None else allowed_entries(replace(x, mask=torch.ones_like(x.mask)))
+    )
+    work = entries / max(unmasked, 1)
     rows = torch.tensor([0, 1, c.lq // 3, c.lq // 2, c.lq - 1], device=device)
     rows = torch.unique(rows.clamp(max=c.lq - 1))
     results = []
     for name in impls:
-        row = dict(case=c.name, impl=name, fwd_ms=None, fwdbwd_ms=None, peak_gib=None,
-                   fwd_tflops=None, fwdbwd_tflops=None, max_err=None, status="ok")  # fmt: skip
+        row = dict(case=c.name, impl=name, work=work, fwd_ms=None, fwdbwd_ms=None,
+                   peak_gib=None, fwd_tflops=None, fwdbwd_tflops=None, max_err=None,
+                   status="ok")  # fmt: skip
         try:
             f = IMPLS[name](x)
             if f is None:
@@ -459,7 +468,7 @@ def table(results: list[dict]) -> str:
     by_case: dict[str, dict[str, dict]] = {}
     for r in results:
         by_case.setdefault(r["case"], {})[r["impl"]] = r
-    headers = ["case", "impl", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
+    headers = ["case", "impl", "work", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
                "peak GiB", "fwd x ours", "fwd+bwd x ours", "max err", "status"]  # fmt: skip
     rows = []
     for case, impls in by_case.items():
@@ -471,10 +480,10 @@ def table(results: list[dict]) -> str:
             if ours.get("fwdbwd_ms") and r.get("fwdbwd_ms"):
                 ratio_b = r["fwdbwd_ms"] / ours["fwdbwd_ms"]
             rows.append([
-                case, name, r["fwd_ms"], r["fwdbwd_ms"], r["fwd_tflops"], r["fwdbwd_tflops"],
-                r["peak_gib"], ratio_f, ratio_b, r["max_err"], r["status"],
+                case, name, r.get("work"), r["fwd_ms"], r["fwdbwd_ms"], r["fwd_tflops"],
+                r["fwdbwd_tflops"], r["peak_gib"], ratio_f, ratio_b, r["max_err"], r["status"],
             ])  # fmt: skip
-    formats = ("", "", ".3f", ".3f", ".0f", ".0f", ".2f", ".2f", ".2f", ".1e", "")
+    formats = ("", "", ".3f", ".3f", ".3f", ".0f", ".0f", ".2f", ".2f", ".2f", ".1e", "")
     return markdown(headers, rows, formats)
 
 

@@ -10,7 +10,14 @@ and a residual per block, median ms per step. Variants differ only in the attent
 * ``ours-dense-triton``: the same with DMATTN_DENSE_SDPA=0, our Triton dense kernels;
 * ``dma-w4`` / ``dma-w8``: ``DynamicMaskAttention`` with window L/4 or L/8 (bias per key and
   KV head, top-window mask), causal, Triton;
-* ``dma-flex``: the same layer with ``backend="flex"``, window L/4.
+* ``dma-flex``: the same layer with ``backend="flex"``, window L/4;
+* ``sdpa-plain`` / ``dma-w4-plain``: a stack of the bare attention layers, without norm and
+  residual, whose later DMA layers select mostly early keys (more causal work than L/4 keeps
+  in the pre-norm stack); their ratio is taken against ``sdpa-plain``.
+
+Each DMA row also reports its selection's causal work: the scores the top-k mask leaves to a
+causal call over all of a causal call's scores, per layer in the log and their mean in the
+table (``selection_work``, from one eager forward of the same weights and input).
 
 Compiled graphs launch our kernels themselves (dmattn_ops/registration/inductor.py); a
 ``+ops`` suffix
@@ -48,8 +55,9 @@ from dmattn_ops.nn import DynamicMaskAttention
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 2048, 16, 4, 128, 4
 SHAPES = {"B4-L2048": (4, 2048), "B16-L512": (16, 512), "B1-L8192": (1, 8192),
           "B1-L32768": (1, 32768)}  # fmt: skip
-VARIANTS = ("sdpa", "ours-dense", "ours-dense-triton", "dma-w4", "dma-w8", "dma-flex")
-DENSE = ("sdpa", "ours-dense", "ours-dense-triton")
+VARIANTS = ("sdpa", "ours-dense", "ours-dense-triton", "dma-w4", "dma-w8", "dma-flex",
+            "sdpa-plain", "dma-w4-plain")  # fmt: skip
+DENSE = ("sdpa", "ours-dense", "ours-dense-triton", "sdpa-plain")
 
 
 class Block(torch.nn.Module):
@@ -61,6 +69,9 @@ class Block(torch.nn.Module):
         window = length // (8 if variant == "dma-w8" else 4)
         backend = "flex" if variant == "dma-flex" else "triton"
         self.variant = variant
+        # "-plain": attention alone, without norm and residual (the stack of issue 51, whose
+        # later layers select mostly early keys)
+        self.plain = variant.endswith("-plain")
         self.norm = torch.nn.RMSNorm(HIDDEN)
         self.attn = DynamicMaskAttention(
             HIDDEN, HEADS, KV_HEADS, window=window, backend=backend, is_causal=True
@@ -72,7 +83,7 @@ class Block(torch.nn.Module):
         q = a.q_proj(x).view(b, n, HEADS, HEAD_DIM)
         k = a.k_proj(x).view(b, n, KV_HEADS, HEAD_DIM)
         v = a.v_proj(x).view(b, n, KV_HEADS, HEAD_DIM)
-        if self.variant == "sdpa":
+        if self.variant.startswith("sdpa"):
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                 enable_gqa=True,
@@ -82,8 +93,42 @@ class Block(torch.nn.Module):
         return a.o_proj(out.flatten(2))
 
     def forward(self, x):
+        if self.plain:
+            return self.dense(x) if self.variant in DENSE else self.attn(x)
         h = self.norm(x)
         return x + (self.dense(h) if self.variant in DENSE else self.attn(h))
+
+
+def causal_work(mask: torch.Tensor) -> float:
+    """The share of a causal call's scores that a key mask (B, Hkv, 1, L) leaves to compute:
+    key j is seen by the L - j queries at or after it."""
+    n = mask.shape[-1]
+    seen = torch.arange(n, 0, -1, device=mask.device, dtype=torch.float64)
+    return float((mask.to(torch.float64) * seen).sum() / (mask[..., 0].numel() * n * (n + 1) / 2))
+
+
+@torch.no_grad()
+def selection_work(model: torch.nn.Module, x: torch.Tensor) -> list[float]:
+    """causal_work of each DMA layer's mask on input x (one eager forward without gradients)."""
+    works = []
+
+    def record(attn, args):
+        (h,) = args
+        b, n, _ = h.shape
+        v = attn.v_proj(h).view(b, n, attn.num_kv_heads, attn.head_dim)
+        works.append(causal_work(attn.dynamic_mask(v)[0]))
+
+    hooks = [
+        block.attn.register_forward_pre_hook(record)
+        for block in model
+        if block.variant not in DENSE
+    ]
+    try:
+        model(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return works
 
 
 def make_model(variant: str, length: int, device, dtype) -> torch.nn.Module:
@@ -106,8 +151,9 @@ def bench_ms(fn, warmup=5, reps=20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def time_step(variant: str, shape: str, mode: str) -> tuple[float, float]:
-    """(median ms per training step, seconds of the first, compiling, step)."""
+def time_step(variant: str, shape: str, mode: str) -> tuple[float, float, list[float] | None]:
+    """(median ms per training step, seconds of the first, compiling, step, the causal work of
+    each DMA layer's selection: selection_work; None for dense variants)."""
     base, switches = _switches(variant)
     # AOTAutograd's cache keys on the Dynamo graph, which does not see the switches: a
     # variant could load another's compiled graph.
@@ -117,7 +163,10 @@ def time_step(variant: str, shape: str, mode: str) -> tuple[float, float]:
         t0 = time.time()
         step()
         torch.cuda.synchronize()
-        return bench_ms(step), time.time() - t0
+        compile_s = time.time() - t0
+        ms = bench_ms(step)
+        work = None if base in DENSE else selection_work(step.model, step.x)
+        return ms, compile_s, work
 
 
 def _compiled_step(variant: str, shape: str, mode: str):
@@ -135,6 +184,7 @@ def _compiled_step(variant: str, shape: str, mode: str):
             torch.compiler.cudagraph_mark_step_begin()  # each step reuses the graph's outputs
         compiled(x).float().square().mean().backward()
 
+    step.model, step.x = model, x  # for selection_work
     return step
 
 
@@ -223,26 +273,44 @@ def run_model(shapes, variants, modes, log) -> list[dict]:
     for shape in shapes:
         for mode in modes:
             for variant in variants:
-                row = dict(shape=shape, mode=mode, variant=variant, ms=None, status="ok")
+                row = dict(shape=shape, mode=mode, variant=variant, ms=None, work=None,
+                           status="ok")  # fmt: skip
                 try:
-                    row["ms"], row["compile_s"] = time_step(variant, shape, mode)
+                    row["ms"], row["compile_s"], row["work"] = time_step(variant, shape, mode)
                 except Exception as e:  # a variant failing is a result
                     row["status"] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
                 rows.append(row)
-                log(f"  model {shape} {mode} {variant}: {row['ms']} ms {row['status']}")
+                works = (
+                    ""
+                    if row["work"] is None
+                    else " causal work per layer " + ", ".join(f"{w:.3f}" for w in row["work"])
+                )
+                log(f"  model {shape} {mode} {variant}: {row['ms']} ms {row['status']}{works}")
                 torch.cuda.empty_cache()
     return rows
 
 
 def model_table(rows) -> str:
-    ref = {(r["shape"], r["mode"]): r["ms"] for r in rows if r["variant"] == "sdpa"}
+    """ms per step against the dense SDPA stack of the same shape, mode and kind (the
+    pre-norm stack, or "-plain"), with the DMA layers' mean causal work (selection_work)."""
+
+    def family(variant):
+        return variant.split("+")[0].endswith("-plain")
+
+    ref = {
+        (r["shape"], r["mode"], family(r["variant"])): r["ms"]
+        for r in rows
+        if r["variant"] in ("sdpa", "sdpa-plain")
+    }
     table = []
     for r in rows:
-        base = ref.get((r["shape"], r["mode"]))
+        base = ref.get((r["shape"], r["mode"], family(r["variant"])))
         ratio = r["ms"] / base if r["ms"] and base else None
-        table.append([r["shape"], r["mode"], r["variant"], r["ms"] or None, ratio, r["status"]])
-    headers = ["shape", "mode", "variant", "ms / step", "x SDPA dense", "status"]
-    return markdown(headers, table, ("", "", "", ".2f", ".2f", ""))
+        work = sum(r["work"]) / len(r["work"]) if r.get("work") else None
+        table.append([r["shape"], r["mode"], r["variant"], r["ms"] or None, ratio, work,
+                      r["status"]])  # fmt: skip
+    headers = ["shape", "mode", "variant", "ms / step", "x SDPA dense", "causal work", "status"]
+    return markdown(headers, table, ("", "", "", ".2f", ".2f", ".3f", ""))
 
 
 # Host time of one call.

@@ -301,6 +301,21 @@ def _pad_head_dim_for_cpu(q, k, kwargs):
     return torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad), kwargs
 
 
+def _flex_call(q, k, v, score_mod, block_mask, scale, return_lse, bias):
+    """flex_attention of (B, H, L, D) q, k, v (GQA where k has fewer heads) with the kernel
+    options flex_kernel_options picks for `bias` (the tensor its score_mod reads per query row,
+    or None)."""
+    kwargs = dict(
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        return_lse=return_lse,
+    )
+    options = flex_kernel_options(bias, max(q.shape[-1], v.shape[-1]), q.device)
+    return _flex(q, k, v, options, kwargs)
+
+
 def _flex(q, k, v, options, kwargs):
     """flex_attention as each context needs it: traced inline inside torch.compile (a compiled
     callable cannot be called there), compiled on CUDA, compiled on CPU (eager when lse is
@@ -390,7 +405,7 @@ def attention(
     check_seqused_k_values(seqused_k, key.shape[1], "dmattn.flex")
     window = check_window(window_size, "dmattn.flex")
     b, lq, h, d = query.shape
-    lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
+    lk, hkv = key.shape[1], key.shape[2]
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, bias)
     )
@@ -426,14 +441,7 @@ def attention(
         shift = row_shift(mask, bias, seqused_k, is_causal, b, h, hkv, lq, lk, window)
     score_mod = make_score_mod(bias, softcap, h, hkv, shift)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    kwargs = dict(
-        score_mod=score_mod,
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=h != hkv,
-        return_lse=return_lse,
-    )
-    result = _flex(q, k, v, flex_kernel_options(bias, max(d, dv), device), kwargs)
+    result = _flex_call(q, k, v, score_mod, block_mask, scale, return_lse, bias)
     if return_lse:
         out, lse = result
         lse = lse.float() if shift is None else lse.float() + shift.expand(b, h, lq)
@@ -478,18 +486,9 @@ def make_varlen_mask_mod(mask, cu_q, cu_k, total_q, total_k, is_causal, h, hkv, 
 
 
 def make_varlen_score_mod(bias, softcap: float, h: int, hkv: int):
-    """score_mod for a per-key-token bias (H|Hkv|1, total_k)."""
-    if bias is None and softcap <= 0:
-        return None
-
-    def score_mod(score, b, hi, qi, kj):
-        if softcap > 0:
-            score = softcap * torch.tanh(score / softcap)
-        if bias is not None:
-            score = score + bias[_head_index(hi, bias[None], h, hkv), kj]
-        return score
-
-    return score_mod
+    """score_mod for a per-key-token bias (H|Hkv|1, total_k): make_score_mod's, the packed
+    sequences being one batch row whose bias every query shares, (1, H|Hkv|1, 1, total_k)."""
+    return make_score_mod(None if bias is None else bias[None, :, None, :], softcap, h, hkv)
 
 
 def attention_varlen(
@@ -524,7 +523,7 @@ def attention_varlen(
     )  # fmt: skip
     window = check_window(window_size, fn)
     total_q, h, d = query.shape
-    total_k, hkv, dv = key.shape[0], key.shape[1], value.shape[2]
+    total_k, hkv = key.shape[0], key.shape[1]
     check_cu_seqlens_values(
         cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, fn
     )
@@ -564,14 +563,8 @@ def attention_varlen(
         build = _compiled_create_block_mask()
     block_mask = build(mask_mod, 1, 1, total_q, total_k, device=device)
     q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
-    kwargs = dict(
-        score_mod=make_varlen_score_mod(bias, softcap, h, hkv),
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=h != hkv,
-        return_lse=return_lse,
-    )
-    result = _flex(q, k, v, flex_kernel_options(None, max(d, dv), device), kwargs)
+    score_mod = make_varlen_score_mod(bias, softcap, h, hkv)
+    result = _flex_call(q, k, v, score_mod, block_mask, scale, return_lse, None)
     if return_lse:
         out, lse = result
         return out[0].transpose(0, 1), lse[0].float()

@@ -93,14 +93,20 @@ class DynamicMaskAttention(torch.nn.Module):
             return (x[..., None, :] * weight).sum(-1) + bias
         return F.linear(x, weight, bias)
 
+    def dynamic_mask(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask, bias) of values v (B, L, Hkv, head_dim): the learned bias (B, Hkv, 1, L) in
+        v's dtype and its top-``window`` keys as a bool mask of the same shape, what
+        :meth:`forward` passes to the attention."""
+        dt = F.softplus(self._dt_logits(v.flatten(2)))  # [B, L, Hkv], float32 or wider
+        bias = (self.A.to(dt.dtype) * dt).transpose(1, 2).unsqueeze(2).to(v.dtype)  # [B, Hkv, 1, L]
+        return topk_mask(bias, self.window), bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape
         q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
-        dt = F.softplus(self._dt_logits(v.flatten(2)))  # [B, L, Hkv], float32 or wider
-        bias = (self.A.to(dt.dtype) * dt).transpose(1, 2).unsqueeze(2).to(q.dtype)  # [B, Hkv, 1, L]
-        mask = topk_mask(bias, self.window)
+        mask, bias = self.dynamic_mask(v)
         out = attention(
             q, k, v, mask, bias, is_causal=self.is_causal, softcap=self.softcap,
             backend=self.backend,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,9 +41,13 @@ def test_cpu_timings_and_help_without_a_gpu(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
-    row = next(line for line in res.stdout.splitlines() if line.startswith("| A"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert any(c.replace(".", "", 1).isdigit() and float(c) > 0 for c in cells), row
+    lines = res.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| case"))
+    row = next(line for line in lines if line.startswith("| A"))
+    cells = dict(zip(*([c.strip() for c in r.strip("|").split("|")] for r in (header, row))))
+    for timing in ("fwd ms", "fwd+bwd ms"):
+        assert float(cells[timing]) > 0, row
+    assert float(cells["work"]) == 1.0  # case A is dense: its work is the causal call's
     entries = ("bench", "bench.model", "bench.masks", "bench.window", "bench.tune", "bench.cp",
                "bench.profile")  # fmt: skip
     for entry in entries:
@@ -85,3 +90,37 @@ def test_context_parallel_bench_smoke():
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [line for line in res.stdout.splitlines() if line.startswith("| dense")]
     assert len(rows) == 1 and "OOM" not in rows[0], res.stdout
+
+
+def test_causal_work_counts_the_scores_a_key_mask_leaves():
+    """bench.model's work fraction against a count of every (query, key) pair."""
+    from bench.model import causal_work
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(2, 3, 1, 37, generator=g) < 0.3
+    n = mask.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()  # query i sees keys j <= i
+    pairs = int((mask & causal).sum()) / (mask.shape[0] * mask.shape[1] * int(causal.sum()))
+    assert causal_work(mask) == pytest.approx(pairs, rel=1e-12)
+    assert causal_work(torch.ones(1, 1, 1, n, dtype=torch.bool)) == pytest.approx(1.0)
+    early = torch.zeros(1, 1, 1, n, dtype=torch.bool)
+    early[..., : n // 4] = True
+    late = early.flip(-1)
+    assert causal_work(early) > 0.4 > 0.1 > causal_work(late)  # where the kept keys fall
+
+
+def test_selection_work_reads_each_dma_layer():
+    """One value per DMA layer of the stack, from the layer's own mask (a top-L/4 selection
+    leaves between 1/16 and 7/16 of the causal scores)."""
+    from bench.model import HIDDEN, LAYERS, make_model, selection_work
+
+    torch.manual_seed(0)
+    n = 32
+    x = torch.randn(1, n, HIDDEN)
+    model = make_model("dma-w4-plain", n, "cpu", torch.float32)
+    for block in model:
+        block.attn.backend = "reference"
+    works = selection_work(model, x)
+    assert len(works) == LAYERS
+    assert all(1 / 16 - 1e-9 <= w <= 7 / 16 + 1e-9 for w in works), works
+    assert selection_work(make_model("sdpa-plain", n, "cpu", torch.float32), x) == []

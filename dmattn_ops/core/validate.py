@@ -48,6 +48,23 @@ def check_broadcast_operand(
         )
 
 
+def _check_qkv(query, key, value, mask, bias, rows: tuple[str, str], fn: str) -> None:
+    """query, key and value are tensors of one rank, (rows..., heads, head dim): rows ("B, Lq",
+    "B, Lk") for a batched call, ("total_q", "total_k") for a packed one; then the operands'
+    dtypes and devices."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, t, fn)
+    rank = 2 + len(rows[0].split(","))
+    layouts = ((query, "query", rows[0], "H, D"), (key, "key", rows[1], "Hkv, D"),
+               (value, "value", rows[1], "Hkv, Dv"))  # fmt: skip
+    for t, name, t_rows, tail in layouts:
+        if t.dim() != rank:
+            raise ValueError(
+                f"{fn}: {name} must be {rank}-D ({t_rows}, {tail}); got shape {_shape(t)}"
+            )
+    _check_dtypes_devices(query, key, value, mask, bias, fn)
+
+
 def check_inputs(
     query,
     key,
@@ -60,15 +77,7 @@ def check_inputs(
     fn: str = "dmattn.attention",
 ) -> None:
     """Raise TypeError/ValueError for any call that breaks the contract (README "Semantics")."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        _check_tensor(name, t, fn)
-    if query.dim() != 4:
-        raise ValueError(f"{fn}: query must be 4-D (B, Lq, H, D); got shape {_shape(query)}")
-    if key.dim() != 4:
-        raise ValueError(f"{fn}: key must be 4-D (B, Lk, Hkv, D); got shape {_shape(key)}")
-    if value.dim() != 4:
-        raise ValueError(f"{fn}: value must be 4-D (B, Lk, Hkv, Dv); got shape {_shape(value)}")
-    _check_dtypes_devices(query, key, value, mask, bias, fn)
+    _check_qkv(query, key, value, mask, bias, ("B, Lq", "B, Lk"), fn)
     b, lq, h, d = query.shape
     bk, lk, hkv, dk = key.shape
     bv, lkv, hv, dv = value.shape
@@ -206,15 +215,7 @@ def check_varlen_inputs(
     fn: str = "dmattn.attention_varlen",
 ) -> None:
     """The shape/dtype/device checks of a varlen call (README "Variable-length batches")."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        _check_tensor(name, t, fn)
-    if query.dim() != 3:
-        raise ValueError(f"{fn}: query must be 3-D (total_q, H, D); got shape {_shape(query)}")
-    if key.dim() != 3:
-        raise ValueError(f"{fn}: key must be 3-D (total_k, Hkv, D); got shape {_shape(key)}")
-    if value.dim() != 3:
-        raise ValueError(f"{fn}: value must be 3-D (total_k, Hkv, Dv); got shape {_shape(value)}")
-    _check_dtypes_devices(query, key, value, mask, bias, fn)
+    _check_qkv(query, key, value, mask, bias, ("total_q", "total_k"), fn)
     _, h, d = query.shape
     total_k, hkv, dk = key.shape
     if dk != d or value.shape[0] != total_k or value.shape[1] != hkv:
