@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from dmattn_ops.core.validate import check_flags, check_inputs
 from dmattn_ops.executors.chunked import lse_split
+from dmattn_ops.masks import _allowed, rank_key
 from dmattn_ops.registration.calls import default_scale
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -304,3 +305,106 @@ def ring_attention(
         is_causal, float(softcap), deterministic,
     )  # fmt: skip
     return _RingAttention.apply(query, key, value, mask, bias, ring)
+
+
+def topk_mask(
+    bias: torch.Tensor,
+    window: int,
+    mask: torch.Tensor | None = None,
+    *,
+    group=None,
+    layout: str = "zigzag",
+) -> torch.Tensor:
+    """`dmattn_ops.masks.topk_mask` over the whole sequence, for this rank's key columns.
+
+    bias (B|1, H|Hkv|1, 1, L/R) and the optional bool mask (the same, broadcastable, or a (B,
+    L/R) padding mask) hold this rank's columns (`shard` along the last dim, as for
+    `ring_attention`); returns this rank's columns of `topk_mask(unshard(bias), window,
+    unshard(mask))`: the `window` largest biases of each (batch, head) row over all R * L/R
+    keys. The ranking is topk_mask's (numbers by value, then NaN, disallowed keys never), and
+    ties at the window-th value go to the lowest global key indices, as topk_mask's fused
+    kernel breaks them (where torch.topk selects, on one rank, it breaks ties as it pleases).
+
+    Two all-gathers, O(window) per row and rank: every rank's `window` best values (the
+    global window-th value is among them), then per row the count above that value and the
+    count equal to it in each of the rank's chunks (the ties to keep are the first ones in
+    global key order). No rank holds a whole row.
+    """
+    fn = "dmattn.distributed.topk_mask"
+    allowed = _allowed(bias, mask, "topk_mask")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"{fn}: window must be an int >= 0; got {window!r}")
+    if bias.shape[2] != 1 or (allowed is not None and allowed.shape[2] != 1):
+        raise ValueError(
+            f"{fn}: bias and mask must be per key, (B|1, H|Hkv|1, 1, L/R); got bias "
+            f"{tuple(bias.shape)}" + ("" if mask is None else f" and mask {tuple(mask.shape)}")
+        )
+    world, rank = _world(group)
+    ids = _chunk_ids(layout, rank, world)
+    score = bias.detach()
+    if allowed is not None:
+        shape = torch.broadcast_shapes(score.shape, allowed.shape)
+        score, allowed = score.expand(shape), allowed.expand(shape)
+    n = score.shape[-1]
+    if n % len(ids):
+        raise ValueError(f"{fn}: the {layout} layout needs an even number of columns per rank")
+    k = min(window, n * world)
+    if k == 0:
+        return torch.zeros(score.shape, dtype=torch.bool, device=score.device)
+    key = rank_key(score, allowed)  # [..., n]: larger is better
+    # 1. The global k-th best value: the k best of the whole row are among the ranks' k best.
+    floor = torch.iinfo(key.dtype).min
+    best = key.topk(min(k, n), dim=-1).values
+    best = torch.nn.functional.pad(best, (0, k - best.shape[-1]), value=floor)
+    gathered = [torch.empty_like(best) for _ in range(world)]
+    dist.all_gather(gathered, best.contiguous(), group=group)
+    kth = torch.cat(gathered, dim=-1).topk(k, dim=-1).values[..., -1:]  # [..., 1]
+    # 2. Counts above it, and ties per chunk of this rank, from every rank.
+    above, tied = key > kth, key == kth
+    chunk = n // len(ids)
+    tied_chunks = tied.unflatten(-1, (len(ids), chunk))  # [..., chunks, chunk]
+    counts = torch.cat([above.sum(-1, keepdim=True), tied_chunks.sum(-1)], dim=-1)
+    gathered = [torch.empty_like(counts) for _ in range(world)]
+    dist.all_gather(gathered, counts.contiguous(), group=group)
+    above_all = sum(c[..., :1] for c in gathered)  # [..., 1]
+    ties_by_chunk = [None] * (len(ids) * world)  # in global chunk order
+    for r, c in enumerate(gathered):
+        for slot, cid in enumerate(_chunk_ids(layout, r, world)):
+            ties_by_chunk[cid] = c[..., 1 + slot]
+    before = torch.cumsum(torch.stack(ties_by_chunk, dim=-1), dim=-1) - torch.stack(
+        ties_by_chunk, dim=-1
+    )  # ties in the chunks before each chunk, [..., chunks]
+    # 3. A tie is kept when fewer than (k - above_all) ties precede it in global key order.
+    order = torch.cumsum(tied_chunks.to(torch.int64), dim=-1) - 1
+    order = order + before[..., list(ids)].unsqueeze(-1)
+    keep_tie = tied_chunks & (order < (k - above_all).unsqueeze(-1))
+    selected = above | keep_tie.flatten(-2)
+    return selected & allowed if allowed is not None else selected
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """How a DynamicMaskAttention layer shards its sequence (set by `parallelize`): the
+    process group and the layout of its rows across the group's ranks."""
+
+    group: object = None
+    layout: str = "zigzag"
+
+
+def parallelize(
+    model: torch.nn.Module, group=None, *, layout: str | None = "zigzag"
+) -> torch.nn.Module:
+    """Puts every `dmattn_ops.nn.DynamicMaskAttention` of `model` (every module with a
+    `context_parallel` attribute) in context-parallel mode and returns the model: each rank
+    then feeds the model its rows of the sequence (`shard(x, 1, group, layout=layout)`), each
+    layer selects its keys over the whole sequence (`topk_mask` above: the same keys as on one
+    rank, ties aside) and attends through `ring_attention`. Layers that mix tokens otherwise
+    (convolutions, position embeddings computed from local indices) are not adapted: the model
+    must be token-wise outside its attention. `parallelize(model, layout=None)` undoes it."""
+    if layout is not None:
+        _chunk_ids(layout, 0, 1)  # checks the layout's name
+    mode = None if layout is None else ContextParallel(group, layout)
+    for module in model.modules():
+        if hasattr(module, "context_parallel"):
+            module.context_parallel = mode
+    return model

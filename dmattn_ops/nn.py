@@ -31,6 +31,12 @@ class DynamicMaskAttention(torch.nn.Module):
         backend: passed to :func:`dmattn_ops.attention`.
 
     Shapes: ``forward(x)`` takes (B, L, hidden_size) and returns the same shape.
+
+    Context parallelism: after ``dmattn_ops.distributed.parallelize(model, group)`` each rank
+    passes its rows of the sequence, (B, L/R, hidden_size) as ``distributed.shard`` cuts them;
+    the layer then picks its top-``window`` keys over the whole sequence
+    (``distributed.topk_mask``) and attends through ``distributed.ring_attention``
+    (``backend`` is not used there).
     """
 
     def __init__(
@@ -67,6 +73,9 @@ class DynamicMaskAttention(torch.nn.Module):
         self.o_proj = torch.nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
         self.dt_proj = torch.nn.Linear(kv_width, num_kv_heads, bias=True)
         self.A = torch.nn.Parameter(torch.ones(num_kv_heads))
+        # dmattn_ops.distributed.ContextParallel when the sequence is sharded across ranks
+        # (dmattn_ops.distributed.parallelize), else None.
+        self.context_parallel = None
 
     def extra_repr(self) -> str:
         return (
@@ -99,7 +108,13 @@ class DynamicMaskAttention(torch.nn.Module):
         :meth:`forward` passes to the attention."""
         dt = F.softplus(self._dt_logits(v.flatten(2)))  # [B, L, Hkv], float32 or wider
         bias = (self.A.to(dt.dtype) * dt).transpose(1, 2).unsqueeze(2).to(v.dtype)  # [B, Hkv, 1, L]
-        return topk_mask(bias, self.window), bias
+        cp = self.context_parallel
+        if cp is None:
+            return topk_mask(bias, self.window), bias
+        from dmattn_ops import distributed
+
+        # v holds this rank's rows: the top keys are chosen over the whole sequence.
+        return distributed.topk_mask(bias, self.window, group=cp.group, layout=cp.layout), bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape
@@ -107,6 +122,15 @@ class DynamicMaskAttention(torch.nn.Module):
         k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
         mask, bias = self.dynamic_mask(v)
+        cp = self.context_parallel
+        if cp is not None:
+            from dmattn_ops import distributed
+
+            out = distributed.ring_attention(
+                q, k, v, mask, bias, group=cp.group, is_causal=self.is_causal,
+                softcap=self.softcap, layout=cp.layout,
+            )  # fmt: skip
+            return self.o_proj(out.flatten(2))
         out = attention(
             q, k, v, mask, bias, is_causal=self.is_causal, softcap=self.softcap,
             backend=self.backend,

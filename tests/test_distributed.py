@@ -192,3 +192,124 @@ def test_ring_attention_refuses_unequal_lengths_on_every_rank(tmp_path):
         while not failures.empty():
             messages.append(failures.get())
         pytest.fail("\n".join(messages) or "a rank failed")
+
+
+def _lowest_index_topk(bias, window, mask):
+    """masks.topk_mask's selection with ties to the lowest key indices, on the whole row (the
+    rule distributed.topk_mask follows; torch.topk on one rank breaks ties as it pleases)."""
+    from dmattn_ops.masks import rank_key
+
+    shape = torch.broadcast_shapes(bias.shape, mask.shape) if mask is not None else bias.shape
+    key = rank_key(bias.expand(shape), mask.expand(shape) if mask is not None else None)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    chosen = torch.zeros(shape, dtype=torch.bool).scatter(-1, order[..., :window], True)
+    return chosen & mask if mask is not None else chosen
+
+
+def _topk_worker(rank: int, world: int, rendezvous: str, failures) -> None:
+    """distributed.topk_mask on this rank's columns equals the whole row's top-k, for both
+    layouts, windows below, across and above one rank's columns, with a padding mask, and with
+    ties (values from a short list) that must go to the lowest global indices."""
+    from dmattn_ops import distributed as cp
+    from dmattn_ops import masks
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        length = 8 * world
+        g = torch.Generator().manual_seed(3)  # the same whole tensors on every rank
+        distinct = torch.randn(2, 3, 1, length, generator=g, dtype=torch.float64)
+        tied = torch.randint(0, 3, (2, 3, 1, length), generator=g).double()
+        pad = torch.rand(2, length, generator=g) < 0.8
+        for layout in ("zigzag", "contiguous"):
+            for window in (0, 1, 3, length // world + 1, length // 2, length - 1, length + 5):
+                for bias, mask in ((distinct, None), (distinct, pad), (tied, None), (tied, pad)):
+                    local_mask = None if mask is None else cp.shard(mask, 1, layout=layout)
+                    got = cp.topk_mask(cp.shard(bias, 3, layout=layout), window, local_mask,
+                                       layout=layout)  # fmt: skip
+                    got = cp.unshard(got, 3, layout=layout)
+                    m4 = None if mask is None else mask[:, None, None, :]
+                    want = _lowest_index_topk(bias, min(window, length), m4)
+                    what = f"{layout} window={window} ties={bias is tied} pad={mask is not None}"
+                    assert torch.equal(got, want), what
+                    if bias is distinct:  # without ties, exactly masks.topk_mask's selection
+                        assert torch.equal(got, masks.topk_mask(bias, window, mask)), what
+    except Exception:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _layer_worker(rank: int, world: int, rendezvous: str, failures) -> None:
+    """A DynamicMaskAttention layer put in context-parallel mode (distributed.parallelize) and
+    fed this rank's rows equals the same layer on the whole sequence: output, the input's
+    gradient, and every parameter's (summed over ranks), A and dt_proj included."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from helpers import assert_close
+
+    from dmattn_ops import distributed as cp
+    from dmattn_ops.nn import DynamicMaskAttention
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        for layout, window, causal in (("zigzag", 5, True), ("contiguous", 9, True),
+                                       ("zigzag", 7, False)):  # fmt: skip
+            torch.manual_seed(0)  # the same weights and input on every rank
+            layer = DynamicMaskAttention(32, 4, 2, window=window, is_causal=causal).double()
+            x = torch.randn(2, 6 * world, 32, dtype=torch.float64)
+            w = torch.randn(2, 6 * world, 32, dtype=torch.float64)
+            whole_x = x.clone().requires_grad_()
+            want = layer(whole_x)
+            (want * w).sum().backward()
+            wanted = {name: p.grad.clone() for name, p in layer.named_parameters()}
+            layer.zero_grad()
+            cp.parallelize(layer, layout=layout)
+            local_x = cp.shard(x, 1, layout=layout).requires_grad_()
+            out = layer(local_x)
+            (out * cp.shard(w, 1, layout=layout)).sum().backward()
+            what = f"{layout} window={window} causal={causal}"
+            got_out = cp.unshard(out.detach(), 1, layout=layout)
+            assert_close(got_out, want.detach(), 1e-12 * want.abs().max(), f"{what} out")
+            got_dx = cp.unshard(local_x.grad, 1, layout=layout)
+            assert_close(got_dx, whole_x.grad, 1e-12 * whole_x.grad.abs().max(), f"{what} dx")
+            for name, p in layer.named_parameters():
+                grad = p.grad.clone()
+                dist.all_reduce(grad)
+                bound = 1e-12 * wanted[name].abs().max() + 1e-300
+                assert_close(grad, wanted[name], bound, f"{what} d{name}")
+            cp.parallelize(layer, layout=None)
+            assert layer.context_parallel is None
+    except Exception:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn_worker(worker, world: int, tmp_path) -> None:
+    ctx = mp.get_context("spawn")
+    failures = ctx.SimpleQueue()
+    env = {"TRITON_INTERPRET": os.environ.pop("TRITON_INTERPRET", None)}
+    try:
+        mp.start_processes(worker, args=(world, str(tmp_path / "rdv"), failures), nprocs=world,
+                           start_method="spawn")  # fmt: skip
+    except mp.ProcessRaisedException:
+        messages = []
+        while not failures.empty():
+            messages.append(failures.get())
+        pytest.fail("\n".join(messages) or "a rank failed")
+    finally:
+        if env["TRITON_INTERPRET"] is not None:
+            os.environ["TRITON_INTERPRET"] = env["TRITON_INTERPRET"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_topk_mask_selects_over_the_whole_sequence(world, tmp_path):
+    _spawn_worker(_topk_worker, world, tmp_path)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_dma_layer_equals_the_whole_sequence_layer(world, tmp_path):
+    _spawn_worker(_layer_worker, world, tmp_path)
