@@ -4,7 +4,8 @@ Spawns `--world` processes (NCCL on GPUs, one GPU each; gloo on CPU for a smoke 
 one forward+backward of `dmattn_ops.distributed.ring_attention` on B1 H16 Hkv4 D128 (bf16 on
 GPUs), dense causal and DMA (a per-key bias and its top-L/4 mask), against
 `dmattn_ops.attention` on the whole sequence in one process. Reports step ms, the ratio
-(R GPUs over 1), and peak memory per GPU; a length that does not fit is reported as OOM.
+(R GPUs over 1), and peak memory: the one process's, and the largest of the R ranks' (measured
+with nothing of the one-process run alive); a length that does not fit is reported as OOM.
 """
 
 from __future__ import annotations
@@ -68,6 +69,28 @@ def _step(fn, tensors):
     return run
 
 
+def _measure(row: dict, name: str, fn, tensors, device) -> None:
+    """row[name + "_ms"] and row[name + "_gib"]: the median forward+backward step of fn over
+    tensors, and the device's peak memory from an emptied cache on ("OOM" as the time where
+    it does not fit). The step's leaves and their gradients are freed before it returns, so
+    that nothing of one measurement counts in the next one's peak."""
+    cuda = device.type == "cuda"
+    step = None
+    try:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        step = _step(fn, tensors)
+        row[name + "_ms"] = _time(step, device)
+        row[name + "_gib"] = _peak_gib(device)
+    except torch.OutOfMemoryError:
+        row[name + "_ms"] = "OOM"
+    finally:
+        step = None  # frees the leaves and gradients before the cache is emptied
+        if cuda:
+            torch.cuda.empty_cache()
+
+
 def _whole(q, k, v, mask, bias):
     import dmattn_ops
 
@@ -96,30 +119,18 @@ def _worker(rank, world, rendezvous, lengths, kinds, results):
                 row = dict(kind=kind, length=length)
                 q, k, v, mask, bias = _inputs(length, device, dtype, kind)
                 if rank == 0:  # one process, the whole sequence
-                    try:
-                        if cuda:
-                            torch.cuda.reset_peak_memory_stats(device)
-                        one = _step(_whole, (q, k, v, mask, bias))
-                        row["one_ms"] = _time(one, device)
-                        row["one_gib"] = _peak_gib(device)
-                    except torch.OutOfMemoryError:
-                        row["one_ms"] = "OOM"
-                    if cuda:
-                        torch.cuda.empty_cache()
+                    _measure(row, "one", _whole, (q, k, v, mask, bias), device)
                 dist.barrier()
                 part = [cp.shard(t, 1) for t in (q, k, v)]
                 m_part = cp.shard(mask, 3) if mask is not None else None
                 b_part = cp.shard(bias, 3) if bias is not None else None
                 del q, k, v, mask, bias
-                try:
-                    if cuda:
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats(device)
-                    ring = _step(_ring, (*part, m_part, b_part))
-                    row["ring_ms"] = _time(ring, device)
-                    row["ring_gib"] = _peak_gib(device)
-                except torch.OutOfMemoryError:
-                    row["ring_ms"] = "OOM"
+                _measure(row, "ring", _ring, (*part, m_part, b_part), device)
+                if cuda:
+                    # Every rank's peak: the table shows the largest.
+                    peak = torch.tensor([row.get("ring_gib") or 0.0], device=device)
+                    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                    row["ring_gib"] = peak.item()
                 if rank == 0:
                     results.put(row)
                 del part, m_part, b_part
@@ -143,7 +154,7 @@ def run(world: int, lengths, kinds) -> list[dict]:
 
 def table(rows, world: int) -> str:
     headers = ["kind", "L", "1 process ms", f"{world} processes ms", "ratio", "peak GiB 1",
-               f"peak GiB per rank ({world})"]  # fmt: skip
+               f"peak GiB, largest rank ({world})"]  # fmt: skip
     table = []
     for r in rows:
         one, ring = r.get("one_ms"), r.get("ring_ms")

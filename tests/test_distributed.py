@@ -105,20 +105,7 @@ def _worker(rank: int, world: int, rendezvous: str, failures, device_type: str =
 
 
 def _spawn(world: int, tmp_path, device_type: str) -> None:
-    ctx = mp.get_context("spawn")
-    failures = ctx.SimpleQueue()
-    env = {"TRITON_INTERPRET": os.environ.pop("TRITON_INTERPRET", None)}
-    try:
-        mp.start_processes(_worker, args=(world, str(tmp_path / "rdv"), failures, device_type),
-                           nprocs=world, start_method="spawn")  # fmt: skip
-    except mp.ProcessRaisedException:
-        messages = []
-        while not failures.empty():
-            messages.append(failures.get())
-        pytest.fail("\n".join(messages) or "a rank failed")
-    finally:
-        if env["TRITON_INTERPRET"] is not None:
-            os.environ["TRITON_INTERPRET"] = env["TRITON_INTERPRET"]
+    _spawn_worker(_worker, world, tmp_path, device_type)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -182,16 +169,7 @@ def _unequal_worker(rank: int, world: int, rendezvous: str, failures) -> None:
 
 
 def test_ring_attention_refuses_unequal_lengths_on_every_rank(tmp_path):
-    ctx = mp.get_context("spawn")
-    failures = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_unequal_worker, args=(2, str(tmp_path / "rdv"), failures), nprocs=2,
-                           start_method="spawn")  # fmt: skip
-    except mp.ProcessRaisedException:
-        messages = []
-        while not failures.empty():
-            messages.append(failures.get())
-        pytest.fail("\n".join(messages) or "a rank failed")
+    _spawn_worker(_unequal_worker, 2, tmp_path)
 
 
 def _lowest_index_topk(bias, window, mask):
@@ -288,13 +266,16 @@ def _layer_worker(rank: int, world: int, rendezvous: str, failures) -> None:
         dist.destroy_process_group()
 
 
-def _spawn_worker(worker, world: int, tmp_path) -> None:
+def _spawn_worker(worker, world: int, tmp_path, *extra) -> None:
+    """worker(rank, world, rendezvous, failures, *extra) in `world` spawned processes; a rank's
+    failure fails the test with every rank's traceback. The ranks run without the Triton
+    interpreter (the CPU path)."""
     ctx = mp.get_context("spawn")
     failures = ctx.SimpleQueue()
     env = {"TRITON_INTERPRET": os.environ.pop("TRITON_INTERPRET", None)}
     try:
-        mp.start_processes(worker, args=(world, str(tmp_path / "rdv"), failures), nprocs=world,
-                           start_method="spawn")  # fmt: skip
+        mp.start_processes(worker, args=(world, str(tmp_path / "rdv"), failures, *extra),
+                           nprocs=world, start_method="spawn")  # fmt: skip
     except mp.ProcessRaisedException:
         messages = []
         while not failures.empty():
