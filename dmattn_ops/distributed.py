@@ -14,6 +14,14 @@ balances causal work (every rank has an early and a late chunk); "contiguous" gi
 r. `shard` and `unshard` convert between whole tensors and this rank's part.
 
 Backends: NCCL on GPUs, gloo on CPU (any torch.distributed backend with point-to-point ops).
+
+Under torch.compile, `ring_attention` and `topk_mask` run eagerly (`torch.compiler.disable`):
+their point-to-point rings and all-gathers do not trace, and left to Dynamo they broke a
+DynamicMaskAttention layer's graph 15 times (data-dependent `.tolist()`, ints from
+torch.distributed); disabled, the graph breaks only around those calls (a layer: 2 breaks, 3
+graphs; two layers: 3 breaks) and the projections around them compile, forward and backward
+equal to eager (tests/test_distributed.py). `fullgraph=True` therefore refuses a model that
+calls them.
 """
 
 from __future__ import annotations
@@ -268,6 +276,7 @@ def _agree_across_ranks(query, key, value, error, group, fn) -> None:
         )
 
 
+@torch.compiler.disable
 def ring_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -307,6 +316,7 @@ def ring_attention(
     return _RingAttention.apply(query, key, value, mask, bias, ring)
 
 
+@torch.compiler.disable
 def topk_mask(
     bias: torch.Tensor,
     window: int,
