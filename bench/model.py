@@ -27,8 +27,9 @@ the graph and run our Python launchers.
 ``profile``: cProfile of those calls (forward+backward), the functions by own time.
 
 ``trace``: torch.profiler over five compiled model steps of each variant: GPU time per step
-by kernel, and the step's wall time against the sum of its kernels (the gap is host time the
-GPU waited for).
+by kernel, the attention kernels' time and TFLOP/s on the scores they compute (the causal work
+above times a causal call's), and the step's wall time against the sum of its kernels (the gap
+is host time the GPU waited for).
 
 ``host``: the host time to issue one call (20 calls without synchronising, queued behind a
 sleep kernel so that the GPU never waits on them: wall time / 20; the min and the median of 9
@@ -97,6 +98,15 @@ class Block(torch.nn.Module):
             return self.dense(x) if self.variant in DENSE else self.attn(x)
         h = self.norm(x)
         return x + (self.dense(h) if self.variant in DENSE else self.attn(h))
+
+
+# Attention's own kernels in a step's trace: ours, Hopper's, and SDPA's (cuDNN, flash).
+ATTENTION_KERNELS = ("attention_", "hopper_", "sdpa", "flash", "fmha", "compute_dot_do_o",
+                     "convert_dq")  # fmt: skip
+
+
+def is_attention_kernel(name: str) -> bool:
+    return any(part in name for part in ATTENTION_KERNELS)
 
 
 def causal_work(mask: torch.Tensor) -> float:
@@ -253,6 +263,14 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
         f"{kernels:.2f} ms of kernels, {sum(count.values()) // steps} launches")  # fmt: skip
     for name, ms in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
         log(f"  {ms:7.3f} ms x{count[name] // steps:<3d} {name[:90]}")
+    attention_ms = sum(ms for name, ms in total.items() if is_attention_kernel(name))
+    works = [1.0] * LAYERS if base in DENSE else selection_work(step.model, step.x)
+    b, n = SHAPES[shape]
+    # Forward 4 * D flops per computed score, forward + backward 3.5x that (bench/__main__.py).
+    flops = sum(works) * 3.5 * 4 * HEAD_DIM * HEADS * b * n * (n + 1) / 2
+    log(f"  attention kernels {attention_ms:.3f} ms per step (causal work "
+        f"{sum(works) / len(works):.3f}): {flops / attention_ms / 1e9:.0f} TFLOP/s on the "
+        "computed scores")  # fmt: skip
     spans.sort()
     gaps: dict[str, list[float]] = {}
     end = None
