@@ -26,12 +26,13 @@ calls them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from dmattn_ops.core.validate import check_flags, check_inputs
+from dmattn_ops.core.validate import NO_WINDOW, check_flags, check_inputs, check_window
 from dmattn_ops.executors.chunked import lse_split
 from dmattn_ops.masks import _allowed, rank_key
 from dmattn_ops.registration.calls import default_scale
@@ -90,21 +91,35 @@ class _Ring:
     is_causal: bool
     softcap: float
     deterministic: bool
+    window: tuple[int, int] = NO_WINDOW
 
     def ids(self, rank: int) -> tuple[int, ...]:
         return _chunk_ids(self.layout, rank, self.world)
 
     def pairs(self, src: int, rows: int):
-        """(query slice, key slice, causal) of each visible (local query chunk, key chunk of
-        rank src) pair; chunks have rows // len(ids) rows."""
+        """(query slice, key slice, is_causal, window_size) of the op call for each (local query
+        chunk, key chunk of rank src) pair in which some query sees some key; chunks have
+        rows // len(ids) rows. Pairs no query of which sees a key are skipped."""
         q_ids, k_ids = self.ids(self.rank), self.ids(src)
-        cq, ck = rows // len(q_ids), rows // len(k_ids)
+        n = rows // len(q_ids)
         for qi, a in enumerate(q_ids):
             for ki, c in enumerate(k_ids):
-                if self.is_causal and c > a:
-                    continue  # every key of chunk c lies after every query of chunk a
-                diagonal = self.is_causal and c == a
-                yield slice(qi * cq, (qi + 1) * cq), slice(ki * ck, (ki + 1) * ck), diagonal
+                call = _pair_call(self.band(), (c - a) * n, n)
+                if call is not None:
+                    (q0, q1), (k0, k1), causal, window = call
+                    yield (
+                        slice(qi * n + q0, qi * n + q1),
+                        slice(ki * n + k0, ki * n + k1),
+                        causal,
+                        window,
+                    )
+
+    def band(self) -> tuple[float, float]:
+        """The keys a query sees, as (lo, hi) on (key position - query position), global."""
+        left, right = self.window
+        lo = -left if left >= 0 else -math.inf
+        hi = right if right >= 0 else math.inf
+        return lo, min(hi, 0) if self.is_causal else hi
 
     def visits(self, key, value, mask, bias):
         """(src, k, v, m, b) for each ring step: the key-side blocks of rank src (this rank's
@@ -146,6 +161,33 @@ class _Ring:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
 
+def _pair_call(band, offset: int, n: int):
+    """How the op computes one block: n queries at global positions p + i against n keys at
+    p + offset + j, the keys visible where key - query lies in band = (lo, hi). Returns the
+    rows (q0, q1) and keys (k0, k1) that see anything, and the op's (is_causal, window_size)
+    over those slices; None when nothing is visible.
+
+    In local indices the band is j - i in [lo - offset, hi - offset]. The op aligns the slices'
+    ends (bottom-right: j - i - (Lk - Lq) in [-left, right]), so cutting rows or keys off the
+    end shifts its band: the slices end where the first invisible row and key begin, and the
+    window is what is left of the band around that shift (one side is then 0, or both are
+    unbounded)."""
+    lo, hi = band[0] - offset, band[1] - offset
+    if lo > n - 1 or hi < -(n - 1) or lo > hi:
+        return None
+    # j - i lies in [-(n - 1), n - 1]: a side beyond that bounds nothing.
+    lo = -math.inf if lo <= -(n - 1) else lo
+    hi = math.inf if hi >= n - 1 else hi
+    q0, q1 = int(max(0, -hi)), int(min(n, n - lo))
+    k0, k1 = int(max(0, lo)), int(min(n, n + hi))
+    shift = k1 - q1  # the op's band is [shift - left, shift + right]
+    left = -1 if lo == -math.inf else int(shift - lo)
+    right = -1 if hi == math.inf else int(hi - shift)
+    if (left, right) == (-1, 0) and q1 - q0 == k1 - k0:
+        return (q0, q1), (k0, k1), True, NO_WINDOW  # a causal block, as the op knows it
+    return (q0, q1), (k0, k1), False, (left, right)
+
+
 def _cols(t, s: slice):
     return None if t is None else t[..., s]
 
@@ -180,10 +222,10 @@ class _RingAttention(torch.autograd.Function):
         top = torch.full((b, h, rows), float("-inf"), dtype=stats, device=query.device)
         log_sum = torch.zeros_like(top)
         for src, k, v, m, bb in ring.visits(key, value, mask, bias):
-            for qs, ks, diagonal in ring.pairs(src, rows):
+            for qs, ks, causal, window in ring.pairs(src, rows):
                 o, l_o, rem_o = torch.ops.dmattn.attention_forward(
                     query[:, qs], k[:, ks], v[:, ks], _cols(m, ks), _cols(bb, ks), ring.scale,
-                    diagonal, ring.softcap, None, ring.deterministic,
+                    causal, ring.softcap, None, ring.deterministic, window,
                 )  # fmt: skip
                 out[:, qs], top[:, :, qs], log_sum[:, :, qs] = _merge(
                     out[:, qs], top[:, :, qs], log_sum[:, :, qs], o, l_o, rem_o.to(stats)
@@ -208,11 +250,11 @@ class _RingAttention(torch.autograd.Function):
         db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_dbias else None
         grad_out = grad_out.contiguous()
         for src, k, v, m, bb in ring.visits(key, value, mask, bias):
-            for qs, ks, diagonal in ring.pairs(src, rows):
+            for qs, ks, causal, window in ring.pairs(src, rows):
                 g = torch.ops.dmattn.attention_backward(
                     grad_out[:, qs], None, query[:, qs], k[:, ks], v[:, ks], out[:, qs],
                     lse[:, :, qs], lse_rem[:, :, qs], _cols(m, ks), _cols(bb, ks), ring.scale,
-                    diagonal, ring.softcap, None, ring.deterministic, need_dbias,
+                    causal, ring.softcap, None, ring.deterministic, need_dbias, window,
                 )  # fmt: skip
                 dq[:, qs] += g[0]
                 dk[:, ks] += g[1]
@@ -290,6 +332,7 @@ def ring_attention(
     softcap: float = 0.0,
     deterministic: bool = False,
     layout: str = "zigzag",
+    window_size: tuple[int, int] = (-1, -1),
 ) -> torch.Tensor:
     """`dmattn_ops.attention` over a sequence sharded across the ranks of `group`; returns this
     rank's output rows (B, L/R, H, Dv).
@@ -297,21 +340,25 @@ def ring_attention(
     query (B, L/R, H, D), key/value (B, L/R, Hkv, D|Dv): this rank's rows (`shard` with the same
     layout), every rank the same length. mask and bias: per key, shared by all queries,
     (B|1, H|Hkv|1, 1, L/R), sharded along their last dim like the keys. Causal masking is on
-    global positions (query and key sequences of the same length). Differentiable in query,
-    key, value and bias; bias's gradient comes back for this rank's columns.
+    global positions (query and key sequences of the same length), and so is window_size
+    (left, right), as attention's: a query at position i sees keys i - left .. i + right (-1:
+    unbounded). A (query chunk, key chunk) block that no query of it sees is not computed, and
+    of the others only the rows and keys that see something. Differentiable in query, key,
+    value and bias; bias's gradient comes back for this rank's columns.
     """
     fn = "dmattn.distributed.ring_attention"
     world, rank = _world(group)
     try:
         _check_local(query, key, value, mask, bias, scale, softcap, is_causal, deterministic,
                      layout, rank, world, fn)  # fmt: skip
+        window = check_window(window_size, fn)
         error = None
     except (TypeError, ValueError) as e:
         error = e
     _agree_across_ranks(query, key, value, error, group, fn)
     ring = _Ring(
         group, world, rank, layout, default_scale(query) if scale is None else float(scale),
-        is_causal, float(softcap), deterministic,
+        is_causal, float(softcap), deterministic, window,
     )  # fmt: skip
     return _RingAttention.apply(query, key, value, mask, bias, ring)
 

@@ -266,6 +266,65 @@ def _layer_worker(rank: int, world: int, rendezvous: str, failures) -> None:
         dist.destroy_process_group()
 
 
+def _window_worker(rank: int, world: int, rendezvous: str, failures) -> None:
+    """ring_attention with window_size equals attention on the whole sequence with it: windows
+    inside one chunk, across chunks and ranks, one-sided and two-sided, causal or not, with a
+    per-key mask and bias (out and every gradient, float64)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from helpers import assert_close, float64_grad_bound
+
+    import dmattn_ops
+    from dmattn_ops import distributed as cp
+    from dmattn_ops import reference
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        chunk = 4
+        length = 2 * world * chunk
+        cases = [
+            ("zigzag", True, (2, -1)),  # a few keys back: most blocks are skipped
+            ("zigzag", True, (chunk + 1, 0)),  # across one chunk boundary
+            ("contiguous", True, (length // 2, -1)),
+            ("zigzag", False, (3, 2)),
+            ("contiguous", False, (-1, 1)),
+            ("zigzag", False, (0, chunk * 2 + 1)),
+            ("contiguous", False, (length, length)),  # wider than the sequence: no window
+        ]
+        for layout, is_causal, window in cases:
+            g = torch.Generator().manual_seed(11)
+            b, h, hkv, d = 2, 4, 2, 8
+            q = torch.randn(b, length, h, d, generator=g, dtype=torch.float64)
+            k = torch.randn(b, length, hkv, d, generator=g, dtype=torch.float64)
+            v = torch.randn(b, length, hkv, d, generator=g, dtype=torch.float64)
+            bias = torch.randn(b, hkv, 1, length, generator=g, dtype=torch.float64)
+            mask = torch.rand(b, 1, 1, length, generator=g) < 0.7
+            w = torch.randn(b, length, h, d, generator=g, dtype=torch.float64)
+            kw = dict(is_causal=is_causal, window_size=window)
+            whole = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+            want = dmattn_ops.attention(*whole[:3], mask, whole[3], **kw)
+            (want * w).sum().backward()
+            _, lse = reference.attention(q, k, v, mask, bias, return_lse=True, **kw)
+            wanted = [want.detach()] + [t.grad for t in whole]
+
+            local = [cp.shard(t, 1, layout=layout).requires_grad_() for t in (q, k, v)]
+            local_bias = cp.shard(bias, 3, layout=layout).requires_grad_()
+            out = cp.ring_attention(*local, cp.shard(mask, 3, layout=layout), local_bias,
+                                    layout=layout, **kw)  # fmt: skip
+            (out * cp.shard(w, 1, layout=layout)).sum().backward()
+            got = [cp.unshard(out.detach(), 1, layout=layout)]
+            got += [cp.unshard(t.grad, 1, layout=layout) for t in local]
+            got.append(cp.unshard(local_bias.grad, 3, layout=layout))
+            what = f"{layout} causal={is_causal} window={window}"
+            for name, a, e in zip(("out", "dq", "dk", "dv", "dbias"), got, wanted):
+                assert_close(a, e, float64_grad_bound(e, lse), f"{what} {name}")
+    except Exception:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
 def _compiled_worker(rank: int, world: int, rendezvous: str, failures) -> None:
     """A model of two DMA layers in context-parallel mode under torch.compile: Dynamo breaks
     the graph only around the topk_mask and ring_attention calls (run eagerly, at most two
@@ -334,6 +393,11 @@ def test_topk_mask_selects_over_the_whole_sequence(world, tmp_path):
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_dma_layer_equals_the_whole_sequence_layer(world, tmp_path):
     _spawn_worker(_layer_worker, world, tmp_path)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_attention_with_windows_equals_attention(world, tmp_path):
+    _spawn_worker(_window_worker, world, tmp_path)
 
 
 def test_sharded_dma_model_compiles_with_two_breaks_per_layer(tmp_path):
