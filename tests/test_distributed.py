@@ -3,6 +3,7 @@ sequence, outputs and every gradient (issue 17). On CPU (gloo, float64) against
 dmattn_ops.attention to float64 rounding; on GPUs (NCCL, bf16, one GPU per rank; needs two)
 against the float64 oracle, within PyTorch's own bf16 error (tests/helpers.py)."""
 
+import contextlib
 import os
 import sys
 import traceback
@@ -25,6 +26,21 @@ CONFIGS = [
     ("contiguous", False, True, 4, 2, 0.0, torch.finfo(torch.float64).min),
     ("contiguous", True, True, 2, 1, 0.0, -1e8),
 ]
+
+
+@contextlib.contextmanager
+def _process_group(rank: int, world: int, rendezvous: str, failures):
+    """A gloo group of `world` processes for the body; a failure is queued with its traceback
+    (the test prints every rank's) and raised."""
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        yield
+    except Exception:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
 
 
 def _worker(rank: int, world: int, rendezvous: str, failures, device_type: str = "cpu") -> None:
@@ -138,9 +154,7 @@ def test_shard_and_unshard_refuse_lengths_that_do_not_divide(tmp_path):
 def _unequal_worker(rank: int, world: int, rendezvous: str, failures) -> None:
     from dmattn_ops import distributed as cp
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=world)  # fmt: skip
-    try:
+    with _process_group(rank, world, rendezvous, failures):
         rows = 4 if rank == 0 else 6
         q = torch.randn(1, rows, 2, 8)
         try:
@@ -161,11 +175,6 @@ def _unequal_worker(rank: int, world: int, rendezvous: str, failures) -> None:
             assert rank == 1 or "rank(s) [1] refused" in str(e), str(e)
         else:
             raise AssertionError("a refused call ran")
-    except Exception:
-        failures.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ring_attention_refuses_unequal_lengths_on_every_rank(tmp_path):
@@ -191,9 +200,7 @@ def _topk_worker(rank: int, world: int, rendezvous: str, failures) -> None:
     from dmattn_ops import distributed as cp
     from dmattn_ops import masks
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=world)  # fmt: skip
-    try:
+    with _process_group(rank, world, rendezvous, failures):
         length = 8 * world
         g = torch.Generator().manual_seed(3)  # the same whole tensors on every rank
         distinct = torch.randn(2, 3, 1, length, generator=g, dtype=torch.float64)
@@ -212,11 +219,6 @@ def _topk_worker(rank: int, world: int, rendezvous: str, failures) -> None:
                     assert torch.equal(got, want), what
                     if bias is distinct:  # without ties, exactly masks.topk_mask's selection
                         assert torch.equal(got, masks.topk_mask(bias, window, mask)), what
-    except Exception:
-        failures.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _layer_worker(rank: int, world: int, rendezvous: str, failures) -> None:
@@ -229,9 +231,7 @@ def _layer_worker(rank: int, world: int, rendezvous: str, failures) -> None:
     from dmattn_ops import distributed as cp
     from dmattn_ops.nn import DynamicMaskAttention
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=world)  # fmt: skip
-    try:
+    with _process_group(rank, world, rendezvous, failures):
         for layout, window, causal in (("zigzag", 5, True), ("contiguous", 9, True),
                                        ("zigzag", 7, False)):  # fmt: skip
             torch.manual_seed(0)  # the same weights and input on every rank
@@ -259,11 +259,6 @@ def _layer_worker(rank: int, world: int, rendezvous: str, failures) -> None:
                 assert_close(grad, wanted[name], bound, f"{what} d{name}")
             cp.parallelize(layer, layout=None)
             assert layer.context_parallel is None
-    except Exception:
-        failures.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _window_worker(rank: int, world: int, rendezvous: str, failures) -> None:
@@ -277,9 +272,7 @@ def _window_worker(rank: int, world: int, rendezvous: str, failures) -> None:
     from dmattn_ops import distributed as cp
     from dmattn_ops import reference
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=world)  # fmt: skip
-    try:
+    with _process_group(rank, world, rendezvous, failures):
         chunk = 4
         length = 2 * world * chunk
         cases = [
@@ -318,11 +311,6 @@ def _window_worker(rank: int, world: int, rendezvous: str, failures) -> None:
             what = f"{layout} causal={is_causal} window={window}"
             for name, a, e in zip(("out", "dq", "dk", "dv", "dbias"), got, wanted):
                 assert_close(a, e, float64_grad_bound(e, lse), f"{what} {name}")
-    except Exception:
-        failures.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _compiled_worker(rank: int, world: int, rendezvous: str, failures) -> None:
@@ -335,9 +323,7 @@ def _compiled_worker(rank: int, world: int, rendezvous: str, failures) -> None:
     from dmattn_ops import distributed as cp
     from dmattn_ops.nn import DynamicMaskAttention
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=world)  # fmt: skip
-    try:
+    with _process_group(rank, world, rendezvous, failures):
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             *(DynamicMaskAttention(32, 4, 2, window=5).double() for _ in range(2))
@@ -358,11 +344,6 @@ def _compiled_worker(rank: int, world: int, rendezvous: str, failures) -> None:
             runs.append([out.detach(), leaf.grad, *(p.grad for p in model.parameters())])
         for eager, compiled in zip(*runs):
             torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=1e-12)
-    except Exception:
-        failures.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn_worker(worker, world: int, tmp_path, *extra) -> None:
