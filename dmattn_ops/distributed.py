@@ -32,8 +32,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dmattn_ops.core.validate import NO_WINDOW, check_flags, check_inputs, check_window
-from dmattn_ops.executors.chunked import lse_split
+from dmattn_ops.core.validate import (
+    NO_WINDOW,
+    check_flags,
+    check_inputs,
+    check_sinks,
+    check_window,
+)
+from dmattn_ops.executors.chunked import join_sinks, lse_split, row_delta, sinks_grad
 from dmattn_ops.masks import _allowed, rank_key
 from dmattn_ops.registration.calls import default_scale
 
@@ -214,7 +220,7 @@ def _merge(out, m, lg, o, lse_o, rem_o):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, mask, bias, ring: _Ring):
+    def forward(ctx, query, key, value, mask, bias, sinks, ring: _Ring):
         rows = query.shape[1]
         stats = torch.float64 if query.dtype == torch.float64 else torch.float32
         b, _, h, _ = query.shape
@@ -230,16 +236,18 @@ class _RingAttention(torch.autograd.Function):
                 out[:, qs], top[:, :, qs], log_sum[:, :, qs] = _merge(
                     out[:, qs], top[:, :, qs], log_sum[:, :, qs], o, l_o, rem_o.to(stats)
                 )
-        out = out.to(query.dtype)
-        # (lse, lse_rem) as the forward op hands them to the backward op.
+        # (lse, lse_rem) as the forward op hands them to the backward op; the sinks join once,
+        # after every block (each row's softmax has one sink, not one per block).
         lse, lse_rem = lse_split(top, log_sum, top > float("-inf"))
-        ctx.save_for_backward(query, key, value, mask, bias, out, lse, lse_rem)
+        out, lse, lse_rem = join_sinks(out, lse, lse_rem, sinks)
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, key, value, mask, bias, sinks, out, lse, lse_rem)
         ctx.ring = ring
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, mask, bias, out, lse, lse_rem = ctx.saved_tensors
+        query, key, value, mask, bias, sinks, out, lse, lse_rem = ctx.saved_tensors
         ring = ctx.ring
         rows = query.shape[1]
         need_dbias = bias is not None and ctx.needs_input_grad[4]
@@ -267,8 +275,13 @@ class _RingAttention(torch.autograd.Function):
                 grads = [dk, dv] + ([db] if need_dbias else [])
                 dk, dv, *rest = ring.exchange(grads)()
                 db = rest[0] if need_dbias else None
+        # With the joined out and lse, the blocks' backward is the sinks' softmax already;
+        # dsinks is this rank's rows' share (chunked.sinks_grad).
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[5]:
+            dsinks = sinks_grad(sinks, lse, lse_rem, row_delta(out, grad_out, None))
         return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None,
-                db.to(bias.dtype) if need_dbias else None, None)  # fmt: skip
+                db.to(bias.dtype) if need_dbias else None, dsinks, None)  # fmt: skip
 
 
 def _check_local(
@@ -333,6 +346,7 @@ def ring_attention(
     deterministic: bool = False,
     layout: str = "zigzag",
     window_size: tuple[int, int] = (-1, -1),
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`dmattn_ops.attention` over a sequence sharded across the ranks of `group`; returns this
     rank's output rows (B, L/R, H, Dv).
@@ -343,8 +357,11 @@ def ring_attention(
     global positions (query and key sequences of the same length), and so is window_size
     (left, right), as attention's: a query at position i sees keys i - left .. i + right (-1:
     unbounded). A (query chunk, key chunk) block that no query of it sees is not computed, and
-    of the others only the rows and keys that see something. Differentiable in query, key,
-    value and bias; bias's gradient comes back for this rank's columns.
+    of the others only the rows and keys that see something. sinks (H,), as attention's: one
+    more logit per head in every row's softmax, joined once after the ring. Differentiable in
+    query, key, value, bias and sinks; bias's gradient comes back for this rank's columns,
+    sinks' as this rank's rows' share (sum it over the ranks, as for any parameter every rank
+    holds).
     """
     fn = "dmattn.distributed.ring_attention"
     world, rank = _world(group)
@@ -352,6 +369,7 @@ def ring_attention(
         _check_local(query, key, value, mask, bias, scale, softcap, is_causal, deterministic,
                      layout, rank, world, fn)  # fmt: skip
         window = check_window(window_size, fn)
+        check_sinks(sinks, query, fn)
         error = None
     except (TypeError, ValueError) as e:
         error = e
@@ -360,7 +378,7 @@ def ring_attention(
         group, world, rank, layout, default_scale(query) if scale is None else float(scale),
         is_causal, float(softcap), deterministic, window,
     )  # fmt: skip
-    return _RingAttention.apply(query, key, value, mask, bias, ring)
+    return _RingAttention.apply(query, key, value, mask, bias, sinks, ring)
 
 
 @torch.compiler.disable

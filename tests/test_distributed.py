@@ -262,9 +262,10 @@ def _layer_worker(rank: int, world: int, rendezvous: str, failures) -> None:
 
 
 def _window_worker(rank: int, world: int, rendezvous: str, failures) -> None:
-    """ring_attention with window_size equals attention on the whole sequence with it: windows
-    inside one chunk, across chunks and ranks, one-sided and two-sided, causal or not, with a
-    per-key mask and bias (out and every gradient, float64)."""
+    """ring_attention with window_size and sinks equals attention on the whole sequence with
+    them: windows inside one chunk, across chunks and ranks, one-sided and two-sided, causal or
+    not, with a per-key mask and bias, sinks (one of them -inf) with or without a window (out
+    and every gradient, dsinks summed over ranks; float64)."""
     sys.path.insert(0, os.path.dirname(__file__))
     from helpers import assert_close, float64_grad_bound
 
@@ -276,15 +277,18 @@ def _window_worker(rank: int, world: int, rendezvous: str, failures) -> None:
         chunk = 4
         length = 2 * world * chunk
         cases = [
-            ("zigzag", True, (2, -1)),  # a few keys back: most blocks are skipped
-            ("zigzag", True, (chunk + 1, 0)),  # across one chunk boundary
-            ("contiguous", True, (length // 2, -1)),
-            ("zigzag", False, (3, 2)),
-            ("contiguous", False, (-1, 1)),
-            ("zigzag", False, (0, chunk * 2 + 1)),
-            ("contiguous", False, (length, length)),  # wider than the sequence: no window
+            ("zigzag", True, (2, -1), False),  # a few keys back: most blocks are skipped
+            ("zigzag", True, (chunk + 1, 0), False),  # across one chunk boundary
+            ("contiguous", True, (length // 2, -1), False),
+            ("zigzag", False, (3, 2), False),
+            ("contiguous", False, (-1, 1), False),
+            ("zigzag", False, (0, chunk * 2 + 1), False),
+            ("contiguous", False, (length, length), False),  # wider than the sequence
+            ("zigzag", True, (-1, -1), True),
+            ("contiguous", True, (3, 0), True),
+            ("zigzag", False, (2, 5), True),
         ]
-        for layout, is_causal, window in cases:
+        for layout, is_causal, window, with_sinks in cases:
             g = torch.Generator().manual_seed(11)
             b, h, hkv, d = 2, 4, 2, 8
             q = torch.randn(b, length, h, d, generator=g, dtype=torch.float64)
@@ -293,23 +297,34 @@ def _window_worker(rank: int, world: int, rendezvous: str, failures) -> None:
             bias = torch.randn(b, hkv, 1, length, generator=g, dtype=torch.float64)
             mask = torch.rand(b, 1, 1, length, generator=g) < 0.7
             w = torch.randn(b, length, h, d, generator=g, dtype=torch.float64)
+            sinks = None
+            if with_sinks:
+                sinks = torch.randn(h, generator=g, dtype=torch.float64)
+                sinks[1] = float("-inf")  # no sink for that head
             kw = dict(is_causal=is_causal, window_size=window)
             whole = [t.clone().requires_grad_() for t in (q, k, v, bias)]
-            want = dmattn_ops.attention(*whole[:3], mask, whole[3], **kw)
+            whole_sinks = sinks.clone().requires_grad_() if with_sinks else None
+            want = dmattn_ops.attention(*whole[:3], mask, whole[3], sinks=whole_sinks, **kw)
             (want * w).sum().backward()
-            _, lse = reference.attention(q, k, v, mask, bias, return_lse=True, **kw)
+            _, lse = reference.attention(q, k, v, mask, bias, return_lse=True, sinks=sinks, **kw)
             wanted = [want.detach()] + [t.grad for t in whole]
 
             local = [cp.shard(t, 1, layout=layout).requires_grad_() for t in (q, k, v)]
             local_bias = cp.shard(bias, 3, layout=layout).requires_grad_()
+            local_sinks = sinks.clone().requires_grad_() if with_sinks else None
             out = cp.ring_attention(*local, cp.shard(mask, 3, layout=layout), local_bias,
-                                    layout=layout, **kw)  # fmt: skip
+                                    layout=layout, sinks=local_sinks, **kw)  # fmt: skip
             (out * cp.shard(w, 1, layout=layout)).sum().backward()
             got = [cp.unshard(out.detach(), 1, layout=layout)]
             got += [cp.unshard(t.grad, 1, layout=layout) for t in local]
             got.append(cp.unshard(local_bias.grad, 3, layout=layout))
-            what = f"{layout} causal={is_causal} window={window}"
-            for name, a, e in zip(("out", "dq", "dk", "dv", "dbias"), got, wanted):
+            if with_sinks:
+                dsinks = local_sinks.grad.clone()
+                dist.all_reduce(dsinks)  # each rank's rows' share
+                got.append(dsinks)
+                wanted.append(whole_sinks.grad)
+            what = f"{layout} causal={is_causal} window={window} sinks={with_sinks}"
+            for name, a, e in zip(("out", "dq", "dk", "dv", "dbias", "dsinks"), got, wanted):
                 assert_close(a, e, float64_grad_bound(e, lse), f"{what} {name}")
 
 
@@ -377,7 +392,7 @@ def test_sharded_dma_layer_equals_the_whole_sequence_layer(world, tmp_path):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_ring_attention_with_windows_equals_attention(world, tmp_path):
+def test_ring_attention_with_windows_and_sinks_equals_attention(world, tmp_path):
     _spawn_worker(_window_worker, world, tmp_path)
 
 
