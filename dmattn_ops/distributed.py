@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dmattn_ops.core.band import UNBOUNDED, Band
 from dmattn_ops.core.validate import (
     NO_WINDOW,
     check_flags,
@@ -107,10 +108,10 @@ class _Ring:
         chunk, key chunk of rank src) pair in which some query sees some key; chunks have
         rows // len(ids) rows. Pairs no query of which sees a key are skipped."""
         q_ids, k_ids = self.ids(self.rank), self.ids(src)
-        n = rows // len(q_ids)
+        n, band = rows // len(q_ids), self.band()
         for qi, a in enumerate(q_ids):
             for ki, c in enumerate(k_ids):
-                call = _pair_call(self.band(), (c - a) * n, n)
+                call = _pair_call(band, (c - a) * n, n)
                 if call is not None:
                     (q0, q1), (k0, k1), causal, window = call
                     yield (
@@ -121,11 +122,14 @@ class _Ring:
                     )
 
     def band(self) -> tuple[float, float]:
-        """The keys a query sees, as (lo, hi) on (key position - query position), global."""
-        left, right = self.window
-        lo = -left if left >= 0 else -math.inf
-        hi = right if right >= 0 else math.inf
-        return lo, min(hi, 0) if self.is_causal else hi
+        """The keys a query sees, as (lo, hi) on (key position - query position), global: the
+        kernels' Band (causality folded into the window's right side), unbounded sides as
+        infinities."""
+        band = Band.of(self.is_causal, self.window)
+        if not band.has_window:
+            return -math.inf, 0 if band.is_causal else math.inf
+        lo = -math.inf if band.left == UNBOUNDED else -band.left
+        return lo, math.inf if band.right == UNBOUNDED else band.right
 
     def visits(self, key, value, mask, bias):
         """(src, k, v, m, b) for each ring step: the key-side blocks of rank src (this rank's
@@ -446,9 +450,8 @@ def topk_mask(
     for r, c in enumerate(gathered):
         for slot, cid in enumerate(_chunk_ids(layout, r, world)):
             ties_by_chunk[cid] = c[..., 1 + slot]
-    before = torch.cumsum(torch.stack(ties_by_chunk, dim=-1), dim=-1) - torch.stack(
-        ties_by_chunk, dim=-1
-    )  # ties in the chunks before each chunk, [..., chunks]
+    ties = torch.stack(ties_by_chunk, dim=-1)  # [..., chunks]
+    before = ties.cumsum(-1) - ties  # ties in the chunks before each chunk
     # 3. A tie is kept when fewer than (k - above_all) ties precede it in global key order.
     order = torch.cumsum(tied_chunks.to(torch.int64), dim=-1) - 1
     order = order + before[..., list(ids)].unsqueeze(-1)
