@@ -106,6 +106,8 @@ ATTENTION_KERNELS = ("attention_", "hopper_", "sdpa", "flash", "fmha", "compute_
 
 
 def is_attention_kernel(name: str) -> bool:
+    """Whether a profiled kernel's name is one of ATTENTION_KERNELS' (top-k, key lists and the
+    bias path are not: they count as the DMA layer's glue)."""
     return any(part in name for part in ATTENTION_KERNELS)
 
 
