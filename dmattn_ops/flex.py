@@ -31,6 +31,7 @@ import weakref
 
 import torch
 
+from dmattn_ops.core.operands import is_limit, mask_rows
 from dmattn_ops.core.validate import (
     NO_WINDOW,
     check_backend,
@@ -81,6 +82,7 @@ def make_mask_mod(
 ):
     """mask_mod for flex: True where the key is allowed (README "Semantics")."""
     left, right = window
+    limit = is_limit(mask)
 
     def mask_mod(b, hi, qi, kj):
         n = seqused_k[b] if seqused_k is not None else lk
@@ -94,8 +96,11 @@ def make_mask_mod(
             ok = ok & (kj <= pos + right)
         if mask is not None:
             bm = b if mask.shape[0] > 1 else 0
-            qm = qi if mask.shape[2] > 1 else 0
-            ok = ok & mask[bm, _head_index(hi, mask, h, hkv), qm, kj]
+            if limit:  # a row-limit mask: key kj is seen by rows qi < its limit
+                ok = ok & (qi < mask[bm, _head_index(hi, mask, h, hkv), 0, kj])
+            else:
+                qm = qi if mask.shape[2] > 1 else 0
+                ok = ok & mask[bm, _head_index(hi, mask, h, hkv), qm, kj]
         return ok
 
     return mask_mod
@@ -138,7 +143,7 @@ def row_shift(mask, bias, seqused_k, is_causal, b, h, hkv, lq, lk, window=NO_WIN
     j = torch.arange(lk, device=dev)
     allowed = (j[None, :] < n[:, None])[:, None, None, :]  # [B|1, 1, 1, Lk]
     if mask is not None:
-        allowed = allowed & _per_head(mask, h, hkv)
+        allowed = allowed & _per_head(mask_rows(mask, 0, lq) if is_limit(mask) else mask, h, hkv)
     x = torch.where(allowed, _per_head(bias, h, hkv).float(), float("-inf"))
     if has_window(window):
         best = _band_max(x, n, lq, lk, h, is_causal, window)

@@ -52,7 +52,8 @@ def attention(
     r"""Dynamic Mask Attention, computed naively (the test oracle). `attention`'s signature;
     kernel_options choose among this library's kernels, so any raises here.
 
-    Shapes: query (B, Lq, H, D), key (B, Lk, Hkv, D), value (B, Lk, Hkv, Dv); mask (bool) and
+    Shapes: query (B, Lq, H, D), key (B, Lk, Hkv, D), value (B, Lk, Hkv, Dv); mask (bool, or an
+    int32 row-limit mask (B|1, H|Hkv|1, 1, Lk): mask[b, h, i, j] reads i < mask[b, h, 0, j]) and
     bias each (B|1, H|Hkv|1, Lq|1, Lk); seqused_k int32 (B,). Returns out (B, Lq, H, Dv) in
     query's dtype, and with ``return_lse`` also lse float32 (B, H, Lq).
 
@@ -109,6 +110,8 @@ def attention(
     v = value.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, Lk, Dv]
     allowed = key_ok[:, None, None, :]  # [B, 1, 1, Lk]
     if mask is not None:
+        if mask.dtype == torch.int32:  # a row-limit mask: key j is seen by rows i < mask[j]
+            mask = i.view(lq, 1) < mask
         allowed = allowed & _per_query_head(mask, h, hkv)
     pos = i[None, :, None] + (n - lq)[:, None, None]  # [B, Lq, 1]: aligned query positions
     if is_causal:

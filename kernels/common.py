@@ -10,9 +10,12 @@ LN2 = tl.constexpr(0.6931471805599453)
 # have one entry per key, broadcast over the queries (query stride 0), and are loaded once per
 # tile column instead of once per score; PER_ENTRY operands have their own query rows.
 # Masks arrive as the caller's bool tensors (Triton reads a bool pointer as bytes); every kernel
-# tests the loaded entries with != 0.
+# tests the loaded entries with != 0. LIMIT: a row-limit mask (int32, one entry per key, loaded
+# as PER_KEY ones are): key j is allowed to the query rows i < mask[j]; the key lists hold its
+# keys of limit > 0, and the kernels test the limit in every score tile of them.
 PER_KEY = tl.constexpr(1)
 PER_ENTRY = tl.constexpr(2)
+LIMIT = tl.constexpr(3)
 
 # What the forward and dq kernels' COMPACT constexpr holds for a mask shared by all queries
 # (0, dense or tile tables, is falsy). LISTED: K, V and a per-key bias are read at the keys a
@@ -179,7 +182,8 @@ def score_tile(
     allowed to row i only if p - win_left <= j <= p + win_right, p = i + n_keys - Lq (the
     launcher folds causality into win_right and passes IS_CAUSAL False).
 
-    HAS_MASK / HAS_BIAS are 0 (absent), PER_KEY or PER_ENTRY (see above). A PER_KEY operand is
+    HAS_MASK / HAS_BIAS are 0 (absent), PER_KEY or PER_ENTRY (see above); HAS_MASK may also be
+    LIMIT (a row-limit mask, tested as r_m < limit). A PER_KEY operand is
     loaded with the shape of r_n and broadcast: a per-entry pointer tensor would issue BLOCK_M
     loads of every element (its query stride of 0 is a runtime value).
     """
@@ -199,7 +203,10 @@ def score_tile(
             p_mask, o_m, o_n, stride_mask_m, stride_mask_n, r_n < n_keys, m_in, 0, HAS_MASK,
             BOUNDARY,
         )  # fmt: skip
-        m_allowed = b_mask != 0
+        if HAS_MASK == LIMIT:
+            m_allowed = r_m < b_mask
+        else:
+            m_allowed = b_mask != 0
     if BOUNDARY:
         m_allowed = m_allowed & m_in if HAS_MASK else m_in
         if IS_CAUSAL:
@@ -226,7 +233,7 @@ def load_operand(
     """Mask or bias entries of a score tile: with the shape of o_n when KIND is PER_KEY, else
     of the whole tile. BOUNDARY loads are predicated on the bounds (m_n: key < n_keys, for a
     PER_KEY operand; m_in: row and key in bounds, for a PER_ENTRY one)."""
-    if KIND == PER_KEY:
+    if KIND == PER_KEY or KIND == LIMIT:
         ptr = p + o_n * stride_n
         inside = m_n
     else:

@@ -94,7 +94,9 @@ def key_lists_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """Batched key lists, and with PACK the packed rows, in one launch. One program per
+    """Batched key lists, and with PACK the packed rows, in one launch. The allowed keys are
+    those whose mask entry is > 0: True in a bool mask, a limit above 0 in a row-limit mask
+    (whose limits the attention kernels then test per score). One program per
     (CHUNK keys, batch b, KV group g); mask head (g * G) // mask_hdiv. A program counts the
     allowed keys before its chunk (one pass over them, SCAN at a time), so no program waits for
     another, and then for its own keys:
@@ -133,11 +135,11 @@ def key_lists_kernel(
     base = 0
     for s in range(0, c0, SCAN):
         j = s + tl.arange(0, SCAN)
-        a = tl.load(row + j.to(tl.int64) * stride_mn, mask=j < c0, other=0) != 0
+        a = tl.load(row + j.to(tl.int64) * stride_mn, mask=j < c0, other=0).to(tl.int32) > 0
         base += tl.sum(a.to(tl.int32), 0)
     j = c0 + tl.arange(0, CHUNK)
     in_k = j < Lk
-    a = (tl.load(row + j.to(tl.int64) * stride_mn, mask=in_k, other=0) != 0).to(tl.int32)
+    a = (tl.load(row + j.to(tl.int64) * stride_mn, mask=in_k, other=0).to(tl.int32) > 0).to(tl.int32)
     inclusive = base + tl.cumsum(a, 0)
     keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h
     tl.store(keys + inclusive - 1, j, mask=a * writes_keys != 0)

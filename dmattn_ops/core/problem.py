@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dmattn_ops.core.band import Band
+from dmattn_ops.core.operands import is_limit
 
 DENSE, SEQUSED, VARLEN = "dense", "seqused_k", "cu_seqlens"
 
@@ -114,10 +115,13 @@ class Problem:
 
     def collapsed(self, grad_bias: bool = False) -> Problem:
         """The problem as the kernels take it: broadcast dims of mask (and of bias, unless its
-        gradient keeps the caller's shape) collapsed, index tensors dense. The problem itself
+        gradient keeps the caller's shape) collapsed, a row-limit mask of one query row as
+        the bool mask it is, index tensors dense. The problem itself
         where nothing changes (the common case: no expanded views)."""
         varlen = self.varlen
         mask = self.mask if varlen else collapse_broadcast(self.mask)
+        if is_limit(mask) and self.lq == 1:
+            mask = mask > 0  # one query row: the keys of limit > 0 (decode takes a bool mask)
         bias = self.bias if grad_bias or varlen else collapse_broadcast(self.bias)
         seqused_k, sinks = dense_index(self.seqused_k), dense_index(self.sinks)
         cu_q, cu_k = dense_index(self.cu_seqlens_q), dense_index(self.cu_seqlens_k)

@@ -95,9 +95,16 @@ def check_inputs(
     full = (b, h, lq, lk)
     if mask is not None:
         _check_tensor("mask", mask, fn)
-        if mask.dtype != torch.bool:
-            raise TypeError(f"{fn}: mask must be a bool tensor; got {mask.dtype}")
+        if mask.dtype not in (torch.bool, torch.int32):
+            raise TypeError(
+                f"{fn}: mask must be a bool tensor, or an int32 row-limit mask; got {mask.dtype}"
+            )
         check_broadcast_operand("mask", mask, full, hkv, fn)
+        if mask.dtype == torch.int32 and mask.dim() == 4 and mask.shape[2] != 1:
+            raise ValueError(
+                f"{fn}: a row-limit mask (int32) holds one limit per key: shape (B|1, H|Hkv|1, "
+                f"1, Lk); got {_shape(mask)}"
+            )
     if bias is not None:
         _check_tensor("bias", bias, fn)
         if bias.dtype not in (query.dtype, torch.float32):

@@ -25,6 +25,7 @@ from dmattn_ops.core.operands import (
     batch_strides,
     compactable,
     head_div,
+    is_limit,
     operand_kind,
     operand_strides,
 )
@@ -250,6 +251,13 @@ def forward(problem: Problem, opts: Options, kept: KeptLists | None = None) -> S
 LISTED, PACKED = 1, 2
 
 
+def scored_mask(mask, lists):
+    """The mask the kernels test per score: none where key lists hold it whole (a bool mask
+    shared by all queries), a row-limit mask's limits where they list its keys (the rows of
+    each key differ), the mask itself without lists."""
+    return mask if lists is None or is_limit(mask) else None
+
+
 def _key_operands(key, value, bias, lists):
     """(key, value, bias, COMPACT) the forward and dq kernels read: the packed rows, or the
     caller's tensors (through the key lists, if any)."""
@@ -270,7 +278,7 @@ def _launch_forward(
     hkv, dv = key.shape[2], value.shape[3]
     key, value, bias, compact = _key_operands(key, value, bias, lists)
     attention_fwd_kernel[(nq, b * h // pack_heads)](
-        query, key, value, None if lists else mask, bias, seqused_k, cu_q, cu_k,
+        query, key, value, scored_mask(mask, lists), bias, seqused_k, cu_q, cu_k,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
         tables.kv_int if tables else None,
         lists.keys if lists else None, lists.key_start if lists else None,
@@ -283,7 +291,7 @@ def _launch_forward(
         head_div(mask, h, hkv), head_div(bias, h, hkv), float(scale), float(softcap),
         *band.args(), **band.flags(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(query.dtype),
-        HAS_MASK=0 if lists else operand_kind(mask), HAS_BIAS=operand_kind(bias),
+        HAS_MASK=operand_kind(scored_mask(mask, lists)), HAS_BIAS=operand_kind(bias),
         HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0, COMPACT=compact,
         VARLEN=cu_q is not None, HAS_SINKS=sinks is not None, PACK_G=pack_heads,
         num_warps=cfg.num_warps,
@@ -569,7 +577,7 @@ def _launch_backward(
     nq = cdiv(span_q, qc.block_m // pack_heads)
     dq_key, dq_value, dq_bias, compact = _key_operands(key, value, bias, lists)
     attention_bwd_dq_kernel[(nq, b * h // pack_heads)](
-        query, dq_key, dq_value, grad_out, None if lists else mask, dq_bias,
+        query, dq_key, dq_value, grad_out, scored_mask(mask, lists), dq_bias,
         seqused_k, cu_q, cu_k, rows.stats, rows.out, rows.grad_lse, rows.lse, rows.lse_rem,
         dq_tables.kv_num if dq_tables else None, dq_tables.kv_idx if dq_tables else None,
         dq_tables.kv_int if dq_tables else None,
@@ -581,7 +589,7 @@ def _launch_backward(
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
         h, h // hkv, lq, lk, d, d_v, cdiv(span_k, qc.block_n), mask_div,
         head_div(dq_bias, h, hkv), float(scale), float(softcap), *band.args(),
-        HAS_MASK=0 if lists else operand_kind(mask),
+        HAS_MASK=operand_kind(scored_mask(mask, lists)),
         DBIAS_DIRECT=dbias_direct is not None, COMPACT=compact,
         HAS_GRAD_LSE=rows.grad_lse is not None, PACK_G=pack_heads, **flags,
         **_meta(qc, d, d_v, band, query.dtype),
@@ -616,7 +624,7 @@ def _launch_backward(
         )  # fmt: skip
     else:
         attention_bwd_dkdv_kernel[(nk, b * hkv * split)](
-            query, key, value, grad_out, None if dkdv_lists else mask, bias,
+            query, key, value, grad_out, scored_mask(mask, dkdv_lists), bias,
             seqused_k, cu_q, cu_k, rows.stats,
             tables.q_num if tables else None, tables.q_idx if tables else None,
             tables.q_lo if tables else None, tables.q_hi if tables else None,
@@ -628,7 +636,7 @@ def _launch_backward(
             dkdv_lists.count_stride_b if dkdv_lists else 0, *lse_strides, *col_strides,
             h, hkv, g, lq, lk, d, d_v, cdiv(span_q, kv.block_m), mask_div, bias_div,
             float(scale), float(softcap), split, *band.args(),
-            HAS_MASK=0 if dkdv_lists else operand_kind(mask),
+            HAS_MASK=operand_kind(scored_mask(mask, dkdv_lists)),
             DBIAS_COLS=dbias_cols is not None, GROUP_COLS=group_cols,
             COMPACT=dkdv_lists is not None, ZERO_UNLISTED=zero_unlisted, PARTIAL=split > 1,
             **flags, **_meta(kv, d, d_v, band, query.dtype),

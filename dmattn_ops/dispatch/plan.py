@@ -39,7 +39,7 @@ import torch
 from dmattn_ops.core import configs, options
 from dmattn_ops.core.band import Band
 from dmattn_ops.core.configs import Config
-from dmattn_ops.core.operands import PER_ENTRY, compactable, operand_kind
+from dmattn_ops.core.operands import PER_ENTRY, compactable, is_limit, operand_kind
 from dmattn_ops.core.problem import Options, Problem
 from dmattn_ops.executors import hopper, sdpa
 from dmattn_ops.executors._triton import available, interpreter_on
@@ -245,6 +245,8 @@ def _decode_reasons(problem: Problem, p: _Pass) -> list[str]:
     mask = problem.mask
     if mask is not None and not (mask.shape[2] == 1 and (mask.shape[1] != problem.heads or g == 1)):
         found.append("a mask with query rows or per query head under GQA: decode takes key lists")
+    if is_limit(mask):
+        found.append("a row-limit mask of several query rows: decode tests no row limits")
     return found
 
 
@@ -258,7 +260,7 @@ def _mask_reasons(route: str, problem: Problem, p: _Pass) -> list[str]:
     if mask is None:
         return ["no mask"]
     if route == TILE_TABLES:
-        return []
+        return ["a row-limit mask: the key-list route tests its limits"] if is_limit(mask) else []
     found = []
     if not compactable(mask, problem.heads, problem.kv_heads):
         found.append(
@@ -285,9 +287,13 @@ def reasons(route: str, problem: Problem, opts: Options, tuning, p: _Pass) -> li
 
 def _packs(problem: Problem, tuning, p: _Pass) -> bool:
     """Whether a key-list call reads packed keys: the kernel option pack_keys, a bias, if any,
-    per key (a bias with query rows is read per score at the keys' own columns), and no dbias
-    per entry (it needs each score's key index)."""
-    return tuning.pack_keys and operand_kind(problem.bias) != PER_ENTRY and p.dbias != "direct"
+    per key (a bias with query rows is read per score at the keys' own columns), no dbias
+    per entry (it needs each score's key index) and no row-limit mask (the kernels read its
+    limits at the keys' own columns)."""
+    return (
+        tuning.pack_keys and operand_kind(problem.bias) != PER_ENTRY and p.dbias != "direct"
+        and not is_limit(problem.mask)
+    )  # fmt: skip
 
 
 def _key_reads(route: str, pack: bool) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dmattn_ops.core.operands import keys_seen, mask_rows
 from dmattn_ops.core.problem import Options, Problem
 from dmattn_ops.executors._alloc import empty
 
@@ -42,7 +43,7 @@ def zero_unseen_keys(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor 
     so only the paths that would multiply them pay it."""
     if mask is None:
         return key, value
-    seen = mask.any(dim=2) if mask.shape[2] > 1 else mask[:, :, 0]  # [B|1, Hm, Lk]
+    seen = mask.any(dim=2) if mask.shape[2] > 1 else keys_seen(mask)  # [B|1, Hm, Lk]
     return zero_keys(key, value, seen)
 
 
@@ -136,7 +137,7 @@ class _Tiles:
             x = self.softcap * t
         allowed = key_ok[:, None, None, None, :]  # [B, 1, 1, 1, bk]
         if self.mask is not None:
-            allowed = allowed & _rows(self.mask, q0, q1)[..., k0:k1]
+            allowed = allowed & mask_rows(self.mask[..., k0:k1], q0, q1)
         pos = i[None, :, None] + (self.n - self.lq)[:, None, None]  # [B, bq, 1]
         jj = j[None, None, :]
         if self.is_causal:
