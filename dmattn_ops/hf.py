@@ -43,9 +43,12 @@ Needs the optional extra: ``pip install "dmattn-ops[hf]"``.
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 NAME = "dmattn"
+NATIVE = "_dmattn_doge_native"  # config flag set by enable(): dmattn_mask returns key states
 USED = frozenset({"dma_mask", "dma_bias", "softcap", "sliding_window", "s_aux"})
 IGNORED = frozenset({
     "position_ids", "use_cache", "cache_position", "past_key_value", "past_key_values",
@@ -171,8 +174,18 @@ def dmattn_mask(
     sequences, chunked attention or prefill, a static cache) gets the SDPA builder's result."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    mask_function = causal_mask_function if mask_function is None else mask_function
     config = kwargs.get("config")
+    if getattr(config, NATIVE, False):
+        if mask_function not in (None, causal_mask_function):
+            raise ValueError(
+                "dmattn_ops.hf.enable: a natively run Doge model takes causal masks with "
+                "padding only (no packed sequences or custom mask functions)"
+            )
+        return _key_states(
+            batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask,
+            kwargs.get("device", "cpu"),
+        )  # fmt: skip
+    mask_function = causal_mask_function if mask_function is None else mask_function
     sliding = local_size is not None and getattr(config, "sliding_window", None) == local_size
     # Only where bottom-right and top-left agree (Lq == Lk, or one query at the last key): the
     # attention function reads a missing mask with Lq != Lk as SDPA's top-left is_causal.
@@ -184,6 +197,38 @@ def dmattn_mask(
         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
         local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs,
     )  # fmt: skip
+
+
+# What a natively run Doge layer (`enable`) gets from `dmattn_mask` instead of a (B, 1, Lq, Lk)
+# mask: an int32 (B, 1, 1, Lk) per-key state, a 4-D tensor so that transformers passes it on
+# as a prepared mask (generate builds it once for a static cache): 1 for a key that exists and
+# is not padding, 0 for padding, -1 for a cache slot past the last query (not in use yet).
+KEY_VALID, KEY_PADDING, KEY_UNUSED = 1, 0, -1
+
+
+def _key_states(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device):
+    """The per-key states of a causal call (above), or None when nothing but causality masks
+    (no padding, and the queries end at the last key)."""
+    plain = isinstance(q_offset, int) and q_offset + q_length == kv_offset + kv_length
+    if plain and _no_padding(attention_mask):
+        return None
+    j = torch.arange(kv_length, device=device) + kv_offset
+    end = torch.as_tensor(q_offset + q_length, device=device).reshape(-1, 1)  # per batch or one
+    states = torch.where(j < end, KEY_VALID, KEY_UNUSED).to(torch.int32)
+    states = states.expand(batch_size, kv_length)
+    if attention_mask is not None:
+        pad = attention_mask.to(device=device, dtype=torch.bool)[:, kv_offset : kv_offset + kv_length]
+        if pad.shape[1] < kv_length:  # slots past the padding mask are not in use yet
+            pad = torch.nn.functional.pad(pad, (0, kv_length - pad.shape[1]), value=True)
+        states = torch.where(pad | (states == KEY_UNUSED), states, KEY_PADDING)
+    return states[:, None, None, :].contiguous()
+
+
+def _read_key_states(states: torch.Tensor):
+    """(valid keys (B, 1, 1, Lk) bool, seqused_k int32 (B,)) of _key_states' tensor."""
+    valid = states == KEY_VALID
+    seqused = (states != KEY_UNUSED).sum(dim=-1, dtype=torch.int32).reshape(-1)
+    return valid, seqused
 
 
 def _no_padding(attention_mask: torch.Tensor | None) -> bool:
@@ -204,3 +249,90 @@ def register() -> None:
         raise ImportError('dmattn_ops.hf needs transformers: pip install "dmattn-ops[hf]"') from e
     AttentionInterface.register(NAME, dmattn_attention_forward)
     AttentionMaskInterface.register(NAME, dmattn_mask)
+
+
+def enable(model: torch.nn.Module) -> torch.nn.Module:
+    """Run every Doge attention layer of `model` (transformers' ``DogeForCausalLM`` and
+    ``DogeModel``) natively: the per-key bias ``dt_states`` (B, Hkv, 1, Lk) and each query's
+    top-``keep_window_size`` keys as a row-limit mask (`masks.causal_topk_mask`), causality and
+    padding through ``is_causal`` / ``seqused_k`` / a per-key mask, never Doge's (B, H, Lq, Lk)
+    tensor (``prepare_dynamic_mask`` is not called). Registers "dmattn" (`register`) and sets
+    the model's attention implementation to it. Returns the model.
+
+    The result is Doge's own: logits, gradients (``A`` and ``dt_proj`` included) and generation
+    with dynamic and static caches and left padding, except where ``torch.topk`` (which Doge
+    calls) breaks ties at a row's keep_window_size-th ``dt_states`` value its own way: ours
+    keep the lowest key indices (at initialisation, ``A = 0`` makes every ``dt_states`` 1.0,
+    all tied). Not native (ValueError): a config with ``sliding_window``, attention dropout in
+    training (dmattn has none)."""
+    register()
+    try:
+        from transformers.models.doge.modeling_doge import DogeAttention
+    except ImportError as e:  # pragma: no cover - transformers without Doge
+        raise ImportError("dmattn_ops.hf.enable needs a transformers with Doge models") from e
+    layers = [m for m in model.modules() if isinstance(m, DogeAttention)]
+    if not layers:
+        raise ValueError("dmattn_ops.hf.enable: the model has no DogeAttention layer")
+    config = model.config
+    if getattr(config, "sliding_window", None) is not None:
+        raise ValueError(
+            "dmattn_ops.hf.enable: Doge with sliding_window selects within the window, which the "
+            "native path does not compute; use attn_implementation='dmattn' without enable()"
+        )
+    model.set_attn_implementation(NAME)
+    for m in (model, *model.modules()):
+        c = getattr(m, "config", None)
+        if c is not None:
+            setattr(c, NATIVE, True)
+    for layer in layers:
+        layer.forward = types.MethodType(_doge_forward, layer)
+    return model
+
+
+def _doge_forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None,
+                  **kwargs):  # fmt: skip
+    """DogeAttention.forward computed natively (enable): the same projections, norms, rotary
+    embedding, cache update and dt_states, then one attention call with the per-key bias and the
+    row-limit mask of each query's top keep_window_size keys."""
+    from transformers.models.doge.modeling_doge import apply_rotary_pos_emb
+
+    from dmattn_ops import attention
+    from dmattn_ops.masks import causal_topk_mask
+
+    cache = kwargs.pop("past_key_values", cache)
+    if self.training and self.attention_dropout > 0:
+        raise ValueError(
+            "dmattn: attention dropout is not supported; set the config's attention_dropout to 0"
+        )
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    key = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+    b, hkv, lk, _ = value.shape
+    dt = self.dt_proj(value.transpose(1, 2).reshape(b, lk, -1))
+    dt = torch.exp(self.A * torch.nn.functional.softplus(dt)).transpose(-1, -2)  # (B, Hkv, Lk)
+    bias = dt[:, :, None, :].to(query.dtype)
+    valid = seqused_k = None
+    if attention_mask is not None:
+        if attention_mask.dtype != torch.int32 or attention_mask.shape[2] != 1:
+            raise ValueError(
+                "dmattn_ops.hf.enable: a natively run Doge layer takes the per-key states "
+                f"dmattn_mask builds; got a {attention_mask.dtype} mask of shape "
+                f"{tuple(attention_mask.shape)}"
+            )
+        valid, seqused_k = _read_key_states(attention_mask)
+    lq = query.shape[2]
+    limits = causal_topk_mask(
+        bias, self.keep_window_size, valid, num_queries=lq, seqused_k=seqused_k
+    )
+    out = attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), limits, bias,
+        scale=self.scaling, is_causal=True, seqused_k=seqused_k,
+    )  # fmt: skip
+    out = self.o_proj(out.reshape(*input_shape, -1).contiguous())
+    return out, None

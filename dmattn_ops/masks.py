@@ -238,3 +238,119 @@ def relu_mask(
     if allowed is not None:
         selected = selected & allowed
     return _smooth(selected, allowed, block_size)
+
+
+def causal_topk_mask(
+    bias: torch.Tensor,
+    window: int,
+    mask: torch.Tensor | None = None,
+    *,
+    num_queries: int | None = None,
+    seqused_k: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each query's ``window`` keys of largest bias among the keys it sees under causality, as
+    a row-limit mask (README "Row-limit masks"): Doge's selection (transformers'
+    ``DogeAttention.prepare_dynamic_mask``) in O(Lk log Lk) per row, without its (Lq, Lk)
+    tensor.
+
+    The query at position p sees the keys j <= p that ``mask`` allows and keeps the ``window``
+    of them whose bias is largest (all of them when fewer). A key leaves a query's selection
+    only when ``window`` better keys precede that query, and then never returns to a later
+    one, so key j is kept by the positions j <= p < limit_j: one int32 per key.
+
+    Args:
+        bias: (B|1, H|Hkv|1, 1, Lk) float, a score per key; not differentiated through.
+        window: how many keys each query keeps (>= 0).
+        mask: optional bool (B, Lk) padding mask or (B|1, H|Hkv|1, 1, Lk) per-key mask.
+        num_queries: the queries are the last ``num_queries`` positions (Lq of the attention
+            call, aligned bottom-right as ``is_causal`` aligns them); default Lk.
+        seqused_k: optional int32 (B,): only the first seqused_k[b] keys exist (a static
+            cache); the queries are then the last ``num_queries`` of those.
+
+    Returns:
+        int32 (B|1, H|Hkv|1, 1, Lk) row-limit mask for ``attention(..., mask=it,
+        is_causal=True, seqused_k=seqused_k)``: query row i sees key j when j is at or before
+        its position and i < mask[..., j]; keys no query keeps hold 0.
+
+    Ties: among keys of equal bias the lower index ranks higher (torch.topk, which Doge
+    calls, picks among ties as it pleases, so the two agree exactly only without ties at a
+    row's window-th value). NaN ranks below every number, as in topk_mask.
+    """
+    allowed = _allowed(bias, mask, "causal_topk_mask")
+    if bias.shape[2] != 1 or (allowed is not None and allowed.shape[2] != 1):
+        raise ValueError(
+            "dmattn.masks.causal_topk_mask: bias and mask hold one value per key, (B|1, H|Hkv|1, "
+            f"1, Lk); got bias {tuple(bias.shape)}"
+        )
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(
+            f"dmattn.masks.causal_topk_mask: window must be an int >= 0; got {window!r}"
+        )
+    score = bias.detach()
+    lk = score.shape[-1]
+    lq = lk if num_queries is None else num_queries
+    device = score.device
+    j = torch.arange(lk, device=device)
+    if seqused_k is not None:
+        n = seqused_k.to(torch.int64).clamp(0, lk)
+        inside = (j < n[:, None])[:, None, None, :]
+        allowed = inside if allowed is None else allowed & inside
+        offset = (n - lq).view(-1, 1, 1, 1)  # position of query row 0, per batch
+    else:
+        offset = lk - lq
+    shape = _broadcast(score, allowed)
+    key = rank_key(score.expand(shape), None if allowed is None else allowed.expand(shape))
+    rows = key.reshape(-1, lk)
+    # rank[j]: j's place in the order (bias descending, ties to the lower index).
+    order = torch.sort(rows, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, j.expand_as(order))
+    if window == 0:
+        limit = torch.zeros_like(rank)
+    else:
+        # tau[p]: the window-th best rank among keys 0..p (Lk while fewer keys); non-increasing,
+        # so key j is among the window best of 0..p exactly while p < #{p: tau[p] >= rank[j]}.
+        tau = _prefix_kth_smallest(rank, window)
+        limit = torch.searchsorted(-tau, (-rank).contiguous(), right=True)
+        limit = torch.where(limit > j, limit, 0)  # 0: no query keeps it
+    limit = limit.view(shape)
+    if allowed is not None:
+        limit = torch.where(allowed, limit, 0)
+    # Positions to the attention call's query rows.
+    limit = torch.where(limit > 0, (limit - offset).clamp(min=0), 0)
+    return limit.to(torch.int32)
+
+
+def _prefix_kth_smallest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """out[:, p] = the k-th smallest (k >= 1) of values[:, :p + 1], or L where p + 1 < k, for
+    rows of a permutation of 0..L-1 (N, L), int64: all prefixes at once through a wavelet
+    matrix (one stable partition of the values per bit, from the top; a prefix's k-th smallest
+    then descends one level per bit through the zeros counted before its end), O(L log L)
+    work in 2 log2(L) vectorised steps."""
+    n, length = values.shape
+    device = values.device
+    bits = max(1, (length - 1).bit_length())
+    s = torch.arange(length, device=device).expand(n, length)
+    zero = torch.zeros((n, 1), dtype=torch.int64, device=device)
+    levels = []
+    a = values
+    for level in range(bits):
+        bit = (a >> (bits - 1 - level)) & 1
+        zeros = torch.cat([zero, torch.cumsum(1 - bit, dim=-1)], dim=-1)  # zeros before each
+        nz = zeros[:, -1:]
+        before = zeros[:, :-1]
+        place = torch.where(bit == 0, before, nz + s - before)
+        levels.append((zeros, nz))
+        a = torch.empty_like(a).scatter_(-1, place, a)
+    lo = torch.zeros((n, length), dtype=torch.int64, device=device)
+    hi = s + 1
+    rest = torch.full((n, length), k - 1, dtype=torch.int64, device=device)
+    out = torch.zeros((n, length), dtype=torch.int64, device=device)
+    for zeros, nz in levels:
+        zlo, zhi = zeros.gather(-1, lo), zeros.gather(-1, hi)
+        count = zhi - zlo
+        left = rest < count
+        out = out * 2 + (~left).to(torch.int64)
+        rest = torch.where(left, rest, rest - count)
+        lo = torch.where(left, zlo, nz + lo - zlo)
+        hi = torch.where(left, zhi, nz + hi - zhi)
+    return torch.where(s + 1 >= k, out, length)

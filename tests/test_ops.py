@@ -44,9 +44,12 @@ def samples(dtype=torch.float64, requires_grad=True):
         ("plain", False, False, 0.0, None),
         ("mask-bias-causal", True, True, 0.0, None),
         ("softcap-seqused", True, False, 2.0, torch.tensor([19, 7], dtype=torch.int32)),
+        ("row-limits-causal", "limits", True, 0.0, None),
     ]:
         q, k, v = make_qkv(c, dtype=dtype, requires_grad=requires_grad)
         mask = make_mask((c.b, c.hkv, 1, c.lk)) if with_operands else None
+        if with_operands == "limits":  # a row-limit mask (README "Row-limit masks")
+            mask = torch.randint(0, c.lq + 2, (c.b, c.hkv, 1, c.lk), dtype=torch.int32)
         bias = (
             make_bias((1, c.h, c.lq, c.lk), dtype=dtype, requires_grad=requires_grad)
             if with_operands
