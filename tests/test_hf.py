@@ -213,3 +213,139 @@ def test_a_missing_mask_with_fewer_queries_than_keys_is_top_left():
         q.transpose(1, 2), used.transpose(1, 2), used.transpose(1, 2), is_causal=True
     )
     torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+
+
+# Doge natively (dmattn_ops.hf.enable): the per-key bias dt_states and each query's top
+# keep_window_size keys as a row-limit mask, against transformers' own eager Doge.
+#
+# Two things of the eager model are pinned so that equality is exact rather than approximate:
+# its softmax runs in float32 whatever the model's dtype (here float64, so the comparison is at
+# float64 precision, it runs in float64), and torch.topk picks among tied dt_states as it
+# pleases on CPU (ties come from repeated tokens, whose values are equal in the first layer):
+# the generation tests give the eager model the tie rule dmattn documents (the lower key index
+# first); the forward and gradient tests use sequences without repeated tokens.
+
+
+def _doge_pair(keep=8, layers=2, dtype=torch.float64):
+    cfg = transformers.DogeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, keep_window_size=keep,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    eager = transformers.DogeForCausalLM(cfg).to(dtype)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():  # A = 0 at initialisation: every dt_state 1.0, all tied
+        for m in eager.modules():
+            if hasattr(m, "A"):
+                m.A.copy_(torch.randn_like(m.A))
+    native = dmattn_ops.hf.enable(copy.deepcopy(eager))
+    return eager, native
+
+
+@pytest.fixture
+def eager_softmax_in_its_dtype(monkeypatch):
+    softmax = torch.nn.functional.softmax
+
+    def in_dtype(x, dim=None, _stacklevel=3, dtype=None):
+        return softmax(x, dim=dim, dtype=None if x.dtype == torch.float64 else dtype)
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", in_dtype)
+
+
+@pytest.fixture
+def stable_topk(monkeypatch):
+    def topk(x, k, dim=-1, largest=True, sorted=True):
+        idx = torch.sort(x, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+        return torch.return_types.topk((x.gather(dim, idx), idx))
+
+    def install():
+        monkeypatch.setattr(torch, "topk", topk)
+
+    return install
+
+
+def _distinct_tokens(b, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(128, generator=g)[:length] for _ in range(b)])
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "left-padding"])
+def test_doge_native_matches_eager_logits_and_gradients(padded, eager_softmax_in_its_dtype):
+    eager, native = _doge_pair()
+    ids = _distinct_tokens(2, 40, 1)
+    pad = None
+    if padded:
+        pad = torch.ones(2, 40, dtype=torch.long)
+        pad[1, :6] = 0
+    a = eager(ids, attention_mask=pad).logits
+    b = native(ids, attention_mask=pad).logits
+    rows = slice(None) if pad is None else pad.bool()
+    assert torch.isfinite(b[rows]).all()
+    torch.testing.assert_close(b[rows], a[rows], rtol=0, atol=1e-10)
+    grad = torch.randn_like(a)
+    if pad is not None:
+        grad[~pad.bool()] = 0  # padded rows: eager's are a softmax over nothing
+    (a * grad).sum().backward()
+    (b * grad).sum().backward()
+    named = dict(native.named_parameters())
+    checked = 0
+    for name, p in eager.named_parameters():
+        q = named[name]
+        scale = max(1.0, p.grad.abs().max().item())
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-9 * scale, msg=name)
+        checked += name.endswith(".A") or "dt_proj" in name
+    assert checked == 4  # A and dt_proj of both layers
+
+
+def test_doge_native_never_builds_the_dense_dynamic_mask(monkeypatch):
+    _, native = _doge_pair()
+    from transformers.models.doge import modeling_doge
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("prepare_dynamic_mask called")
+
+    monkeypatch.setattr(modeling_doge.DogeAttention, "prepare_dynamic_mask", refuse)
+    seen = []
+    attention = dmattn_ops.attention
+
+    def spy(q, k, v, mask=None, bias=None, **kw):
+        seen.append((mask.dtype, tuple(mask.shape), tuple(bias.shape)))
+        return attention(q, k, v, mask, bias, **kw)
+
+    monkeypatch.setattr(dmattn_ops, "attention", spy)
+    pad = torch.ones(2, 30, dtype=torch.long)
+    pad[0, :4] = 0
+    native(_distinct_tokens(2, 30, 2), attention_mask=pad)
+    assert seen == [(torch.int32, (2, 2, 1, 30), (2, 2, 1, 30))] * 2
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_doge_native_generates_as_eager(cache, stable_topk):
+    eager, native = _doge_pair(dtype=torch.float32)
+    eager.eval(), native.eval()
+    ids = _distinct_tokens(2, 12, 3)
+    pad = torch.ones(2, 12, dtype=torch.long)
+    pad[0, :3] = 0
+    kw = dict(attention_mask=pad, max_new_tokens=20, do_sample=False, cache_implementation=cache)
+    with torch.no_grad():
+        got = native.generate(ids, **kw)
+        stable_topk()
+        want = eager.generate(ids, **kw)
+    assert got.shape[1] > 12 + 8  # past keep_window_size: the selection is at work
+    assert torch.equal(got, want)
+
+
+def test_doge_enable_refuses_what_it_does_not_compute():
+    cfg = transformers.DogeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, sliding_window=16,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="sliding_window"):
+        dmattn_ops.hf.enable(transformers.DogeForCausalLM(cfg))
+    llama = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="no DogeAttention"):
+        dmattn_ops.hf.enable(transformers.LlamaForCausalLM(llama))
