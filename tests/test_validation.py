@@ -85,7 +85,7 @@ class TestErrors(expecttest.TestCase):
         )
         self.check(
             TypeError,
-            """dmattn.attention: mask must be a bool tensor; got torch.float32""",
+            """dmattn.attention: mask must be a bool tensor, or an int32 row-limit mask; got torch.float32""",
             q,
             k,
             v,
