@@ -5,8 +5,8 @@ attention implementations: ``python -m bench.doge [--lengths 4096,8192,16384,327
 For each length and implementation, one model (bf16, B1, 4 layers, hidden 1024, 8 query heads,
 4 KV heads of 128, keep_window_size 2048) runs a training step (forward with labels and
 backward) and a greedy generation of ``--new-tokens`` tokens after a prompt of that length; the
-table gives the median ms of three steps after a warm-up, the generation's ms, and each one's
-peak memory. "dmattn" is ``dmattn_ops.hf.enable(model)`` (per-key bias and row-limit mask, no
+table gives the median ms of three steps after a warm-up, the generation's ms (after a warm-up
+generation from the same prompt), and each one's peak memory. "dmattn" is ``dmattn_ops.hf.enable(model)`` (per-key bias and row-limit mask, no
 (B, H, L, L) tensor); the others build Doge's dense dynamic mask (``prepare_dynamic_mask``) and
 hand it to their attention as a 4-D bias. A run that does not fit is reported as OOM. Every
 implementation is eager PyTorch here (no torch.compile): the same host work around each.
@@ -80,7 +80,8 @@ def _train_ms(model, ids, device) -> float:
 
 def _generate_ms(model, ids, new_tokens: int, device) -> float:
     with torch.no_grad():
-        model.generate(ids[:, :64], max_new_tokens=2, do_sample=False)  # warm-up
+        # Warm-up at the same prompt length: kernels compile for its shapes once.
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)
         _sync(device)
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
@@ -88,7 +89,7 @@ def _generate_ms(model, ids, new_tokens: int, device) -> float:
     return 1e3 * (time.perf_counter() - t0)
 
 
-def run(lengths, impls, new_tokens: int, device) -> list[list]:
+def run(lengths, impls, new_tokens: int, device, whats=("train", "generate")) -> list[list]:
     rows = []
     for length in lengths:
         ids = torch.randint(0, 32768, (1, length), generator=torch.Generator().manual_seed(1))
@@ -96,6 +97,9 @@ def run(lengths, impls, new_tokens: int, device) -> list[list]:
         for impl in impls:
             row = [length, impl]
             for what in ("train", "generate"):
+                if what not in whats:
+                    row += ["-", None]
+                    continue
                 model = None
                 _reset(device)
                 try:
@@ -123,10 +127,11 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", default="4096,8192,16384,32768")
     parser.add_argument("--impls", default="eager,sdpa,flex_attention,dmattn")
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--what", default="train,generate", help="train, generate or both")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lengths = [int(x) for x in args.lengths.split(",")]
-    rows = run(lengths, args.impls.split(","), args.new_tokens, device)
+    rows = run(lengths, args.impls.split(","), args.new_tokens, device, args.what.split(","))
     print(markdown(
         ["L", "attention", "train step ms", "peak GiB", f"generate {args.new_tokens} ms",
          "peak GiB"],
