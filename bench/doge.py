@@ -6,8 +6,9 @@ For each length and implementation, one model (bf16, B1, 4 layers, hidden 1024, 
 4 KV heads of 128, keep_window_size 2048) runs a training step (forward with labels and
 backward) and a greedy generation of ``--new-tokens`` tokens after a prompt of that length; the
 table gives the median ms of three steps after a warm-up, the generation's ms (after a warm-up
-generation from the same prompt), and each one's peak memory. "dmattn" is ``dmattn_ops.hf.enable(model)`` (per-key bias and row-limit mask, no
-(B, H, L, L) tensor); the others build Doge's dense dynamic mask (``prepare_dynamic_mask``) and
+generation from the same prompt), and each one's peak memory. "dmattn" is
+``dmattn_ops.hf.enable(model)`` (per-key bias and row-limit mask, no (B, H, L, L) tensor); the
+others build Doge's dense dynamic mask (``prepare_dynamic_mask``) and
 hand it to their attention as a 4-D bias. A run that does not fit is reported as OOM. Every
 implementation is eager PyTorch here (no torch.compile): the same host work around each.
 """
@@ -123,7 +124,9 @@ def run(lengths, impls, new_tokens: int, device, whats=("train", "generate")) ->
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.doge", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.doge", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--lengths", default="4096,8192,16384,32768")
     parser.add_argument("--impls", default="eager,sdpa,flex_attention,dmattn")
     parser.add_argument("--new-tokens", type=int, default=16)

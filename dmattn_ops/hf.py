@@ -217,7 +217,8 @@ def _key_states(batch_size, q_length, kv_length, q_offset, kv_offset, attention_
     states = torch.where(j < end, KEY_VALID, KEY_UNUSED).to(torch.int32)
     states = states.expand(batch_size, kv_length)
     if attention_mask is not None:
-        pad = attention_mask.to(device=device, dtype=torch.bool)[:, kv_offset : kv_offset + kv_length]
+        pad = attention_mask.to(device=device, dtype=torch.bool)
+        pad = pad[:, kv_offset : kv_offset + kv_length]
         if pad.shape[1] < kv_length:  # slots past the padding mask are not in use yet
             pad = torch.nn.functional.pad(pad, (0, kv_length - pad.shape[1]), value=True)
         states = torch.where(pad | (states == KEY_UNUSED), states, KEY_PADDING)
@@ -313,7 +314,7 @@ def _doge_forward(self, hidden_states, position_embeddings, attention_mask=None,
     query, key = apply_rotary_pos_emb(query, key, cos, sin)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-    b, hkv, lk, _ = value.shape
+    b, _, lk, _ = value.shape
     dt = self.dt_proj(value.transpose(1, 2).reshape(b, lk, -1))
     dt = torch.exp(self.A * torch.nn.functional.softplus(dt)).transpose(-1, -2)  # (B, Hkv, Lk)
     bias = dt[:, :, None, :].to(query.dtype)

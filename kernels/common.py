@@ -203,7 +203,7 @@ def score_tile(
             p_mask, o_m, o_n, stride_mask_m, stride_mask_n, r_n < n_keys, m_in, 0, HAS_MASK,
             BOUNDARY,
         )  # fmt: skip
-        if HAS_MASK == LIMIT:
+        if HAS_MASK == LIMIT:  # noqa: SIM108 (Triton: a constexpr branch)
             m_allowed = r_m < b_mask
         else:
             m_allowed = b_mask != 0
@@ -233,7 +233,7 @@ def load_operand(
     """Mask or bias entries of a score tile: with the shape of o_n when KIND is PER_KEY, else
     of the whole tile. BOUNDARY loads are predicated on the bounds (m_n: key < n_keys, for a
     PER_KEY operand; m_in: row and key in bounds, for a PER_ENTRY one)."""
-    if KIND == PER_KEY or KIND == LIMIT:
+    if KIND == PER_KEY or KIND == LIMIT:  # noqa: SIM109 (Triton compares constexprs)
         ptr = p + o_n * stride_n
         inside = m_n
     else:

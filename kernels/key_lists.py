@@ -139,7 +139,8 @@ def key_lists_kernel(
         base += tl.sum(a.to(tl.int32), 0)
     j = c0 + tl.arange(0, CHUNK)
     in_k = j < Lk
-    a = (tl.load(row + j.to(tl.int64) * stride_mn, mask=in_k, other=0).to(tl.int32) > 0).to(tl.int32)
+    a = tl.load(row + j.to(tl.int64) * stride_mn, mask=in_k, other=0).to(tl.int32)
+    a = (a > 0).to(tl.int32)
     inclusive = base + tl.cumsum(a, 0)
     keys = KEYS + i_b * keys_stride_b + i_hm * keys_stride_h
     tl.store(keys + inclusive - 1, j, mask=a * writes_keys != 0)

@@ -79,7 +79,9 @@ def test_row_limits_match_the_oracle(c, route, causal, head, kernel_options):
 def test_row_limits_in_every_dtype(dtype):
     torch.manual_seed(1)
     c = Case(2, 40, 40, 4, 2, 32, 32)
-    _check(c, dtype, _limits((c.b, c.hkv, 1, c.lk), c.lq), dict(is_causal=True), dict(is_causal=True))
+    _check(
+        c, dtype, _limits((c.b, c.hkv, 1, c.lk), c.lq), dict(is_causal=True), dict(is_causal=True)
+    )
 
 
 @pytest.mark.parametrize(
@@ -109,7 +111,9 @@ def test_row_limits_match_the_bool_mask_they_stand_for():
     a = reference.attention(q, k, v, limits, bias, is_causal=True)
     b = reference.attention(q, k, v, full, bias, is_causal=True)
     assert torch.equal(a, b)
-    out = dmattn_ops.attention(q.float(), k.float(), v.float(), limits, bias.float(), is_causal=True)
+    out = dmattn_ops.attention(
+        q.float(), k.float(), v.float(), limits, bias.float(), is_causal=True
+    )
     assert_close(out, a, 1e-5, "out")
 
 
@@ -164,7 +168,9 @@ def test_compiled_fullgraph_with_row_limits():
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     out = compiled(q, k, v, bias)
     out.sum().backward()
-    ref = reference.attention(*(t.detach().double() for t in (q, k, v)), limits, bias.detach().double(), is_causal=True)
+    ref = reference.attention(
+        *(t.detach().double() for t in (q, k, v)), limits, bias.detach().double(), is_causal=True
+    )
     assert_close(out, ref, 1e-5, "out")
     assert bias.grad is not None and torch.isfinite(bias.grad).all()
 
@@ -180,7 +186,9 @@ def _brute_causal_topk(bias, window, allowed, lq, n):
     for b, h in itertools.product(range(b_), range(h_)):
         for i in range(lq):
             p = i + n[b] - lq
-            keys = [j for j in range(lk) if j <= p and j < n[b] and (allowed is None or allowed[b, j])]
+            keys = [
+                j for j in range(lk) if j <= p and j < n[b] and (allowed is None or allowed[b, j])
+            ]
             keys.sort(key=lambda j: (-bias[b, h, 0, j].item(), j))
             out[b, h, i, keys[:window]] = True
     return out
