@@ -303,16 +303,16 @@ def causal_topk_mask(
     rows = key.reshape(-1, lk)
     # rank[j]: j's place in the order (bias descending, ties to the lower index).
     order = torch.sort(rows, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, j.expand_as(order))
     if window == 0:
-        limit = torch.zeros_like(rank)
+        limit = torch.zeros_like(order)
     elif lq == 1:
         # One query (decoding), at the last key position: its window best keys (row 0 sees
         # them, limit 1), straight from the order.
-        limit = torch.zeros_like(rank).scatter_(-1, order[:, :window], 1)
+        limit = torch.zeros_like(order).scatter_(-1, order[:, :window], 1)
         limit = limit.view(shape)
         return (limit if allowed is None else torch.where(allowed, limit, 0)).to(torch.int32)
     else:
+        rank = torch.empty_like(order).scatter_(-1, order, j.expand_as(order))
         # tau[p]: the window-th best rank among keys 0..p (Lk while fewer keys); non-increasing,
         # so key j is among the window best of 0..p exactly while p < #{p: tau[p] >= rank[j]}.
         tau = _prefix_kth_smallest(rank, window)
