@@ -142,10 +142,15 @@ def row_shift(mask, bias, seqused_k, is_causal, b, h, hkv, lq, lk, window=NO_WIN
     n = seqused_k.long() if seqused_k is not None else torch.full((1,), lk, device=dev)
     j = torch.arange(lk, device=dev)
     allowed = (j[None, :] < n[:, None])[:, None, None, :]  # [B|1, 1, 1, Lk]
-    if mask is not None:
+    # A row-limit mask with a bias per key: each key's rows form one interval (_limit_max),
+    # never an Lq x Lk tensor.
+    limits = mask is not None and is_limit(mask) and bias.shape[2] == 1
+    if mask is not None and not limits:
         allowed = allowed & _per_head(mask_rows(mask, 0, lq) if is_limit(mask) else mask, h, hkv)
     x = torch.where(allowed, _per_head(bias, h, hkv).float(), float("-inf"))
-    if has_window(window):
+    if limits:
+        best = _limit_max(x, _per_head(mask, h, hkv), n, lq, is_causal, window)
+    elif has_window(window):
         best = _band_max(x, n, lq, lk, h, is_causal, window)
     elif is_causal:
         i = torch.arange(lq, device=dev)
@@ -158,6 +163,47 @@ def row_shift(mask, bias, seqused_k, is_causal, b, h, hkv, lq, lk, window=NO_WIN
     else:
         best = x.amax(dim=-1).expand(-1, h, lq)
     return torch.where((best < _SHIFT_BELOW) & best.isfinite(), best, 0.0).contiguous()
+
+
+def _limit_max(x, limit, n, lq: int, is_causal: bool, window) -> torch.Tensor:
+    """Max of x (B|1, H, 1, Lk) over the keys each row sees under the row-limit mask `limit`
+    (B|1, H, 1, Lk), causality and the window, as (B|1, H, Lq), in O(Lk log Lq).
+
+    Key j is seen by the rows i of one interval [lo_j, hi_j): i < limit_j, and with p = i + n
+    - Lq, p >= j - right (causal: right 0) and p <= j + left. Each interval updates a sparse
+    table (level k holds maxima over 2**k rows) at the two level-k blocks that cover it
+    exactly, k = floor(log2(hi - lo)); pushing every level down into the one below then leaves
+    each row's maximum in level 0."""
+    left, right = window
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    bx = max(x.shape[0], limit.shape[0], n.shape[0])
+    heads, lk = x.shape[1], x.shape[-1]
+    x = x.expand(bx, heads, 1, lk).reshape(-1, lk)
+    limit = limit.expand(bx, heads, 1, lk).reshape(-1, lk).to(torch.int64)
+    j = torch.arange(lk, device=x.device)
+    off = (n - lq).expand(bx).repeat_interleave(heads)[:, None]  # p - i, per row of x
+    lo = (j - right - off).clamp(min=0) if right >= 0 else torch.zeros_like(limit)
+    hi = limit.clamp(max=lq)
+    if left >= 0:
+        hi = torch.minimum(hi, j + left - off + 1)
+    used = (hi > lo) & (x != float("-inf"))  # NaN stays in, as in every other branch
+    size = torch.where(used, hi - lo, 1)
+    level = torch.frexp(size.double()).exponent.to(torch.int64) - 1  # floor(log2(size))
+    levels = max(1, lq.bit_length())
+    width = lq + 1  # column lq takes the unused keys' updates
+    first = torch.where(used, level * width + lo, lq)
+    second = torch.where(used, level * width + hi - 2**level, lq)
+    table = x.new_full((x.shape[0], levels * width), float("-inf"))
+    table.scatter_reduce_(-1, torch.cat([first, second], -1), torch.cat([x, x], -1), "amax")
+    table = table.view(-1, levels, width)
+    for k in range(levels - 1, 0, -1):
+        half = 1 << (k - 1)
+        block = table[:, k, :lq]
+        below = table[:, k - 1]
+        below[:, :lq] = torch.maximum(below[:, :lq], block)
+        below[:, half:lq] = torch.maximum(below[:, half:lq], block[:, : lq - half])
+    return table[:, 0, :lq].reshape(bx, heads, lq)
 
 
 def _band_max(x, n, lq: int, lk: int, h: int, is_causal: bool, window) -> torch.Tensor:

@@ -108,6 +108,20 @@ def topk_mask(
     Returns:
         bool mask of the broadcast shape of bias and mask.
     """
+    return select_topk(bias, window, mask, block_size=block_size)
+
+
+def select_topk(
+    bias: torch.Tensor,
+    window: int,
+    mask: torch.Tensor | None = None,
+    *,
+    block_size: int | None = None,
+    direct: bool = False,
+) -> torch.Tensor:
+    """topk_mask, and with ``direct`` the form of a mask that only this library's attention
+    ops read: in a compiled graph it is the selection kernel's own buffer, one launch fewer
+    than the mask a FlexAttention mask_mod may capture (topk_select says why)."""
     allowed = _allowed(bias, mask, "topk_mask")
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"dmattn.masks.topk_mask: window must be an int >= 0; got {window!r}")
@@ -123,7 +137,7 @@ def topk_mask(
     if k > 0 and _fused_applies(score, k):
         fuse_smooth = block_size is not None and block_size & (block_size - 1) == 0
         smooth = block_size if fuse_smooth else 0
-        selected = torch.ops.dmattn.topk_select(bias.detach(), allowed, k, smooth)
+        selected = torch.ops.dmattn.topk_select(bias.detach(), allowed, k, smooth, direct)
         return selected if fuse_smooth else _smooth(selected, allowed, block_size)
     return _smooth(_torch_topk(score, allowed, k), allowed, block_size)
 
@@ -179,12 +193,21 @@ def _fused_applies(score: torch.Tensor, k: int) -> bool:
 
 
 def topk_select(
-    bias: torch.Tensor, allowed: torch.Tensor | None, k: int, smooth: int
+    bias: torch.Tensor,
+    allowed: torch.Tensor | None,
+    k: int,
+    smooth: int,
+    direct: bool = False,
 ) -> torch.Tensor:
     """The k largest of every row of bias among the allowed keys (4-D, broadcast together), as
     a bool mask of their broadcast shape, block-smoothed when smooth > 0 (a power of two).
     Registered as the op dmattn::topk_select (below); compiled graphs trace its kernel launch
-    (inductor.py). Where Triton cannot run, torch.topk."""
+    (inductor.py). Where Triton cannot run, torch.topk.
+
+    direct: traced into a compiled graph, return the kernel's bool buffer itself instead of
+    `bytes != 0`, one launch fewer per call. Only for a mask that no FlexAttention mask_mod
+    captures (the comment below says why); DynamicMaskAttention passes it when its mask goes
+    to this library's ops alone."""
     if not plan.triton_runs_on(bias) or bias.dtype not in plan.TRITON_DTYPES:
         shape = _broadcast(bias, allowed)
         score = bias.expand(shape)
@@ -196,7 +219,7 @@ def topk_select(
     # `bytes != 0`: Inductor would read a bool buffer that comes from torch.empty and is
     # written only by a user kernel as its fill value (all False) where FlexAttention's
     # mask_mod captures it.
-    traced = _triton.tracing_on()
+    traced = _triton.tracing_on() and not direct
     out = torch.empty(shape, dtype=torch.uint8 if traced else torch.bool, device=bias.device)
     if out.numel() > 0:
         bias_e = bias.expand(shape)
@@ -216,7 +239,7 @@ inductor.trace_into_graphs(torch.ops.dmattn.topk_select.default, topk_select)
 
 
 @_fused_topk.register_fake
-def _(bias, allowed, k, smooth):
+def _(bias, allowed, k, smooth, direct=False):
     return bias.new_empty(_broadcast(bias, allowed), dtype=torch.bool)
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dmattn_ops.api import attention
-from dmattn_ops.masks import topk_mask
+from dmattn_ops.masks import select_topk
 
 
 class DynamicMaskAttention(torch.nn.Module):
@@ -106,11 +106,16 @@ class DynamicMaskAttention(torch.nn.Module):
         """(mask, bias) of values v (B, L, Hkv, head_dim): the learned bias (B, Hkv, 1, L) in
         v's dtype and its top-``window`` keys as a bool mask of the same shape, what
         :meth:`forward` passes to the attention."""
+        return self._dynamic_mask(v, direct=False)
+
+    def _dynamic_mask(self, v: torch.Tensor, direct: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """dynamic_mask; direct: the mask goes to this library's ops alone (not to flex), so a
+        compiled graph may pass the selection kernel's buffer on (masks.select_topk)."""
         dt = F.softplus(self._dt_logits(v.flatten(2)))  # [B, L, Hkv], float32 or wider
         bias = (self.A.to(dt.dtype) * dt).transpose(1, 2).unsqueeze(2).to(v.dtype)  # [B, Hkv, 1, L]
         cp = self.context_parallel
         if cp is None:
-            return topk_mask(bias, self.window), bias
+            return select_topk(bias, self.window, direct=direct), bias
         from dmattn_ops import distributed
 
         # v holds this rank's rows: the top keys are chosen over the whole sequence.
@@ -121,7 +126,7 @@ class DynamicMaskAttention(torch.nn.Module):
         q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
-        mask, bias = self.dynamic_mask(v)
+        mask, bias = self._dynamic_mask(v, direct=self.backend != "flex")
         cp = self.context_parallel
         if cp is not None:
             from dmattn_ops import distributed

@@ -12,7 +12,7 @@ from helpers import Case, assert_close, low_precision_bound, make_bias, make_mas
 
 import dmattn_ops
 from dmattn_ops import reference
-from dmattn_ops.masks import topk_mask
+from dmattn_ops.masks import select_topk, topk_mask
 from dmattn_ops.registration import inductor, static_launch
 
 gpu = pytest.mark.gpu
@@ -99,6 +99,52 @@ def test_traced_topk_writes_bytes_and_compares(inductor_kernels):
     fp32 = reference.attention(q, k, v, mask, mask_bias, is_causal=True)
     got = torch.compile(f, fullgraph=True)(q, k, v, mask_bias)
     assert_close(got.double(), want, low_precision_bound(want, fp32, torch.float32), "flex")
+
+
+@gpu
+def test_layer_passes_the_selection_buffer_on(inductor_kernels):
+    """DynamicMaskAttention's own mask goes to our ops alone, so its compiled graph reads the
+    selection kernel's bool buffer without the `!= 0` launch (masks.select_topk(direct=True)),
+    with the same selection and the same attention as the eager layer; the flex layer keeps
+    the comparison (its mask_mod captures the mask)."""
+    from dmattn_ops.nn import DynamicMaskAttention
+
+    torch.manual_seed(0)
+    bias = make_bias((2, 3, 1, 50), dtype=torch.float32, device="cuda")
+    got, graphs = _graphs_of(lambda b: select_topk(b, 12, direct=True), bias)
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert any("triton_kernel_wrapper" in t for t in targets)
+    assert "aten.ne.Scalar" not in targets
+    assert got.dtype == torch.bool and torch.equal(got, topk_mask(bias, 12))
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def make(backend):
+        torch.manual_seed(0)
+        return DynamicMaskAttention(64, 4, 2, window=9, is_causal=True, backend=backend)
+
+    x = torch.randn(2, 40, 64, device="cuda")
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    for backend, compares in (("triton", False), ("flex", True)):
+        graphs.clear()
+        torch._dynamo.reset()
+        compiler = aot_autograd(fw_compiler=keep)
+        torch.compile(make(backend).cuda(), backend=compiler, fullgraph=True)(x)
+        targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+        assert any("triton_kernel_wrapper" in t for t in targets), backend
+        assert ("aten.ne.Scalar" in targets) == compares, backend
+    # Through Inductor, within fp32's own error of the float64 oracle layer.
+    torch._dynamo.reset()
+    got = torch.compile(make("triton").cuda(), fullgraph=True)(x)
+    want = make("reference").cuda().double()(x.double())
+    fp32 = make("reference").cuda()(x)
+    assert_close(got.double(), want, low_precision_bound(want, fp32, torch.float32), "layer")
 
 
 def test_cpu_graphs_keep_the_ops():

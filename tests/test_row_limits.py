@@ -156,6 +156,43 @@ def test_row_limit_masks_are_refused_where_they_do_not_apply():
         dmattn_ops.attention(q, k, v, torch.zeros(2, 2, 1, 8, dtype=torch.int64, device=DEVICE))
 
 
+@pytest.mark.parametrize(
+    "causal, window, lq, seqused",
+    [(True, (-1, -1), 37, False), (False, (-1, -1), 37, False), (True, (5, -1), 20, True),
+     (False, (6, 2), 37, True), (False, (-1, 3), 9, False), (True, (0, 0), 1, True)],
+)  # fmt: skip
+def test_flex_row_shift_takes_row_limits_as_intervals(causal, window, lq, seqused):
+    """flex's lse shift (the largest bias a row sees) under a row-limit mask and a per-key bias
+    comes from one interval of rows per key (flex._limit_max), never an Lq x Lk tensor; it
+    equals the brute force over the rows' visible keys, NaN kept where a row sees one."""
+    from dmattn_ops import flex
+
+    g = torch.Generator().manual_seed(lq)
+    b, h, hkv, lk = 3, 4, 2, 37
+    limit = _limits((b, hkv, 1, lk), lq, g)
+    x = torch.randn(1, h, 1, lk, generator=g).to(DEVICE)
+    x[0, 1, 0, 4] = float("nan")
+    x[0, 2, 0, 7] = float("-inf")
+    n = torch.randint(lk // 2, lk + 1, (b,), generator=g).to(DEVICE) if seqused else None
+    ns = n if seqused else torch.full((1,), lk, device=DEVICE)
+    got = flex._limit_max(x, flex._per_head(limit, h, hkv), ns, lq, causal, window)
+
+    i = torch.arange(lq, device=DEVICE).view(1, 1, -1, 1)
+    j = torch.arange(lk, device=DEVICE)
+    p = i + (ns - lq).view(-1, 1, 1, 1)
+    seen = (i < flex._per_head(limit, h, hkv)) & (j < ns.view(-1, 1, 1, 1))
+    left, right = window
+    if causal:
+        seen &= j <= p
+    if left >= 0:
+        seen &= j >= p - left
+    if right >= 0:
+        seen &= j <= p + right
+    want = torch.where(seen, x, float("-inf")).amax(-1)
+    assert got.shape == want.shape == (b, h, lq)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
 def test_compiled_fullgraph_with_row_limits():
     torch.manual_seed(6)
     c = Case(2, 32, 32, 4, 2, 16, 16)
