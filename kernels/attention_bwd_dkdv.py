@@ -7,7 +7,6 @@ import triton.language as tl
 
 from dmattn_ops.kernels.attention_bwd_stats import _probs, _row_stats
 from dmattn_ops.kernels.common import (
-    LIMIT,
     as_fp32,
     band_query_tiles,
     dot,
@@ -334,14 +333,6 @@ def attention_bwd_dkdv_kernel(
                 qi_hi = tl.where(k_full, Lq // BLOCK_M, 0)
                 qi_lo = tl.minimum(tl.maximum(qi_lo, qb_lo), qb_hi)
                 qi_hi = tl.minimum(tl.maximum(qi_hi, qi_lo), qb_hi)
-            if HAS_MASK == LIMIT:
-                # A row-limit mask: no row at or past the tile's largest limit sees any of its
-                # keys, so the query tiles from there on add nothing (score_tile still tests
-                # every score against its key's limit).
-                lim = tl.load(p_mask + o_n * stride_mn, mask=m_n, other=0)
-                qb_hi = tl.minimum(qb_hi, tl.cdiv(tl.max(lim, 0), BLOCK_M))
-                qi_lo = tl.minimum(qi_lo, qb_hi)
-                qi_hi = tl.minimum(qi_hi, qb_hi)
         # The boundary run first: the tiles before the interior ones (the diagonal, under
         # causality), then those after them; the interior run last.
         for it in range(qb_lo, run_end(qi_lo, qi_hi, qb_hi)):
