@@ -15,13 +15,14 @@ r. `shard` and `unshard` convert between whole tensors and this rank's part.
 
 Backends: NCCL on GPUs, gloo on CPU (any torch.distributed backend with point-to-point ops).
 
-Under torch.compile, `ring_attention` and `topk_mask` run eagerly (`torch.compiler.disable`):
-their point-to-point rings and all-gathers do not trace, and left to Dynamo they broke a
-DynamicMaskAttention layer's graph 15 times (data-dependent `.tolist()`, ints from
-torch.distributed); disabled, the graph breaks only around those calls (a layer: 2 breaks, 3
-graphs; two layers: 3 breaks) and the projections around them compile, forward and backward
-equal to eager (tests/test_distributed.py). `fullgraph=True` therefore refuses a model that
-calls them.
+Under torch.compile, the ring and the global top-k are ops (`dmattn::ring_attention_forward`
+and `_backward`, `dmattn::cp_topk_select`) that take the process group by name, as PyTorch's
+functional collectives do: a graph holds each as one node with a fake kernel for its shapes,
+and runs its point-to-point ring or all-gathers eagerly inside it, so a model of
+DynamicMaskAttention layers in context-parallel mode compiles with `fullgraph=True`. (Traced
+by Dynamo instead, the ring broke a layer's graph 15 times: data-dependent `.tolist()`, ints
+from torch.distributed.) The checks that need every rank's shapes run inside the forward op,
+after one small all-gather, so a call one rank refuses raises on all of them.
 """
 
 from __future__ import annotations
@@ -49,6 +50,18 @@ LAYOUTS = ("zigzag", "contiguous")
 
 def _world(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _group_name(group) -> str:
+    """The name torch.distributed knows a group by: a name as it is, the default group's for
+    None. The ops take groups by name, as PyTorch's functional collectives do."""
+    if isinstance(group, str):
+        return group
+    return (dist.group.WORLD if group is None else group).group_name
+
+
+def _group(name: str):
+    return dist.distributed_c10d._resolve_process_group(name)
 
 
 def _chunk_ids(layout: str, rank: int, world: int) -> tuple[int, ...]:
@@ -222,70 +235,181 @@ def _merge(out, m, lg, o, lse_o, rem_o):
     return out, m_new, torch.where(seen, lg_new, 0.0)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, query, key, value, mask, bias, sinks, ring: _Ring):
-        rows = query.shape[1]
-        stats = torch.float64 if query.dtype == torch.float64 else torch.float32
-        b, _, h, _ = query.shape
-        out = torch.zeros((*query.shape[:3], value.shape[-1]), dtype=stats, device=query.device)
-        top = torch.full((b, h, rows), float("-inf"), dtype=stats, device=query.device)
-        log_sum = torch.zeros_like(top)
-        for src, k, v, m, bb in ring.visits(key, value, mask, bias):
-            for qs, ks, causal, window in ring.pairs(src, rows):
-                o, l_o, rem_o = torch.ops.dmattn.attention_forward(
-                    query[:, qs], k[:, ks], v[:, ks], _cols(m, ks), _cols(bb, ks), ring.scale,
-                    causal, ring.softcap, None, ring.deterministic, window,
-                )  # fmt: skip
-                out[:, qs], top[:, :, qs], log_sum[:, :, qs] = _merge(
-                    out[:, qs], top[:, :, qs], log_sum[:, :, qs], o, l_o, rem_o.to(stats)
-                )
-        # (lse, lse_rem) as the forward op hands them to the backward op; the sinks join once,
-        # after every block (each row's softmax has one sink, not one per block).
-        lse, lse_rem = lse_split(top, log_sum, top > float("-inf"))
-        out, lse, lse_rem = join_sinks(out, lse, lse_rem, sinks)
-        out = out.to(query.dtype)
-        ctx.save_for_backward(query, key, value, mask, bias, sinks, out, lse, lse_rem)
-        ctx.ring = ring
-        return out
+def _ring_of(
+    group_name: str,
+    layout: str,
+    scale: float,
+    is_causal: bool,
+    softcap: float,
+    deterministic: bool,
+    window,
+) -> _Ring:
+    group = _group(group_name)
+    world, rank = _world(group)
+    return _Ring(group, world, rank, layout, scale, is_causal, softcap, deterministic,
+                 tuple(window))  # fmt: skip
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, mask, bias, sinks, out, lse, lse_rem = ctx.saved_tensors
-        ring = ctx.ring
-        rows = query.shape[1]
-        need_dbias = bias is not None and ctx.needs_input_grad[4]
-        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-        dq = torch.zeros(query.shape, dtype=acc, device=query.device)
-        dk = torch.zeros(key.shape, dtype=acc, device=key.device)
-        dv = torch.zeros(value.shape, dtype=acc, device=value.device)
-        db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_dbias else None
-        grad_out = grad_out.contiguous()
-        for src, k, v, m, bb in ring.visits(key, value, mask, bias):
-            for qs, ks, causal, window in ring.pairs(src, rows):
-                g = torch.ops.dmattn.attention_backward(
-                    grad_out[:, qs], None, query[:, qs], k[:, ks], v[:, ks], out[:, qs],
-                    lse[:, :, qs], lse_rem[:, :, qs], _cols(m, ks), _cols(bb, ks), ring.scale,
-                    causal, ring.softcap, None, ring.deterministic, need_dbias, window,
-                )  # fmt: skip
-                dq[:, qs] += g[0]
-                dk[:, ks] += g[1]
-                dv[:, ks] += g[2]
-                if need_dbias:
-                    db[..., ks] += g[3]
-            # The accumulators travel with the keys they belong to; after the last step they
-            # sit one rank before their owner, and one more hop brings them home.
-            if ring.world > 1:
-                grads = [dk, dv] + ([db] if need_dbias else [])
-                dk, dv, *rest = ring.exchange(grads)()
-                db = rest[0] if need_dbias else None
-        # With the joined out and lse, the blocks' backward is the sinks' softmax already;
-        # dsinks is this rank's rows' share (chunked.sinks_grad).
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[5]:
-            dsinks = sinks_grad(sinks, lse, lse_rem, row_delta(out, grad_out, None))
-        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None,
-                db.to(bias.dtype) if need_dbias else None, dsinks, None)  # fmt: skip
+
+def _stats_dtype(query: torch.Tensor) -> torch.dtype:
+    return torch.float64 if query.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("dmattn::ring_attention_forward", mutates_args=())
+def _ring_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    group_name: str,
+    layout: str,
+    scale: float,
+    is_causal: bool,
+    softcap: float,
+    deterministic: bool,
+    window: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ring's forward on this rank: (out, lse, lse_rem) of its rows, after the checks every
+    rank agrees on (module docstring: a graph runs this op whole, the ring inside it)."""
+    fn = "dmattn.distributed.ring_attention"
+    world, rank = _world(_group(group_name))
+    try:
+        _check_local(query, key, value, mask, bias, scale, softcap, is_causal, deterministic,
+                     layout, rank, world, fn)  # fmt: skip
+        window = check_window(tuple(window), fn)
+        check_sinks(sinks, query, fn)
+        error = None
+    except (TypeError, ValueError) as e:
+        error = e
+    _agree_across_ranks(query, key, value, error, _group(group_name), fn)
+    ring = _ring_of(group_name, layout, scale, is_causal, softcap, deterministic, window)
+    rows = query.shape[1]
+    stats = _stats_dtype(query)
+    b, _, h, _ = query.shape
+    out = torch.zeros((*query.shape[:3], value.shape[-1]), dtype=stats, device=query.device)
+    top = torch.full((b, h, rows), float("-inf"), dtype=stats, device=query.device)
+    log_sum = torch.zeros_like(top)
+    for src, k, v, m, bb in ring.visits(key, value, mask, bias):
+        for qs, ks, causal, pair_window in ring.pairs(src, rows):
+            o, l_o, rem_o = torch.ops.dmattn.attention_forward(
+                query[:, qs], k[:, ks], v[:, ks], _cols(m, ks), _cols(bb, ks), ring.scale,
+                causal, ring.softcap, None, ring.deterministic, pair_window,
+            )  # fmt: skip
+            out[:, qs], top[:, :, qs], log_sum[:, :, qs] = _merge(
+                out[:, qs], top[:, :, qs], log_sum[:, :, qs], o, l_o, rem_o.to(stats)
+            )
+    # (lse, lse_rem) as the forward op hands them to the backward op; the sinks join once,
+    # after every block (each row's softmax has one sink, not one per block).
+    lse, lse_rem = lse_split(top, log_sum, top > float("-inf"))
+    out, lse, lse_rem = join_sinks(out, lse, lse_rem, sinks)
+    return out.to(query.dtype), lse, lse_rem
+
+
+@_ring_forward.register_fake
+def _(query, key, value, mask, bias, sinks, group_name, layout, scale, is_causal, softcap,
+      deterministic, window):  # fmt: skip
+    b, rows, h, _ = query.shape
+    stats = query.new_empty((b, h, rows), dtype=_stats_dtype(query))
+    return query.new_empty((b, rows, h, value.shape[-1])), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("dmattn::ring_attention_backward", mutates_args=())
+def _ring_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    lse_rem: torch.Tensor,
+    group_name: str,
+    layout: str,
+    scale: float,
+    is_causal: bool,
+    softcap: float,
+    deterministic: bool,
+    window: list[int],
+    need_dbias: bool,
+    need_dsinks: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ring's backward on this rank: (dq, dk, dv, dbias, dsinks), the last two empty
+    where not asked for. dK/dV/dbias travel with their keys and reach their owner after one
+    more hop; dsinks is this rank's rows' share."""
+    ring = _ring_of(group_name, layout, scale, is_causal, softcap, deterministic, window)
+    rows = query.shape[1]
+    acc = _stats_dtype(query)
+    dq = torch.zeros(query.shape, dtype=acc, device=query.device)
+    dk = torch.zeros(key.shape, dtype=acc, device=key.device)
+    dv = torch.zeros(value.shape, dtype=acc, device=value.device)
+    db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_dbias else None
+    grad_out = grad_out.contiguous()
+    for src, k, v, m, bb in ring.visits(key, value, mask, bias):
+        for qs, ks, causal, pair_window in ring.pairs(src, rows):
+            g = torch.ops.dmattn.attention_backward(
+                grad_out[:, qs], None, query[:, qs], k[:, ks], v[:, ks], out[:, qs],
+                lse[:, :, qs], lse_rem[:, :, qs], _cols(m, ks), _cols(bb, ks), ring.scale,
+                causal, ring.softcap, None, ring.deterministic, need_dbias, pair_window,
+            )  # fmt: skip
+            dq[:, qs] += g[0]
+            dk[:, ks] += g[1]
+            dv[:, ks] += g[2]
+            if need_dbias:
+                db[..., ks] += g[3]
+        # The accumulators travel with the keys they belong to; after the last step they
+        # sit one rank before their owner, and one more hop brings them home.
+        if ring.world > 1:
+            grads = [dk, dv] + ([db] if need_dbias else [])
+            dk, dv, *rest = ring.exchange(grads)()
+            db = rest[0] if need_dbias else None
+    # With the joined out and lse, the blocks' backward is the sinks' softmax already.
+    # Outputs may not alias each other: each absent gradient is its own empty tensor.
+    dsinks = (
+        sinks_grad(sinks, lse, lse_rem, row_delta(out, grad_out, None)).to(sinks.dtype)
+        if need_dsinks
+        else query.new_empty(0)
+    )
+    dbias = db.to(bias.dtype) if need_dbias else query.new_empty(0)
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dbias, dsinks
+
+
+@_ring_backward.register_fake
+def _(grad_out, query, key, value, mask, bias, sinks, out, lse, lse_rem, group_name, layout,
+      scale, is_causal, softcap, deterministic, window, need_dbias, need_dsinks):  # fmt: skip
+    return (
+        torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
+        torch.empty_like(bias) if need_dbias else query.new_empty(0),
+        torch.empty_like(sinks) if need_dsinks else query.new_empty(0),
+    )  # fmt: skip
+
+
+_RING_OPTIONS = slice(6, 13)  # group_name .. window among the forward op's inputs
+
+
+def _ring_setup(ctx, inputs, output):
+    query, key, value, mask, bias, sinks = inputs[:6]
+    out, lse, lse_rem = output
+    ctx.save_for_backward(query, key, value, mask, bias, sinks, out, lse, lse_rem)
+    ctx.options = inputs[_RING_OPTIONS]
+    ctx.mark_non_differentiable(lse, lse_rem)
+
+
+def _ring_grads(ctx, grad_out, _grad_lse, _grad_rem):
+    query, key, value, mask, bias, sinks, out, lse, lse_rem = ctx.saved_tensors
+    need_dbias = bias is not None and ctx.needs_input_grad[4]
+    need_dsinks = sinks is not None and ctx.needs_input_grad[5]
+    dq, dk, dv, dbias, dsinks = torch.ops.dmattn.ring_attention_backward(
+        grad_out, query, key, value, mask, bias, sinks, out, lse, lse_rem, *ctx.options,
+        need_dbias, need_dsinks,
+    )  # fmt: skip
+    return (dq, dk, dv, None, dbias if need_dbias else None, dsinks if need_dsinks else None,
+            *(None,) * len(ctx.options))  # fmt: skip
+
+
+_ring_forward.register_autograd(_ring_grads, setup_context=_ring_setup)
 
 
 def _check_local(
@@ -335,7 +459,6 @@ def _agree_across_ranks(query, key, value, error, group, fn) -> None:
         )
 
 
-@torch.compiler.disable
 def ring_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -366,26 +489,21 @@ def ring_attention(
     query, key, value, bias and sinks; bias's gradient comes back for this rank's columns,
     sinks' as this rank's rows' share (sum it over the ranks, as for any parameter every rank
     holds).
+
+    group: a process group, its name (``group.group_name``), or None for the default group.
+    The ring runs inside one op (``dmattn::ring_attention_forward`` and its backward), so a
+    compiled model keeps it as one node of a full graph; there, pass the group by name (as
+    ``parallelize`` does): Dynamo does not read a process group's attributes.
     """
-    fn = "dmattn.distributed.ring_attention"
-    world, rank = _world(group)
-    try:
-        _check_local(query, key, value, mask, bias, scale, softcap, is_causal, deterministic,
-                     layout, rank, world, fn)  # fmt: skip
-        window = check_window(window_size, fn)
-        check_sinks(sinks, query, fn)
-        error = None
-    except (TypeError, ValueError) as e:
-        error = e
-    _agree_across_ranks(query, key, value, error, group, fn)
-    ring = _Ring(
-        group, world, rank, layout, default_scale(query) if scale is None else float(scale),
-        is_causal, float(softcap), deterministic, window,
+    window = check_window(window_size, "dmattn.distributed.ring_attention")
+    scale = default_scale(query) if scale is None else float(scale)
+    out, _, _ = torch.ops.dmattn.ring_attention_forward(
+        query, key, value, mask, bias, sinks, _group_name(group), layout, scale, is_causal,
+        float(softcap), deterministic, list(window),
     )  # fmt: skip
-    return _RingAttention.apply(query, key, value, mask, bias, sinks, ring)
+    return out
 
 
-@torch.compiler.disable
 def topk_mask(
     bias: torch.Tensor,
     window: int,
@@ -407,7 +525,8 @@ def topk_mask(
     Two all-gathers, O(window) per row and rank: every rank's `window` best values (the
     global window-th value is among them), then per row the count above that value and the
     count equal to it in each of the rank's chunks (the ties to keep are the first ones in
-    global key order). No rank holds a whole row.
+    global key order). No rank holds a whole row. group: as ring_attention's (an op takes it
+    by name, so compiled models keep this call in a full graph).
     """
     fn = "dmattn.distributed.topk_mask"
     allowed = _allowed(bias, mask, "topk_mask")
@@ -418,15 +537,27 @@ def topk_mask(
             f"{fn}: bias and mask must be per key, (B|1, H|Hkv|1, 1, L/R); got bias "
             f"{tuple(bias.shape)}" + ("" if mask is None else f" and mask {tuple(mask.shape)}")
         )
-    world, rank = _world(group)
+    if bias.shape[-1] % len(_chunk_ids(layout, 0, 1)):
+        raise ValueError(f"{fn}: the {layout} layout needs an even number of columns per rank")
+    return torch.ops.dmattn.cp_topk_select(
+        bias.detach(), allowed, window, _group_name(group), layout
+    )
+
+
+@torch.library.custom_op("dmattn::cp_topk_select", mutates_args=())
+def _cp_topk_select(
+    bias: torch.Tensor, allowed: torch.Tensor | None, window: int, group_name: str, layout: str
+) -> torch.Tensor:
+    """topk_mask's selection across the ranks of the group (two all-gathers), one op: a
+    compiled model keeps it as one node of a full graph."""
+    world, rank = _world(_group(group_name))
+    group = _group(group_name)
     ids = _chunk_ids(layout, rank, world)
-    score = bias.detach()
+    score = bias
     if allowed is not None:
         shape = torch.broadcast_shapes(score.shape, allowed.shape)
         score, allowed = score.expand(shape), allowed.expand(shape)
     n = score.shape[-1]
-    if n % len(ids):
-        raise ValueError(f"{fn}: the {layout} layout needs an even number of columns per rank")
     k = min(window, n * world)
     if k == 0:
         return torch.zeros(score.shape, dtype=torch.bool, device=score.device)
@@ -460,6 +591,12 @@ def topk_mask(
     return selected & allowed if allowed is not None else selected
 
 
+@_cp_topk_select.register_fake
+def _(bias, allowed, window, group_name, layout):
+    shape = bias.shape if allowed is None else torch.broadcast_shapes(bias.shape, allowed.shape)
+    return bias.new_empty(shape, dtype=torch.bool)
+
+
 @dataclass(frozen=True)
 class ContextParallel:
     """How a DynamicMaskAttention layer shards its sequence (set by `parallelize`): the
@@ -467,6 +604,8 @@ class ContextParallel:
 
     group: object = None
     layout: str = "zigzag"
+    # The group's name, what the layer passes to the ops (a compiled graph reads a string).
+    group_name: str = ""
 
 
 def parallelize(
@@ -481,7 +620,7 @@ def parallelize(
     must be token-wise outside its attention. `parallelize(model, layout=None)` undoes it."""
     if layout is not None:
         _chunk_ids(layout, 0, 1)  # checks the layout's name
-    mode = None if layout is None else ContextParallel(group, layout)
+    mode = None if layout is None else ContextParallel(group, layout, _group_name(group))
     for module in model.modules():
         if hasattr(module, "context_parallel"):
             module.context_parallel = mode

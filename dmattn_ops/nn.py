@@ -119,7 +119,7 @@ class DynamicMaskAttention(torch.nn.Module):
         from dmattn_ops import distributed
 
         # v holds this rank's rows: the top keys are chosen over the whole sequence.
-        return distributed.topk_mask(bias, self.window, group=cp.group, layout=cp.layout), bias
+        return distributed.topk_mask(bias, self.window, group=cp.group_name, layout=cp.layout), bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape
@@ -132,7 +132,7 @@ class DynamicMaskAttention(torch.nn.Module):
             from dmattn_ops import distributed
 
             out = distributed.ring_attention(
-                q, k, v, mask, bias, group=cp.group, is_causal=self.is_causal,
+                q, k, v, mask, bias, group=cp.group_name, is_causal=self.is_causal,
                 softcap=self.softcap, layout=cp.layout,
             )  # fmt: skip
             return self.o_proj(out.flatten(2))
