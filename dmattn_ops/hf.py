@@ -315,8 +315,12 @@ def _doge_forward(self, hidden_states, position_embeddings, attention_mask=None,
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
     b, _, lk, _ = value.shape
-    dt = self.dt_proj(value.transpose(1, 2).reshape(b, lk, -1))
-    dt = torch.exp(self.A * torch.nn.functional.softplus(dt)).transpose(-1, -2)  # (B, Hkv, Lk)
+    # (B, Hkv, Lk), made contiguous before the elementwise ops: with a transposed input their
+    # backward kernels lay out gradients differently in eager and in the fake kernels a
+    # compiled graph traces with (a `view` of softplus_backward's output then fails at run
+    # time under torch.compile).
+    dt = self.dt_proj(value.transpose(1, 2).reshape(b, lk, -1)).transpose(-1, -2).contiguous()
+    dt = torch.exp(self.A[:, None] * torch.nn.functional.softplus(dt))
     bias = dt[:, :, None, :].to(query.dtype)
     valid = seqused_k = None
     if attention_mask is not None:
