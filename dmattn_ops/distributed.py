@@ -235,19 +235,22 @@ def _merge(out, m, lg, o, lse_o, rem_o):
     return out, m_new, torch.where(seen, lg_new, 0.0)
 
 
-def _ring_of(
-    group_name: str,
-    layout: str,
-    scale: float,
-    is_causal: bool,
-    softcap: float,
-    deterministic: bool,
-    window,
-) -> _Ring:
-    group = _group(group_name)
+def _ring_spec(
+    group, layout: str, scale: float, is_causal: bool, softcap: float, deterministic: bool, window
+) -> str:
+    """The ring's options as the ops take them: one string (a compiled graph holds it as a
+    constant), the group's name last since a name may hold any character. Floats as repr
+    (exact round trip)."""
+    return (f"{layout}|{float(scale)!r}|{int(is_causal)}|{float(softcap)!r}|"
+            f"{int(deterministic)}|{window[0]}|{window[1]}|{_group_name(group)}")  # fmt: skip
+
+
+def _ring_of(spec: str) -> _Ring:
+    layout, scale, causal, softcap, deterministic, left, right, name = spec.split("|", 7)
+    group = _group(name)
     world, rank = _world(group)
-    return _Ring(group, world, rank, layout, scale, is_causal, softcap, deterministic,
-                 tuple(window))  # fmt: skip
+    return _Ring(group, world, rank, layout, float(scale), causal == "1", float(softcap),
+                 deterministic == "1", (int(left), int(right)))  # fmt: skip
 
 
 def _stats_dtype(query: torch.Tensor) -> torch.dtype:
@@ -262,28 +265,21 @@ def _ring_forward(
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
     sinks: torch.Tensor | None,
-    group_name: str,
-    layout: str,
-    scale: float,
-    is_causal: bool,
-    softcap: float,
-    deterministic: bool,
-    window: list[int],
+    ring: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ring's forward on this rank: (out, lse, lse_rem) of its rows, after the checks every
-    rank agrees on (module docstring: a graph runs this op whole, the ring inside it)."""
+    rank agrees on (module docstring: a graph runs this op whole, the ring inside it). ring:
+    _ring_spec's string."""
     fn = "dmattn.distributed.ring_attention"
-    world, rank = _world(_group(group_name))
+    ring = _ring_of(ring)
     try:
-        _check_local(query, key, value, mask, bias, scale, softcap, is_causal, deterministic,
-                     layout, rank, world, fn)  # fmt: skip
-        window = check_window(tuple(window), fn)
+        _check_local(query, key, value, mask, bias, ring.scale, ring.softcap, ring.is_causal,
+                     ring.deterministic, ring.layout, ring.rank, ring.world, fn)  # fmt: skip
         check_sinks(sinks, query, fn)
         error = None
     except (TypeError, ValueError) as e:
         error = e
-    _agree_across_ranks(query, key, value, error, _group(group_name), fn)
-    ring = _ring_of(group_name, layout, scale, is_causal, softcap, deterministic, window)
+    _agree_across_ranks(query, key, value, error, ring.group, fn)
     rows = query.shape[1]
     stats = _stats_dtype(query)
     b, _, h, _ = query.shape
@@ -307,8 +303,7 @@ def _ring_forward(
 
 
 @_ring_forward.register_fake
-def _(query, key, value, mask, bias, sinks, group_name, layout, scale, is_causal, softcap,
-      deterministic, window):  # fmt: skip
+def _(query, key, value, mask, bias, sinks, ring):
     b, rows, h, _ = query.shape
     stats = query.new_empty((b, h, rows), dtype=_stats_dtype(query))
     return query.new_empty((b, rows, h, value.shape[-1])), stats, torch.empty_like(stats)
@@ -326,20 +321,14 @@ def _ring_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     lse_rem: torch.Tensor,
-    group_name: str,
-    layout: str,
-    scale: float,
-    is_causal: bool,
-    softcap: float,
-    deterministic: bool,
-    window: list[int],
+    ring: str,
     need_dbias: bool,
     need_dsinks: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ring's backward on this rank: (dq, dk, dv, dbias, dsinks), the last two empty
     where not asked for. dK/dV/dbias travel with their keys and reach their owner after one
     more hop; dsinks is this rank's rows' share."""
-    ring = _ring_of(group_name, layout, scale, is_causal, softcap, deterministic, window)
+    ring = _ring_of(ring)
     rows = query.shape[1]
     acc = _stats_dtype(query)
     dq = torch.zeros(query.shape, dtype=acc, device=query.device)
@@ -377,8 +366,8 @@ def _ring_backward(
 
 
 @_ring_backward.register_fake
-def _(grad_out, query, key, value, mask, bias, sinks, out, lse, lse_rem, group_name, layout,
-      scale, is_causal, softcap, deterministic, window, need_dbias, need_dsinks):  # fmt: skip
+def _(grad_out, query, key, value, mask, bias, sinks, out, lse, lse_rem, ring, need_dbias,
+      need_dsinks):  # fmt: skip
     return (
         torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
         torch.empty_like(bias) if need_dbias else query.new_empty(0),
@@ -386,14 +375,10 @@ def _(grad_out, query, key, value, mask, bias, sinks, out, lse, lse_rem, group_n
     )  # fmt: skip
 
 
-_RING_OPTIONS = slice(6, 13)  # group_name .. window among the forward op's inputs
-
-
 def _ring_setup(ctx, inputs, output):
-    query, key, value, mask, bias, sinks = inputs[:6]
+    query, key, value, mask, bias, sinks, ctx.ring = inputs
     out, lse, lse_rem = output
     ctx.save_for_backward(query, key, value, mask, bias, sinks, out, lse, lse_rem)
-    ctx.options = inputs[_RING_OPTIONS]
     ctx.mark_non_differentiable(lse, lse_rem)
 
 
@@ -402,11 +387,11 @@ def _ring_grads(ctx, grad_out, _grad_lse, _grad_rem):
     need_dbias = bias is not None and ctx.needs_input_grad[4]
     need_dsinks = sinks is not None and ctx.needs_input_grad[5]
     dq, dk, dv, dbias, dsinks = torch.ops.dmattn.ring_attention_backward(
-        grad_out, query, key, value, mask, bias, sinks, out, lse, lse_rem, *ctx.options,
+        grad_out, query, key, value, mask, bias, sinks, out, lse, lse_rem, ctx.ring,
         need_dbias, need_dsinks,
     )  # fmt: skip
     return (dq, dk, dv, None, dbias if need_dbias else None, dsinks if need_dsinks else None,
-            *(None,) * len(ctx.options))  # fmt: skip
+            None)  # fmt: skip
 
 
 _ring_forward.register_autograd(_ring_grads, setup_context=_ring_setup)
@@ -495,12 +480,13 @@ def ring_attention(
     compiled model keeps it as one node of a full graph; there, pass the group by name (as
     ``parallelize`` does): Dynamo does not read a process group's attributes.
     """
-    window = check_window(window_size, "dmattn.distributed.ring_attention")
-    scale = default_scale(query) if scale is None else float(scale)
-    out, _, _ = torch.ops.dmattn.ring_attention_forward(
-        query, key, value, mask, bias, sinks, _group_name(group), layout, scale, is_causal,
-        float(softcap), deterministic, list(window),
-    )  # fmt: skip
+    fn = "dmattn.distributed.ring_attention"
+    check_flags(fn, is_causal=is_causal, deterministic=deterministic)
+    _chunk_ids(layout, 0, 1)  # checks the layout's name
+    window = check_window(window_size, fn)
+    scale = default_scale(query) if scale is None else scale
+    ring = _ring_spec(group, layout, scale, is_causal, softcap, deterministic, window)
+    out, _, _ = torch.ops.dmattn.ring_attention_forward(query, key, value, mask, bias, sinks, ring)
     return out
 
 

@@ -374,12 +374,13 @@ def _compiled_worker(rank: int, world: int, rendezvous: str, failures) -> None:
         # The ops' schemas, fake kernels and autograd registration (every rank runs the same
         # sequence of calls, as the ring needs).
         name = cp._group_name(None)
+        ring = cp._ring_spec(None, "zigzag", 0.3, True, 0.0, False, (-1, -1))
         q, k, v = (torch.randn(2, 4, h, 8, dtype=torch.float64, requires_grad=True)
                    for h in (4, 2, 2))  # fmt: skip
         bias = torch.randn(2, 2, 1, 4, dtype=torch.float64, requires_grad=True)
         sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
         mask = torch.rand(2, 2, 1, 4) > 0.3
-        args = (q, k, v, mask, bias, sinks, name, "zigzag", 0.3, True, 0.0, False, [-1, -1])
+        args = (q, k, v, mask, bias, sinks, ring)
         torch.library.opcheck(torch.ops.dmattn.ring_attention_forward.default, args)
         torch.library.opcheck(torch.ops.dmattn.cp_topk_select.default,
                               (bias.detach(), mask, 3, name, "zigzag"))  # fmt: skip
