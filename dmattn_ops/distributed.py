@@ -536,8 +536,8 @@ def _cp_topk_select(
 ) -> torch.Tensor:
     """topk_mask's selection across the ranks of the group (two all-gathers), one op: a
     compiled model keeps it as one node of a full graph."""
-    world, rank = _world(_group(group_name))
     group = _group(group_name)
+    world, rank = _world(group)
     ids = _chunk_ids(layout, rank, world)
     score = bias
     if allowed is not None:
