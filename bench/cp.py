@@ -6,6 +6,13 @@ GPUs), dense causal and DMA (a per-key bias and its top-L/4 mask), against
 `dmattn_ops.attention` on the whole sequence in one process. Reports step ms, the ratio
 (R GPUs over 1), and peak memory: the one process's, and the largest of the R ranks' (measured
 with nothing of the one-process run alive); a length that does not fit is reported as OOM.
+
+``--fit GIB`` (GPUs): the longest L whose forward+backward fits in GIB per GPU (the process's
+memory capped with `torch.cuda.set_per_process_memory_fraction`), for one GPU and for the ring.
+One GPU: a doubling search then bisection, OOM caught. The ring cannot search so: a rank that
+runs out of memory mid-ring leaves its peers waiting on the exchange, so its peak per rank is
+measured at two lengths (it is linear in L at fixed heads), the longest L under the cap is read
+off that line, and one step at that L is run to show that it fits.
 """
 
 from __future__ import annotations
@@ -140,6 +147,108 @@ def _worker(rank, world, rendezvous, lengths, kinds, results):
         dist.destroy_process_group()
 
 
+GRAIN = 4096  # the fit's L resolution (a multiple of every ring's 2 R chunks)
+
+
+def _fits(fn, length: int, kind: str, device) -> float | None:
+    """The peak GiB of one forward+backward of fn at `length` (whole-sequence inputs, or this
+    rank's shard when fn is the ring), None when it runs out of memory."""
+    step = None
+    try:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        q, k, v, mask, bias = _inputs(length, device, torch.bfloat16, kind)
+        if fn is _ring:
+            from dmattn_ops import distributed as cp
+
+            q, k, v = (cp.shard(t, 1) for t in (q, k, v))
+            mask, bias = (cp.shard(t, 3) if t is not None else None for t in (mask, bias))
+        step = _step(fn, (q, k, v, mask, bias))
+        del q, k, v, mask, bias
+        step()
+        torch.cuda.synchronize(device)
+        return _peak_gib(device)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        step = None
+        torch.cuda.empty_cache()
+
+
+def _search_one(kind: str, device, start: int = 65536) -> int:
+    """The longest L (a multiple of GRAIN) whose whole-sequence step fits: doubling, then
+    bisection between the last length that fit and the first that did not."""
+    lo, hi = 0, start
+    while _fits(_whole, hi, kind, device) is not None:
+        lo, hi = hi, 2 * hi
+    while hi - lo > GRAIN:
+        mid = (lo + hi) // 2 // GRAIN * GRAIN
+        lo, hi = (mid, hi) if _fits(_whole, mid, kind, device) is not None else (lo, mid)
+    return lo
+
+
+def _fit_worker(rank, world, rendezvous, kinds, cap_gib, results):
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib / total), device)
+    dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        for kind in kinds:
+            row = dict(kind=kind, cap=cap_gib)
+            if rank == 0:
+                row["one"] = _search_one(kind, device)
+            dist.barrier()
+            # The ring's peak per rank at two lengths, the largest over ranks, well inside the
+            # cap; the line through them gives the longest L under it.
+            points = []
+            for length in (32768, 65536):
+                peak = torch.tensor([_fits(_ring, length, kind, device) or -1.0], device=device)
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                points.append((length, peak.item()))
+            (l0, p0), (l1, p1) = points
+            slope = (p1 - p0) / (l1 - l0)
+            # 2% under the line: the allocator's rounding must not make the check run out.
+            longest = int(0.98 * ((cap_gib - p0) / slope + l0)) // GRAIN * GRAIN if slope > 0 else 0
+            # Shown to fit at that length: every rank's step ran (all ranks agree it did).
+            ok = _fits(_ring, longest, kind, device) is not None
+            flag = torch.tensor([1.0 if ok else 0.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            row.update(ring=longest, ring_ok=bool(flag.item()), points=points)
+            if rank == 0:
+                results.put(row)
+    finally:
+        dist.destroy_process_group()
+
+
+def fit(world: int, kinds, cap_gib: float) -> list[dict]:
+    # What a long-context user sets: segments that grow, so that fragmentation does not decide
+    # where a capped process runs out (the spawned workers inherit it).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_fit_worker, args=(world, os.path.join(tmp, "rdv"), kinds, cap_gib,
+                                              results), nprocs=world, start_method="spawn")  # fmt: skip
+    rows = []
+    while not results.empty():
+        rows.append(results.get())
+    return rows
+
+
+def fit_table(rows, world: int) -> str:
+    headers = ["kind", "cap GiB per GPU", "longest L, 1 GPU", f"longest L, {world} GPUs",
+               "ratio", f"{world}-GPU peak GiB at 32k / 64k"]  # fmt: skip
+    table = []
+    for r in rows:
+        ring = r["ring"] if r["ring_ok"] else f"{r['ring']} (did not run)"
+        ratio = r["ring"] / r["one"] if r["ring_ok"] and r["one"] else None
+        points = " / ".join(f"{p:.2f}" for _, p in r["points"])
+        table.append([r["kind"], r["cap"], r["one"], ring, ratio, points])
+    return markdown(headers, table, ("", ".1f", "", "", ".2f", ""))
+
+
 def run(world: int, lengths, kinds) -> list[dict]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
@@ -173,7 +282,15 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2, help="processes (GPUs) in the ring")
     p.add_argument("--lengths", default="32768,65536,131072", help="comma-separated")
     p.add_argument("--kinds", default="dense,dma", help="dense, dma")
+    p.add_argument("--fit", type=float, default=None, metavar="GIB",
+                   help="longest L that fits in GIB per GPU, 1 GPU and the ring (GPUs only)")
     args = p.parse_args(argv)
+    if args.fit is not None:
+        if not torch.cuda.is_available() or torch.cuda.device_count() < args.world:
+            p.error(f"--fit needs {args.world} CUDA GPUs")
+        print(header(), flush=True)
+        print(fit_table(fit(args.world, args.kinds.split(","), args.fit), args.world))
+        return 0
     lengths = [int(x) for x in args.lengths.split(",")]
     for length in lengths:
         if length % (2 * args.world):

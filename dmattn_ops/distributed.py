@@ -215,9 +215,11 @@ def _cols(t, s: slice):
     return None if t is None else t[..., s]
 
 
-def _merge(out, m, lg, o, lse_o, rem_o):
+def _merge(out, m, lg, o, lse_o, rem_o) -> None:
     """Merge a partial (o, lse_o + rem_o) into the running (out, m + lg), all fp32 (float64 for
-    float64). The running lse is kept as two numbers: m, the largest block lse seen, and lg, the
+    float64), in place: out, m and lg are views of the rows' accumulators, and the update makes
+    no copy of out's size (the ring's forward holds one (B, rows, H, Dv) accumulator, nothing
+    more). The running lse is kept as two numbers: m, the largest block lse seen, and lg, the
     log of the sum relative to it. One rounded number would lose the log-sum next to a huge m:
     a row whose every key has a bias of finfo.min has lse = -3.4e38 + log n, which rounds to
     -3.4e38 in every block, and merging equal blocks must still halve each one's weight.
@@ -231,8 +233,9 @@ def _merge(out, m, lg, o, lse_o, rem_o):
     lg_new = torch.logaddexp(a, b)
     w_old = torch.where(seen, torch.exp(a - lg_new), 0.0).transpose(1, 2)[..., None]
     w_new = torch.where(seen, torch.exp(b - lg_new), 0.0).transpose(1, 2)[..., None]
-    out = out * w_old + o.to(out.dtype) * w_new
-    return out, m_new, torch.where(seen, lg_new, 0.0)
+    out.mul_(w_old).addcmul_(o, w_new)
+    m.copy_(m_new)
+    lg.copy_(torch.where(seen, lg_new, 0.0))
 
 
 def _ring_spec(
@@ -292,9 +295,8 @@ def _ring_forward(
                 query[:, qs], k[:, ks], v[:, ks], _cols(m, ks), _cols(bb, ks), ring.scale,
                 causal, ring.softcap, None, ring.deterministic, pair_window,
             )  # fmt: skip
-            out[:, qs], top[:, :, qs], log_sum[:, :, qs] = _merge(
-                out[:, qs], top[:, :, qs], log_sum[:, :, qs], o, l_o, rem_o.to(stats)
-            )
+            _merge(out[:, qs], top[:, :, qs], log_sum[:, :, qs], o, l_o, rem_o.to(stats))
+            del o  # the next block's call may reuse its memory
     # (lse, lse_rem) as the forward op hands them to the backward op; the sinks join once,
     # after every block (each row's softmax has one sink, not one per block).
     lse, lse_rem = lse_split(top, log_sum, top > float("-inf"))
@@ -335,7 +337,8 @@ def _ring_backward(
     dk = torch.zeros(key.shape, dtype=acc, device=key.device)
     dv = torch.zeros(value.shape, dtype=acc, device=value.device)
     db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_dbias else None
-    grad_out = grad_out.contiguous()
+    # Each block reads its rows of grad_out as they are: the op copies a non-contiguous slice
+    # for that call alone, where a contiguous copy here would live through the whole ring.
     for src, k, v, m, bb in ring.visits(key, value, mask, bias):
         for qs, ks, causal, pair_window in ring.pairs(src, rows):
             g = torch.ops.dmattn.attention_backward(
@@ -348,6 +351,7 @@ def _ring_backward(
             dv[:, ks] += g[2]
             if need_dbias:
                 db[..., ks] += g[3]
+            del g  # freed before the next block's call: its memory is that call's to reuse
         # The accumulators travel with the keys they belong to; after the last step they
         # sit one rank before their owner, and one more hop brings them home.
         if ring.world > 1:
