@@ -31,16 +31,20 @@ from bench.tables import markdown
 B, H, HKV, D = 1, 16, 4, 128
 
 
-def _inputs(length: int, device, dtype, kind: str):
-    g = torch.Generator(device="cpu").manual_seed(0)
-    q = torch.randn(B, length, H, D, generator=g).to(device, dtype)
-    k = torch.randn(B, length, HKV, D, generator=g).to(device, dtype)
-    v = torch.randn(B, length, HKV, D, generator=g).to(device, dtype)
+def _inputs(length: int, device, dtype, kind: str, on_device: bool = False):
+    """(q, k, v, mask, bias), the same on every rank: drawn on the CPU, or with on_device from a
+    seeded generator of the device (faster at long L; equal across ranks of one GPU model)."""
+    g = torch.Generator(device=device if on_device else "cpu").manual_seed(0)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g, device=g.device).to(device, dtype)
+
+    q, k, v = draw(B, length, H, D), draw(B, length, HKV, D), draw(B, length, HKV, D)
     mask = bias = None
     if kind == "dma":
         from dmattn_ops.masks import topk_mask
 
-        bias = torch.randn(B, HKV, 1, length, generator=g).to(device, dtype)
+        bias = draw(B, HKV, 1, length)
         mask = topk_mask(bias, length // 4)
     return q, k, v, mask, bias
 
@@ -147,7 +151,7 @@ def _worker(rank, world, rendezvous, lengths, kinds, results):
         dist.destroy_process_group()
 
 
-GRAIN = 4096  # the fit's L resolution (a multiple of every ring's 2 R chunks)
+GRAIN = 8192  # the fit's L resolution (a multiple of every ring's 2 R chunks)
 
 
 def _fits(fn, length: int, kind: str, device) -> float | None:
@@ -156,8 +160,7 @@ def _fits(fn, length: int, kind: str, device) -> float | None:
     step = None
     try:
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        q, k, v, mask, bias = _inputs(length, device, torch.bfloat16, kind)
+        q, k, v, mask, bias = _inputs(length, device, torch.bfloat16, kind, on_device=True)
         if fn is _ring:
             from dmattn_ops import distributed as cp
 
@@ -165,6 +168,8 @@ def _fits(fn, length: int, kind: str, device) -> float | None:
             mask, bias = (cp.shard(t, 3) if t is not None else None for t in (mask, bias))
         step = _step(fn, (q, k, v, mask, bias))
         del q, k, v, mask, bias
+        # From here: the step's inputs (this rank's shard) and all it allocates.
+        torch.cuda.reset_peak_memory_stats(device)
         step()
         torch.cuda.synchronize(device)
         return _peak_gib(device)
