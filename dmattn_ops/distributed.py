@@ -337,14 +337,13 @@ def _ring_backward(
     dk = torch.zeros(key.shape, dtype=acc, device=key.device)
     dv = torch.zeros(value.shape, dtype=acc, device=value.device)
     db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_dbias else None
-    # Each block reads its rows of grad_out: a slice of a dense grad_out as it is, and of any
-    # other (an expanded one, as `out.sum().backward()` gives) a copy for that call alone,
-    # which a copy of all the rows here would outlive through the whole ring.
-    dense_rows = grad_out.stride(-1) == 1 and min(grad_out.stride()) > 0
+    # Each block's call reads its rows of grad_out as they are: the op copies an expanded slice
+    # for that call alone (problem.dense_rows), where a copy of all the rows here would live
+    # through the whole ring.
     for src, k, v, m, bb in ring.visits(key, value, mask, bias):
         for qs, ks, causal, pair_window in ring.pairs(src, rows):
             g = torch.ops.dmattn.attention_backward(
-                grad_out[:, qs] if dense_rows else grad_out[:, qs].contiguous(), None, query[:, qs], k[:, ks], v[:, ks], out[:, qs],
+                grad_out[:, qs], None, query[:, qs], k[:, ks], v[:, ks], out[:, qs],
                 lse[:, :, qs], lse_rem[:, :, qs], _cols(m, ks), _cols(bb, ks), ring.scale,
                 causal, ring.softcap, None, ring.deterministic, need_dbias, pair_window,
             )  # fmt: skip

@@ -203,6 +203,34 @@ def test_the_launcher_runs_the_plan(monkeypatch):
 
 
 @needs_triton
+def test_the_kernels_read_an_expanded_gradient_densely(monkeypatch):
+    """`out.sum().backward()` hands the backward a gradient with every stride 0; the kernels get
+    it copied once (unit stride on D: vectorised loads, problem.dense_rows), a dense one as it
+    is, and the gradients equal those of the same values contiguous."""
+    seen = []
+    real = launch._launch_backward
+
+    def spy(query, key, value, grad_out, *args, **kwargs):
+        seen.append(grad_out)
+        return real(query, key, value, grad_out, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "_launch_backward", spy)
+    q, k, v = qkv()
+    mask = mask_of(B, HKV, 1)
+    grads = []
+    for upstream in (torch.ones(()).expand(B, LQ, H, D), torch.ones(B, LQ, H, D)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = dmattn_ops.attention(*leaves, mask, is_causal=True, backend="triton")
+        out.backward(upstream.to(DEVICE))
+        grads.append([t.grad for t in leaves])
+    expanded, dense = seen
+    assert expanded.stride(-1) == 1 and 0 not in expanded.stride()
+    assert dense.stride() == (LQ * H * D, H * D, D, 1)
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@needs_triton
 def test_each_pass_is_planned_once_and_repeated_calls_reuse_the_plan(monkeypatch):
     """An eager differentiable call decides its forward once and its backward once (the
     backward starting from the forward's route); a second call of the same shapes decides

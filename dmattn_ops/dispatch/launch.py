@@ -31,6 +31,7 @@ from dmattn_ops.core.operands import (
 )
 from dmattn_ops.core.problem import Options, Problem
 from dmattn_ops.core.problem import dense_index as _dense
+from dmattn_ops.core.problem import dense_rows
 from dmattn_ops.dispatch import plan
 from dmattn_ops.dispatch.plan import (
     DECODE,
@@ -329,6 +330,7 @@ def backward(
     compute_dbias = compute_dbias and problem.bias is not None
     inputs, problem = problem, problem.collapsed(grad_bias=compute_dbias)
     saved = Saved(saved.out, _dense(saved.lse), _dense(saved.lse_rem))
+    grad_out = dense_rows(grad_out)
     p = plan.plan(
         problem, opts, plan.BACKWARD, grad_lse=grad_lse is not None, compute_dbias=compute_dbias
     )
