@@ -27,6 +27,7 @@ after one small all-gather, so a call one rank refuses raises on all of them.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -116,23 +117,24 @@ class _Ring:
     def ids(self, rank: int) -> tuple[int, ...]:
         return _chunk_ids(self.layout, rank, self.world)
 
-    def pairs(self, src: int, rows: int):
-        """(query slice, key slice, is_causal, window_size) of the op call for each (local query
-        chunk, key chunk of rank src) pair in which some query sees some key; chunks have
-        rows // len(ids) rows. Pairs no query of which sees a key are skipped."""
+    def pairs(self, src: int, rows: int, docs: list[int] | None = None):
+        """The op call (a _Block) for each (local query chunk, key chunk of rank src) pair in
+        which some query sees some key; chunks have rows // len(ids) rows. Pairs no query of
+        which sees a key are skipped. docs: the global cu_seqlens of packed documents."""
         q_ids, k_ids = self.ids(self.rank), self.ids(src)
         n, band = rows // len(q_ids), self.band()
         for qi, a in enumerate(q_ids):
             for ki, c in enumerate(k_ids):
+                if docs is not None:
+                    block = _doc_block(docs, a * n, c * n, n, self.is_causal)
+                    if block is not None:
+                        yield block.moved(qi * n, ki * n)
+                    continue
                 call = _pair_call(band, (c - a) * n, n)
                 if call is not None:
                     (q0, q1), (k0, k1), causal, window = call
-                    yield (
-                        slice(qi * n + q0, qi * n + q1),
-                        slice(ki * n + k0, ki * n + k1),
-                        causal,
-                        window,
-                    )
+                    yield _Block(qi * n + q0, qi * n + q1, ki * n + k0, ki * n + k1, causal,
+                                 window)  # fmt: skip
 
     def band(self) -> tuple[float, float]:
         """The keys a query sees, as (lo, hi) on (key position - query position), global: the
@@ -184,6 +186,103 @@ class _Ring:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
 
+@dataclass(frozen=True)
+class _Block:
+    """One op call of the ring: local query rows [q0, q1) against the visiting keys [k0, k1),
+    with the op's causality and window over those slices; with cu (packed documents), a varlen
+    call over the slices whose sequences start at cu (local, from 0: the diagonal block of a
+    chunk, its documents cut at the chunk's ends)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    is_causal: bool
+    window: tuple[int, int] = NO_WINDOW
+    cu: tuple[int, ...] | None = None
+
+    @property
+    def qs(self) -> slice:
+        return slice(self.q0, self.q1)
+
+    @property
+    def ks(self) -> slice:
+        return slice(self.k0, self.k1)
+
+    def moved(self, dq: int, dk: int) -> _Block:
+        return _Block(self.q0 + dq, self.q1 + dq, self.k0 + dk, self.k1 + dk, self.is_causal,
+                      self.window, self.cu)  # fmt: skip
+
+    def forward(self, query, k, v, m, b, ring):
+        """(out, lse, lse_rem) of the block's rows, as the dense forward op shapes them."""
+        qs, ks = self.qs, self.ks
+        if self.cu is None:
+            return torch.ops.dmattn.attention_forward(
+                query[:, qs], k[:, ks], v[:, ks], _cols(m, ks), _cols(b, ks), ring.scale,
+                self.is_causal, ring.softcap, None, ring.deterministic, self.window,
+            )  # fmt: skip
+        cu, longest = self._cu(query.device)
+        o, lse, rem = torch.ops.dmattn.attention_varlen_forward(
+            query[0, qs], k[0, ks], v[0, ks], cu, cu, longest, longest, _keys(m, ks),
+            _keys(b, ks), ring.scale, self.is_causal, ring.softcap, ring.deterministic,
+        )  # fmt: skip
+        return o[None], lse[None], rem[None]
+
+    def backward(self, grad_out, query, k, v, m, b, out, lse, lse_rem, ring, need_dbias):
+        """(dq, dk, dv, dbias) of the block, in the dense backward op's shapes."""
+        qs, ks = self.qs, self.ks
+        if self.cu is None:
+            return torch.ops.dmattn.attention_backward(
+                grad_out[:, qs], None, query[:, qs], k[:, ks], v[:, ks], out[:, qs],
+                lse[:, :, qs], lse_rem[:, :, qs], _cols(m, ks), _cols(b, ks), ring.scale,
+                self.is_causal, ring.softcap, None, ring.deterministic, need_dbias, self.window,
+            )  # fmt: skip
+        cu, longest = self._cu(query.device)
+        dq, dk, dv, db = torch.ops.dmattn.attention_varlen_backward(
+            grad_out[0, qs], None, query[0, qs], k[0, ks], v[0, ks], out[0, qs], lse[0][:, qs],
+            lse_rem[0][:, qs], cu, cu, longest, longest, _keys(m, ks), _keys(b, ks), ring.scale,
+            self.is_causal, ring.softcap, ring.deterministic, need_dbias,
+        )  # fmt: skip
+        return dq[None], dk[None], dv[None], db[None, :, None] if need_dbias else db
+
+    def _cu(self, device) -> tuple[torch.Tensor, int]:
+        longest = max(b - a for a, b in zip(self.cu, self.cu[1:]))
+        return torch.tensor(self.cu, dtype=torch.int32, device=device), longest
+
+
+def _doc_block(docs: list[int], qa: int, ka: int, n: int, is_causal: bool) -> _Block | None:
+    """The block of packed documents (global cu_seqlens `docs`) between the query chunk at
+    global rows [qa, qa + n) and the key chunk at [ka, ka + n), in chunk-local indices; None
+    when no query of it sees a key. Documents are contiguous runs of the packed sequence, so
+    off the diagonal at most one document (the one holding the later chunk's first position)
+    reaches into both chunks, and that block is dense: every one of its keys lies before every
+    one of its queries (causal or not) or after them (only without causality). On the diagonal
+    it is a varlen call over the chunk's documents, cut at the chunk's ends. Rows past the
+    last document see nothing."""
+    end = docs[-1]
+    if qa == ka:
+        last = min(end, qa + n)
+        if last <= qa:
+            return None
+        cuts = sorted({x - qa for x in docs if qa < x < last})
+        return _Block(0, last - qa, 0, last - qa, is_causal, NO_WINDOW, (0, *cuts, last - qa))
+    if is_causal and ka > qa:
+        return None
+    later = max(qa, ka)
+    if later >= end:
+        return None
+    i = bisect.bisect_right(docs, later) - 1
+    start, stop = docs[i], docs[i + 1]
+    earlier = min(qa, ka)
+    if start >= earlier + n:  # the document begins after the earlier chunk ends
+        return None
+    # The earlier chunk's rows from the document's start, the later chunk's up to its end.
+    e0, l1 = max(start, earlier) - earlier, min(stop, later + n) - later
+    if ka < qa:  # keys in the earlier chunk
+        return _Block(0, l1, e0, n, False)
+    return _Block(e0, n, 0, l1, False)
+
+
 def _pair_call(band, offset: int, n: int):
     """How the op computes one block: n queries at global positions p + i against n keys at
     p + offset + j, the keys visible where key - query lies in band = (lo, hi). Returns the
@@ -213,6 +312,11 @@ def _pair_call(band, offset: int, n: int):
 
 def _cols(t, s: slice):
     return None if t is None else t[..., s]
+
+
+def _keys(t, s: slice):
+    """A per-key (1, H|Hkv|1, 1, n) mask or bias's columns s as the varlen ops take them."""
+    return None if t is None else t[0, :, 0, s]
 
 
 def _merge(out, m, lg, o, lse_o, rem_o) -> None:
@@ -268,21 +372,24 @@ def _ring_forward(
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
     sinks: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
     ring: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ring's forward on this rank: (out, lse, lse_rem) of its rows, after the checks every
     rank agrees on (module docstring: a graph runs this op whole, the ring inside it). ring:
-    _ring_spec's string."""
+    _ring_spec's string; cu_seqlens: packed documents over the global sequence, or None."""
     fn = "dmattn.distributed.ring_attention"
     ring = _ring_of(ring)
+    docs = None
     try:
         _check_local(query, key, value, mask, bias, ring.scale, ring.softcap, ring.is_causal,
                      ring.deterministic, ring.layout, ring.rank, ring.world, fn)  # fmt: skip
         check_sinks(sinks, query, fn)
+        docs = _check_docs(cu_seqlens, query, sinks, ring, fn)
         error = None
     except (TypeError, ValueError) as e:
         error = e
-    _agree_across_ranks(query, key, value, error, ring.group, fn)
+    _agree_across_ranks(query, key, value, error, ring.group, fn, docs)
     rows = query.shape[1]
     stats = _stats_dtype(query)
     b, _, h, _ = query.shape
@@ -290,11 +397,9 @@ def _ring_forward(
     top = torch.full((b, h, rows), float("-inf"), dtype=stats, device=query.device)
     log_sum = torch.zeros_like(top)
     for src, k, v, m, bb in ring.visits(key, value, mask, bias):
-        for qs, ks, causal, pair_window in ring.pairs(src, rows):
-            o, l_o, rem_o = torch.ops.dmattn.attention_forward(
-                query[:, qs], k[:, ks], v[:, ks], _cols(m, ks), _cols(bb, ks), ring.scale,
-                causal, ring.softcap, None, ring.deterministic, pair_window,
-            )  # fmt: skip
+        for block in ring.pairs(src, rows, docs):
+            o, l_o, rem_o = block.forward(query, k, v, m, bb, ring)
+            qs = block.qs
             _merge(out[:, qs], top[:, :, qs], log_sum[:, :, qs], o, l_o, rem_o.to(stats))
             del o  # the next block's call may reuse its memory
     # (lse, lse_rem) as the forward op hands them to the backward op; the sinks join once,
@@ -305,7 +410,7 @@ def _ring_forward(
 
 
 @_ring_forward.register_fake
-def _(query, key, value, mask, bias, sinks, ring):
+def _(query, key, value, mask, bias, sinks, cu_seqlens, ring):
     b, rows, h, _ = query.shape
     stats = query.new_empty((b, h, rows), dtype=_stats_dtype(query))
     return query.new_empty((b, rows, h, value.shape[-1])), stats, torch.empty_like(stats)
@@ -320,6 +425,7 @@ def _ring_backward(
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
     sinks: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
     out: torch.Tensor,
     lse: torch.Tensor,
     lse_rem: torch.Tensor,
@@ -340,13 +446,11 @@ def _ring_backward(
     # Each block's call reads its rows of grad_out as they are: the op copies an expanded slice
     # for that call alone (problem.dense_rows), where a copy of all the rows here would live
     # through the whole ring.
+    docs = None if cu_seqlens is None else cu_seqlens.tolist()
     for src, k, v, m, bb in ring.visits(key, value, mask, bias):
-        for qs, ks, causal, pair_window in ring.pairs(src, rows):
-            g = torch.ops.dmattn.attention_backward(
-                grad_out[:, qs], None, query[:, qs], k[:, ks], v[:, ks], out[:, qs],
-                lse[:, :, qs], lse_rem[:, :, qs], _cols(m, ks), _cols(bb, ks), ring.scale,
-                causal, ring.softcap, None, ring.deterministic, need_dbias, pair_window,
-            )  # fmt: skip
+        for block in ring.pairs(src, rows, docs):
+            g = block.backward(grad_out, query, k, v, m, bb, out, lse, lse_rem, ring, need_dbias)
+            qs, ks = block.qs, block.ks
             dq[:, qs] += g[0]
             dk[:, ks] += g[1]
             dv[:, ks] += g[2]
@@ -371,8 +475,8 @@ def _ring_backward(
 
 
 @_ring_backward.register_fake
-def _(grad_out, query, key, value, mask, bias, sinks, out, lse, lse_rem, ring, need_dbias,
-      need_dsinks):  # fmt: skip
+def _(grad_out, query, key, value, mask, bias, sinks, cu_seqlens, out, lse, lse_rem, ring,
+      need_dbias, need_dsinks):  # fmt: skip
     return (
         torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
         torch.empty_like(bias) if need_dbias else query.new_empty(0),
@@ -381,22 +485,22 @@ def _(grad_out, query, key, value, mask, bias, sinks, out, lse, lse_rem, ring, n
 
 
 def _ring_setup(ctx, inputs, output):
-    query, key, value, mask, bias, sinks, ctx.ring = inputs
+    query, key, value, mask, bias, sinks, cu_seqlens, ctx.ring = inputs
     out, lse, lse_rem = output
-    ctx.save_for_backward(query, key, value, mask, bias, sinks, out, lse, lse_rem)
+    ctx.save_for_backward(query, key, value, mask, bias, sinks, cu_seqlens, out, lse, lse_rem)
     ctx.mark_non_differentiable(lse, lse_rem)
 
 
 def _ring_grads(ctx, grad_out, _grad_lse, _grad_rem):
-    query, key, value, mask, bias, sinks, out, lse, lse_rem = ctx.saved_tensors
+    query, key, value, mask, bias, sinks, cu_seqlens, out, lse, lse_rem = ctx.saved_tensors
     need_dbias = bias is not None and ctx.needs_input_grad[4]
     need_dsinks = sinks is not None and ctx.needs_input_grad[5]
     dq, dk, dv, dbias, dsinks = torch.ops.dmattn.ring_attention_backward(
-        grad_out, query, key, value, mask, bias, sinks, out, lse, lse_rem, ctx.ring,
-        need_dbias, need_dsinks,
+        grad_out, query, key, value, mask, bias, sinks, cu_seqlens, out, lse, lse_rem,
+        ctx.ring, need_dbias, need_dsinks,
     )  # fmt: skip
     return (dq, dk, dv, None, dbias if need_dbias else None, dsinks if need_dsinks else None,
-            None)  # fmt: skip
+            None, None)  # fmt: skip
 
 
 _ring_forward.register_autograd(_ring_grads, setup_context=_ring_setup)
@@ -423,14 +527,43 @@ def _check_local(
         raise ValueError(f"{fn}: the {layout} layout needs an even number of rows per rank")
 
 
-def _agree_across_ranks(query, key, value, error, group, fn) -> None:
+def _check_docs(cu_seqlens, query, sinks, ring, fn) -> list[int] | None:
+    """cu_seqlens as a list, checked: packed documents of the global sequence, int32 or int64,
+    (N+1,), from 0, non-decreasing, ending at or before the global length (rows past the last
+    document attend to nothing), one batch row; no window or sinks with them."""
+    if cu_seqlens is None:
+        return None
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{fn}: cu_seqlens must be a 1-D int32 (or int64) tensor; got "
+            f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype}"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"{fn}: with cu_seqlens the documents are packed in one batch row; got "
+                         f"B = {query.shape[0]}")  # fmt: skip
+    if ring.window != NO_WINDOW or sinks is not None:
+        raise ValueError(f"{fn}: cu_seqlens does not take window_size or sinks")
+    docs = cu_seqlens.tolist()
+    length = query.shape[1] * ring.world
+    if not docs or docs[0] != 0 or any(b < a for a, b in zip(docs, docs[1:])) or docs[-1] > length:
+        raise ValueError(
+            f"{fn}: cu_seqlens must start at 0, never decrease and end at most at the global "
+            f"length {length}; got {docs}"
+        )
+    return docs
+
+
+def _agree_across_ranks(query, key, value, error, group, fn, docs=None) -> None:
     """One small all-gather of every rank's shapes and verdict, so that a call some rank
-    refuses (or whose ranks hold different lengths) raises on every rank instead of leaving the
-    others waiting in the ring's first exchange."""
-    mine = [int(error is not None), *query.shape, *key.shape, *value.shape[-1:]]
+    refuses (or whose ranks hold different lengths or documents) raises on every rank instead
+    of leaving the others waiting in the ring's first exchange. docs: the cu_seqlens list, of
+    which the ranks compare the length and two checksums."""
+    docs = docs or []
+    sums = [len(docs), sum(docs), sum(i * x for i, x in enumerate(docs))]
+    mine = [int(error is not None), *query.shape, *key.shape, *value.shape[-1:], *sums]
     world, _ = _world(group)
     device = query.device if query.device.type != "meta" else torch.device("cpu")
-    local = torch.tensor(mine if len(mine) == 10 else [1] + [0] * 9, device=device)
+    local = torch.tensor(mine if len(mine) == 13 else [1] + [0] * 12, device=device)
     every = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(every, local, group=group)
     every = [t.tolist() for t in every]
@@ -439,6 +572,8 @@ def _agree_across_ranks(query, key, value, error, group, fn) -> None:
     refused = [r for r, t in enumerate(every) if t[0]]
     if refused:
         raise ValueError(f"{fn}: rank(s) {refused} refused their inputs (their error says why)")
+    if any(t[10:] != every[0][10:] for t in every):
+        raise ValueError(f"{fn}: every rank must pass the same cu_seqlens (the global documents)")
     if any(t != every[0] for t in every):
         shapes = "; ".join(
             f"rank {r}: query {tuple(t[1:5])}, key {tuple(t[5:9])}" for r, t in enumerate(every)
@@ -464,6 +599,7 @@ def ring_attention(
     layout: str = "zigzag",
     window_size: tuple[int, int] = (-1, -1),
     sinks: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`dmattn_ops.attention` over a sequence sharded across the ranks of `group`; returns this
     rank's output rows (B, L/R, H, Dv).
@@ -480,6 +616,15 @@ def ring_attention(
     sinks' as this rank's rows' share (sum it over the ranks, as for any parameter every rank
     holds).
 
+    cu_seqlens: packed documents, int32 (N+1,) over the global sequence (the same on every
+    rank, from 0, ending at most at L; documents may straddle ranks): the result is then
+    `dmattn_ops.attention_varlen` over the whole packed sequence (each document its own
+    sequence, causal within it with is_causal; rows past cu_seqlens[-1] get zeros). B must be
+    1; query, key and value may also come packed as attention_varlen's, (L/R, H|Hkv, D) with
+    mask and bias (H|Hkv|1, L/R), and the output is then (L/R, H, Dv). Off the diagonal a block
+    holds at most one document and is one dense call; a chunk's own block is one varlen call.
+    Not with window_size or sinks.
+
     group: a process group, its name (``group.group_name``), or None for the default group.
     The ring runs inside one op (``dmattn::ring_attention_forward`` and its backward), so a
     compiled model keeps it as one node of a full graph; there, pass the group by name (as
@@ -491,8 +636,14 @@ def ring_attention(
     window = check_window(window_size, fn)
     scale = default_scale(query) if scale is None else scale
     ring = _ring_spec(group, layout, scale, is_causal, softcap, deterministic, window)
-    out, _, _ = torch.ops.dmattn.ring_attention_forward(query, key, value, mask, bias, sinks, ring)
-    return out
+    packed = cu_seqlens is not None and query.dim() == 3
+    if packed:  # attention_varlen's layout: one batch row, per-key operands (H|Hkv|1, L/R)
+        query, key, value = query[None], key[None], value[None]
+        mask, bias = (None if t is None else t[None, :, None] for t in (mask, bias))
+    out, _, _ = torch.ops.dmattn.ring_attention_forward(
+        query, key, value, mask, bias, sinks, cu_seqlens, ring
+    )
+    return out[0] if packed else out
 
 
 def topk_mask(

@@ -181,6 +181,94 @@ def test_ring_attention_refuses_unequal_lengths_on_every_rank(tmp_path):
     _spawn_worker(_unequal_worker, 2, tmp_path)
 
 
+def _documents(length: int) -> list[list[int]]:
+    """cu_seqlens lists over a packed sequence of `length`: a one-token document, an empty one,
+    documents straddling chunks and ranks, rows past the last document; one document; many."""
+    third = length // 3
+    return [
+        [0, 1, third + 1, third + 1, length - 5, length - 3],
+        [0, length],
+        sorted({*range(0, length, 5), length}),
+    ]
+
+
+def _documents_worker(rank: int, world: int, rendezvous: str, failures) -> None:
+    """ring_attention with cu_seqlens equals attention_varlen over the whole packed sequence
+    (float64, dmattn_ops on the CPU): output and every gradient, both layouts, causal or not,
+    with a per-key mask and bias and without; the packed (L/R, H, D) layout too."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from helpers import assert_close, float64_grad_bound
+
+    import dmattn_ops
+    from dmattn_ops import distributed as cp
+
+    with _process_group(rank, world, rendezvous, failures):
+        length, h, hkv, d = 4 * world * 3, 4, 2, 8
+        g = torch.Generator().manual_seed(11)
+        q = torch.randn(length, h, d, generator=g, dtype=torch.float64)
+        k = torch.randn(length, hkv, d, generator=g, dtype=torch.float64)
+        v = torch.randn(length, hkv, d, generator=g, dtype=torch.float64)
+        bias = torch.randn(hkv, length, generator=g, dtype=torch.float64)
+        mask = torch.rand(1, length, generator=g) < 0.7
+        w = torch.randn(length, h, d, generator=g, dtype=torch.float64)
+        for docs in _documents(length):
+            cu = torch.tensor(docs, dtype=torch.int32)
+            longest = max(b - a for a, b in zip(docs, docs[1:]))
+            for layout, is_causal, operands, packed in (
+                ("zigzag", True, True, False), ("zigzag", False, True, True),
+                ("contiguous", True, False, True), ("contiguous", False, True, False),
+            ):  # fmt: skip
+                m, b = (mask, bias) if operands else (None, None)
+                whole = [t.clone().requires_grad_() for t in (q, k, v)]
+                whole_b = b.clone().requires_grad_() if b is not None else None
+                want, lse = dmattn_ops.attention_varlen(
+                    *whole, cu, cu, longest, longest, m, whole_b, is_causal=is_causal,
+                    return_lse=True,
+                )  # fmt: skip
+                (want * w).sum().backward()
+                wanted = [want.detach()] + [t.grad for t in whole]
+                wanted += [whole_b.grad] if b is not None else []
+
+                def part(t, dim):
+                    return None if t is None else cp.shard(t, dim, layout=layout)
+
+                # The packed layout as it is, or the dense one with one batch row.
+                dims = (0, 1) if packed else (1, 3)
+                lift = (lambda t: t) if packed else (lambda t: t[None])
+                lift_keys = (lambda t: t) if packed else (lambda t: t[None, :, None])
+                local = [part(lift(t), dims[0]).requires_grad_() for t in (q, k, v)]
+                local_b = part(lift_keys(b), dims[1]).requires_grad_() if b is not None else None
+                local_m = part(lift_keys(m), dims[1]) if m is not None else None
+                out = cp.ring_attention(*local, local_m, local_b, layout=layout,
+                                        is_causal=is_causal, cu_seqlens=cu)  # fmt: skip
+                (out * part(lift(w), dims[0])).sum().backward()
+                got = [cp.unshard(out.detach(), dims[0], layout=layout)]
+                got += [cp.unshard(t.grad, dims[0], layout=layout) for t in local]
+                if b is not None:
+                    got.append(cp.unshard(local_b.grad, dims[1], layout=layout))
+                what = f"docs {docs} {layout} causal={is_causal} operands={operands}"
+                for name, a, e in zip(("out", "dq", "dk", "dv", "dbias"), got, wanted):
+                    a = a if packed else (a[0, :, 0] if name == "dbias" else a[0])
+                    assert_close(a, e, float64_grad_bound(e, lse[None]), f"{what} {name}")
+        # Documents the ranks disagree on, or past the sequence, raise on every rank.
+        local = cp.shard(q, 0)
+        for bad, match in (
+            (torch.tensor([0, 3 + rank], dtype=torch.int32), "the same cu_seqlens"),
+            (torch.tensor([0, length + 1], dtype=torch.int32), "end at most"),
+        ):  # fmt: skip
+            try:
+                cp.ring_attention(local, local, local, cu_seqlens=bad)
+            except ValueError as e:
+                assert match in str(e) or "refused" in str(e), str(e)
+            else:
+                raise AssertionError(f"cu_seqlens {bad.tolist()} was accepted")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_attention_with_packed_documents_equals_attention_varlen(world, tmp_path):
+    _spawn_worker(_documents_worker, world, tmp_path)
+
+
 def _lowest_index_topk(bias, window, mask):
     """masks.topk_mask's selection with ties to the lowest key indices, on the whole row (the
     rule distributed.topk_mask follows; torch.topk on one rank breaks ties as it pleases)."""
@@ -380,7 +468,10 @@ def _compiled_worker(rank: int, world: int, rendezvous: str, failures) -> None:
         bias = torch.randn(2, 2, 1, 4, dtype=torch.float64, requires_grad=True)
         sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
         mask = torch.rand(2, 2, 1, 4) > 0.3
-        args = (q, k, v, mask, bias, sinks, ring)
+        args = (q, k, v, mask, bias, sinks, None, ring)
+        torch.library.opcheck(torch.ops.dmattn.ring_attention_forward.default, args)
+        docs = torch.tensor([0, 3, 4 * world - 1], dtype=torch.int32)  # packed documents
+        args = (q[:1], k[:1], v[:1], mask[:1], bias[:1], None, docs, ring)
         torch.library.opcheck(torch.ops.dmattn.ring_attention_forward.default, args)
         torch.library.opcheck(torch.ops.dmattn.cp_topk_select.default,
                               (bias.detach(), mask, 3, name, "zigzag"))  # fmt: skip
