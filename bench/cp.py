@@ -231,15 +231,7 @@ def fit(world: int, kinds, cap_gib: float) -> list[dict]:
     # What a long-context user sets: segments that grow, so that fragmentation does not decide
     # where a capped process runs out (the spawned workers inherit it).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_fit_worker, args=(world, os.path.join(tmp, "rdv"), kinds, cap_gib,
-                                              results), nprocs=world, start_method="spawn")  # fmt: skip
-    rows = []
-    while not results.empty():
-        rows.append(results.get())
-    return rows
+    return _spawn(_fit_worker, world, kinds, cap_gib)
 
 
 def fit_table(rows, world: int) -> str:
@@ -254,16 +246,22 @@ def fit_table(rows, world: int) -> str:
     return markdown(headers, table, ("", ".1f", "", "", ".2f", ""))
 
 
-def run(world: int, lengths, kinds) -> list[dict]:
+def _spawn(worker, world: int, *args) -> list[dict]:
+    """worker(rank, world, rendezvous, *args, results) on `world` spawned processes; the rows
+    rank 0 put in results."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "rdv"), lengths, kinds,
-                                          results), nprocs=world, start_method="spawn")  # fmt: skip
+        mp.start_processes(worker, args=(world, os.path.join(tmp, "rdv"), *args, results),
+                           nprocs=world, start_method="spawn")  # fmt: skip
     rows = []
     while not results.empty():
         rows.append(results.get())
     return rows
+
+
+def run(world: int, lengths, kinds) -> list[dict]:
+    return _spawn(_worker, world, lengths, kinds)
 
 
 def table(rows, world: int) -> str:
