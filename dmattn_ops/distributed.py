@@ -117,11 +117,12 @@ class _Ring:
     def ids(self, rank: int) -> tuple[int, ...]:
         return _chunk_ids(self.layout, rank, self.world)
 
-    def pairs(self, src: int, rows: int, docs: list[int] | None = None):
-        """The op call (a _Block) for each (local query chunk, key chunk of rank src) pair in
-        which some query sees some key; chunks have rows // len(ids) rows. Pairs no query of
-        which sees a key are skipped. docs: the global cu_seqlens of packed documents."""
-        q_ids, k_ids = self.ids(self.rank), self.ids(src)
+    def pairs(self, src: int, rows: int, docs: list[int] | None = None, rank: int | None = None):
+        """The op call (a _Block) for each (local query chunk of `rank`, this rank by default;
+        key chunk of rank src) pair in which some query sees some key; chunks have
+        rows // len(ids) rows. Pairs no query of which sees a key are skipped. docs: the global
+        cu_seqlens of packed documents."""
+        q_ids, k_ids = self.ids(self.rank if rank is None else rank), self.ids(src)
         n, band = rows // len(q_ids), self.band()
         for qi, a in enumerate(q_ids):
             for ki, c in enumerate(k_ids):
@@ -146,13 +147,27 @@ class _Ring:
         lo = -math.inf if band.left == UNBOUNDED else -band.left
         return lo, math.inf if band.right == UNBOUNDED else band.right
 
-    def visits(self, key, value, mask, bias):
-        """(src, k, v, m, b) for each ring step: the key-side blocks of rank src (this rank's
-        first), the next block's transfer started before the caller computes on this one and
-        finished after."""
+    def last_step(self, rows: int, docs: list[int] | None = None) -> int:
+        """The last ring step with work on any rank: at step s rank r computes with the keys of
+        rank r - s, and every rank forwards what it holds, so all run the same steps; steps
+        after the last that some rank's queries need are neither computed nor sent. A window
+        narrower than a rank's rows on the contiguous layout, or short packed documents there,
+        stop the ring after a step or two; zigzag, whose ranks hold an early and a late chunk,
+        and unbounded or non-causal bands need every step."""
+        for step in range(self.world - 1, 0, -1):
+            for rank in range(self.world):
+                src = (rank - step) % self.world
+                if next(self.pairs(src, rows, docs, rank), None) is not None:
+                    return step
+        return 0
+
+    def visits(self, key, value, mask, bias, last: int):
+        """(src, k, v, m, b) for each ring step up to `last` (last_step): the key-side blocks
+        of rank src (this rank's first), the next block's transfer started before the caller
+        computes on this one and finished after."""
         travelling = [t for t in (key, value, mask, bias) if t is not None]
-        for step in range(self.world):
-            finish = self.exchange(travelling) if step < self.world - 1 else None
+        for step in range(last + 1):
+            finish = self.exchange(travelling) if step < last else None
             k, v, *rest = travelling
             m = rest.pop(0) if mask is not None else None
             b = rest.pop(0) if bias is not None else None
@@ -160,10 +175,10 @@ class _Ring:
             if finish is not None:
                 travelling = finish()
 
-    def exchange(self, tensors):
-        """Send these tensors to the next rank and receive the previous rank's (same shapes):
-        started now, finished by calling the returned function."""
-        peers = ((self.rank + 1) % self.world, (self.rank - 1) % self.world)
+    def exchange(self, tensors, to: int = 1):
+        """Send these tensors to rank + to (the next rank) and receive those of rank - to (same
+        shapes): started now, finished by calling the returned function."""
+        peers = ((self.rank + to) % self.world, (self.rank - to) % self.world)
         # Bool masks travel as bytes (not every backend sends bool).
         outgoing = [t.contiguous().view(torch.uint8) if t.dtype == torch.bool else t.contiguous()
                     for t in tensors]  # fmt: skip
@@ -396,7 +411,8 @@ def _ring_forward(
     out = torch.zeros((*query.shape[:3], value.shape[-1]), dtype=stats, device=query.device)
     top = torch.full((b, h, rows), float("-inf"), dtype=stats, device=query.device)
     log_sum = torch.zeros_like(top)
-    for src, k, v, m, bb in ring.visits(key, value, mask, bias):
+    last = ring.last_step(rows, docs)
+    for src, k, v, m, bb in ring.visits(key, value, mask, bias, last):
         for block in ring.pairs(src, rows, docs):
             o, l_o, rem_o = block.forward(query, k, v, m, bb, ring)
             qs = block.qs
@@ -447,7 +463,8 @@ def _ring_backward(
     # for that call alone (problem.dense_rows), where a copy of all the rows here would live
     # through the whole ring.
     docs = None if cu_seqlens is None else cu_seqlens.tolist()
-    for src, k, v, m, bb in ring.visits(key, value, mask, bias):
+    last = ring.last_step(rows, docs)
+    for step, (src, k, v, m, bb) in enumerate(ring.visits(key, value, mask, bias, last)):
         for block in ring.pairs(src, rows, docs):
             g = block.backward(grad_out, query, k, v, m, bb, out, lse, lse_rem, ring, need_dbias)
             qs, ks = block.qs, block.ks
@@ -457,11 +474,12 @@ def _ring_backward(
             if need_dbias:
                 db[..., ks] += g[3]
             del g  # freed before the next block's call: its memory is that call's to reuse
-        # The accumulators travel with the keys they belong to; after the last step they
-        # sit one rank before their owner, and one more hop brings them home.
-        if ring.world > 1:
+        # The accumulators travel with the keys they belong to; after the last step they sit
+        # `last` ranks after their owner (one before it when the ring went round), and one
+        # transfer brings them home.
+        if last > 0:
             grads = [dk, dv] + ([db] if need_dbias else [])
-            dk, dv, *rest = ring.exchange(grads)()
+            dk, dv, *rest = ring.exchange(grads, 1 if step < last else -last)()
             db = rest[0] if need_dbias else None
     # With the joined out and lse, the blocks' backward is the sinks' softmax already.
     # Outputs may not alias each other: each absent gradient is its own empty tensor.

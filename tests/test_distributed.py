@@ -4,6 +4,7 @@ dmattn_ops.attention to float64 rounding; on GPUs (NCCL, bf16, one GPU per rank;
 against the float64 oracle, within PyTorch's own bf16 error (tests/helpers.py)."""
 
 import contextlib
+import math
 import os
 import sys
 import traceback
@@ -250,6 +251,17 @@ def _documents_worker(rank: int, world: int, rendezvous: str, failures) -> None:
                 for name, a, e in zip(("out", "dq", "dk", "dv", "dbias"), got, wanted):
                     a = a if packed else (a[0, :, 0] if name == "dbias" else a[0])
                     assert_close(a, e, float64_grad_bound(e, lse[None]), f"{what} {name}")
+        # Compiled whole (the ring is one op taking cu_seqlens as a tensor): no graph break,
+        # the same output as eager.
+        cu = torch.tensor(_documents(length)[0], dtype=torch.int32)
+        local = [cp.shard(t, 0) for t in (q, k, v)]
+
+        def ring(q, k, v):
+            return cp.ring_attention(q, k, v, is_causal=True, cu_seqlens=cu,
+                                     group=cp._group_name(None))  # fmt: skip
+
+        compiled = torch.compile(ring, backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(*local), ring(*local), rtol=0, atol=0)
         # Documents the ranks disagree on, or past the sequence, raise on every rank.
         local = cp.shard(q, 0)
         for bad, match in (
@@ -349,6 +361,28 @@ def _layer_worker(rank: int, world: int, rendezvous: str, failures) -> None:
             assert layer.context_parallel is None
 
 
+def _last_step_with_work(world: int, layout: str, length: int, is_causal: bool, window) -> int:
+    """By brute force over positions: the last ring step s at which some rank's queries see a
+    key of the rank s before it (steps after it carry no work, so the ring stops there)."""
+    n_chunks = 2 * world if layout == "zigzag" else world
+    n = length // n_chunks
+
+    def positions(r):
+        ids = (r, n_chunks - 1 - r) if layout == "zigzag" else (r,)
+        return [c * n + i for c in ids for i in range(n)]
+
+    lo = -math.inf if window[0] < 0 else -window[0]
+    hi = math.inf if window[1] < 0 else window[1]
+    hi = min(hi, 0) if is_causal else hi
+    last = 0
+    for step in range(1, world):
+        for r in range(world):
+            keys = positions((r - step) % world)
+            if any(lo <= j - i <= hi for i in positions(r) for j in keys):
+                last = step
+    return last
+
+
 def _window_worker(rank: int, world: int, rendezvous: str, failures) -> None:
     """ring_attention with window_size and sinks equals attention on the whole sequence with
     them: windows inside one chunk, across chunks and ranks, one-sided and two-sided, causal or
@@ -360,6 +394,16 @@ def _window_worker(rank: int, world: int, rendezvous: str, failures) -> None:
     import dmattn_ops
     from dmattn_ops import distributed as cp
     from dmattn_ops import reference
+
+    # Every transfer the ring makes, to compare with the steps that carry work.
+    transfers = []
+    exchange = cp._Ring.exchange
+
+    def counted(ring, tensors, to=1):
+        transfers.append(to)
+        return exchange(ring, tensors, to)
+
+    cp._Ring.exchange = counted
 
     with _process_group(rank, world, rendezvous, failures):
         chunk = 4
@@ -400,9 +444,13 @@ def _window_worker(rank: int, world: int, rendezvous: str, failures) -> None:
             local = [cp.shard(t, 1, layout=layout).requires_grad_() for t in (q, k, v)]
             local_bias = cp.shard(bias, 3, layout=layout).requires_grad_()
             local_sinks = sinks.clone().requires_grad_() if with_sinks else None
+            transfers.clear()
             out = cp.ring_attention(*local, cp.shard(mask, 3, layout=layout), local_bias,
                                     layout=layout, sinks=local_sinks, **kw)  # fmt: skip
             (out * cp.shard(w, 1, layout=layout)).sum().backward()
+            # K/V travel `last` steps forward and backward, and the gradients once more.
+            last = _last_step_with_work(world, layout, length, is_causal, window)
+            assert len(transfers) == 2 * last + (last + 1 if last else 0), (last, transfers)
             got = [cp.unshard(out.detach(), 1, layout=layout)]
             got += [cp.unshard(t.grad, 1, layout=layout) for t in local]
             got.append(cp.unshard(local_bias.grad, 3, layout=layout))
