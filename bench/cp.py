@@ -7,6 +7,9 @@ GPUs), dense causal and DMA (a per-key bias and its top-L/4 mask), against
 (R GPUs over 1), and peak memory: the one process's, and the largest of the R ranks' (measured
 with nothing of the one-process run alive); a length that does not fit is reported as OOM.
 
+``--overlap`` (GPUs): one more ring step per row under torch.profiler, rank 0's NCCL kernel
+time and the share of it during which one of its compute kernels ran (`overlap`).
+
 ``--fit GIB`` (GPUs): the longest L whose forward+backward fits in GIB per GPU (the process's
 memory capped with `torch.cuda.set_per_process_memory_fraction`), for one GPU and for the ring.
 One GPU: a doubling search then bisection, OOM caught. The ring cannot search so: a rank that
@@ -114,7 +117,57 @@ def _ring(q, k, v, mask, bias):
     return cp.ring_attention(q, k, v, mask, bias, is_causal=True)
 
 
-def _worker(rank, world, rendezvous, lengths, kinds, results):
+def _union(intervals):
+    """The disjoint union of (start, end) intervals, sorted."""
+    merged = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def overlap(comm, compute) -> tuple[float, float]:
+    """(time some transfer kernel ran, of it the time some compute kernel ran too) over
+    (start, end) intervals on one GPU: how much of the ring's communication its compute hides."""
+    comm, compute = _union(comm), _union(compute)
+    busy = sum(b - a for a, b in comm)
+    hidden, j = 0.0, 0
+    for a, b in comm:
+        while j < len(compute) and compute[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < b:
+            hidden += min(b, compute[k][1]) - max(a, compute[k][0])
+            k += 1
+    return busy, hidden
+
+
+def _profile_overlap(row: dict, step, device) -> None:
+    """row["nccl_ms"], row["hidden"]: one profiled ring step's NCCL kernel time on this rank's
+    GPU and the share of it during which a compute kernel ran (issue 52: each hop's transfer
+    should overlap the previous block's compute)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step()  # warm
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(device)
+    comm, compute = [], []
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA or "memcpy" in e.name.lower():
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        (comm if "nccl" in e.name.lower() else compute).append(span)
+    busy, hidden = overlap(comm, compute)
+    row["nccl_ms"] = busy / 1e3
+    row["hidden"] = hidden / busy if busy else None
+
+
+def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, results):
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
@@ -137,6 +190,8 @@ def _worker(rank, world, rendezvous, lengths, kinds, results):
                 b_part = cp.shard(bias, 3) if bias is not None else None
                 del q, k, v, mask, bias
                 _measure(row, "ring", _ring, (*part, m_part, b_part), device)
+                if cuda and profile_overlap and row["ring_ms"] != "OOM":
+                    _profile_overlap(row, _step(_ring, (*part, m_part, b_part)), device)
                 if cuda:
                     # Every rank's peak: the table shows the largest.
                     peak = torch.tensor([row.get("ring_gib") or 0.0], device=device)
@@ -260,22 +315,30 @@ def _spawn(worker, world: int, *args) -> list[dict]:
     return rows
 
 
-def run(world: int, lengths, kinds) -> list[dict]:
-    return _spawn(_worker, world, lengths, kinds)
+def run(world: int, lengths, kinds, profile_overlap: bool = False) -> list[dict]:
+    return _spawn(_worker, world, lengths, kinds, profile_overlap)
 
 
 def table(rows, world: int) -> str:
     headers = ["kind", "L", "1 process ms", f"{world} processes ms", "ratio", "peak GiB 1",
-               f"peak GiB, largest rank ({world})"]  # fmt: skip
+               f"peak GiB, largest rank ({world})", "memory ratio"]  # fmt: skip
+    overlaps = any("nccl_ms" in r for r in rows)
+    if overlaps:
+        headers += ["NCCL kernels ms (rank 0)", "of it under compute"]
     table = []
     for r in rows:
         one, ring = r.get("one_ms"), r.get("ring_ms")
         ratio = ring / one if isinstance(one, float) and isinstance(ring, float) else None
         gib = (r.get("one_gib"), r.get("ring_gib"))
+        memory = gib[1] / gib[0] if None not in gib and gib[0] else None
         # A time is "OOM" where that run ran out of memory: the column is then text.
         times = [f"{t:.2f}" if isinstance(t, float) else t for t in (one, ring)]
-        table.append([r["kind"], r["length"], *times, ratio, *gib])
-    return markdown(headers, table, ("", "", ".2f", ".2f", ".2f", ".2f", ".2f"))
+        cells = [r["kind"], r["length"], *times, ratio, *gib, memory]
+        if overlaps:
+            hidden = r.get("hidden")
+            cells += [r.get("nccl_ms"), None if hidden is None else f"{100 * hidden:.0f}%"]
+        table.append(cells)
+    return markdown(headers, table, ("", "", ".2f", ".2f", ".2f", ".2f", ".2f", ".2f", ".2f", ""))
 
 
 def main(argv=None) -> int:
@@ -285,6 +348,9 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2, help="processes (GPUs) in the ring")
     p.add_argument("--lengths", default="32768,65536,131072", help="comma-separated")
     p.add_argument("--kinds", default="dense,dma", help="dense, dma")
+    p.add_argument("--overlap", action="store_true",
+                   help="profile one ring step per row: NCCL kernel time and the share of it "
+                        "that compute kernels overlap (GPUs)")
     p.add_argument("--fit", type=float, default=None, metavar="GIB",
                    help="longest L that fits in GIB per GPU, 1 GPU and the ring (GPUs only)")
     args = p.parse_args(argv)
@@ -301,7 +367,7 @@ def main(argv=None) -> int:
     if torch.cuda.is_available() and torch.cuda.device_count() < args.world:
         p.error(f"--world {args.world} needs as many GPUs; {torch.cuda.device_count()} visible")
     print(header(), flush=True)
-    rows = run(args.world, lengths, args.kinds.split(","))
+    rows = run(args.world, lengths, args.kinds.split(","), args.overlap)
     print(table(rows, args.world))
     return 0
 

@@ -124,3 +124,17 @@ def test_selection_work_reads_each_dma_layer():
     assert len(works) == LAYERS
     assert all(1 / 16 - 1e-9 <= w <= 7 / 16 + 1e-9 for w in works), works
     assert selection_work(make_model("sdpa-plain", n, "cpu", torch.float32), x) == []
+
+
+def test_overlap_counts_transfer_time_under_compute():
+    """bench.cp's overlap: the time some transfer ran (its intervals' union) and the part of it
+    during which some compute kernel ran, whatever the intervals' order and overlaps."""
+    from bench.cp import overlap
+
+    assert overlap([], [(0, 5)]) == (0, 0)
+    assert overlap([(0, 10)], []) == (10, 0)
+    # Transfers [0, 4) and [6, 10) (one given twice, overlapping); compute [2, 7) and [3, 5).
+    assert overlap([(6, 10), (0, 4), (7, 9)], [(3, 5), (2, 7)]) == (8, 3)
+    # Compute covering everything, and compute between the transfers only.
+    assert overlap([(1, 2), (3, 4)], [(0, 10)]) == (2, 2)
+    assert overlap([(0, 1), (5, 6)], [(1, 5)]) == (2, 0)
