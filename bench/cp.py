@@ -348,11 +348,19 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2, help="processes (GPUs) in the ring")
     p.add_argument("--lengths", default="32768,65536,131072", help="comma-separated")
     p.add_argument("--kinds", default="dense,dma", help="dense, dma")
-    p.add_argument("--overlap", action="store_true",
-                   help="profile one ring step per row: NCCL kernel time and the share of it "
-                        "that compute kernels overlap (GPUs)")
-    p.add_argument("--fit", type=float, default=None, metavar="GIB",
-                   help="longest L that fits in GIB per GPU, 1 GPU and the ring (GPUs only)")
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="profile one ring step per row: NCCL kernel time and the share of it "
+        "that compute kernels overlap (GPUs)",
+    )
+    p.add_argument(
+        "--fit",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="longest L that fits in GIB per GPU, 1 GPU and the ring (GPUs only)",
+    )
     args = p.parse_args(argv)
     if args.fit is not None:
         if not torch.cuda.is_available() or torch.cuda.device_count() < args.world:

@@ -28,6 +28,7 @@ after one small all-gather, so a call one rank refuses raises on all of them.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -261,7 +262,7 @@ class _Block:
         return dq[None], dk[None], dv[None], db[None, :, None] if need_dbias else db
 
     def _cu(self, device) -> tuple[torch.Tensor, int]:
-        longest = max(b - a for a, b in zip(self.cu, self.cu[1:]))
+        longest = max(b - a for a, b in itertools.pairwise(self.cu))
         return torch.tensor(self.cu, dtype=torch.int32, device=device), longest
 
 
@@ -400,7 +401,7 @@ def _ring_forward(
         _check_local(query, key, value, mask, bias, ring.scale, ring.softcap, ring.is_causal,
                      ring.deterministic, ring.layout, ring.rank, ring.world, fn)  # fmt: skip
         check_sinks(sinks, query, fn)
-        docs = _check_docs(cu_seqlens, query, sinks, ring, fn)
+        docs = _check_docs(cu_seqlens, query, ring, fn)
         error = None
     except (TypeError, ValueError) as e:
         error = e
@@ -545,10 +546,10 @@ def _check_local(
         raise ValueError(f"{fn}: the {layout} layout needs an even number of rows per rank")
 
 
-def _check_docs(cu_seqlens, query, sinks, ring, fn) -> list[int] | None:
+def _check_docs(cu_seqlens, query, ring, fn) -> list[int] | None:
     """cu_seqlens as a list, checked: packed documents of the global sequence, int32 or int64,
     (N+1,), from 0, non-decreasing, ending at or before the global length (rows past the last
-    document attend to nothing), one batch row; no window or sinks with them."""
+    document attend to nothing), one batch row; no window with them."""
     if cu_seqlens is None:
         return None
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -559,11 +560,16 @@ def _check_docs(cu_seqlens, query, sinks, ring, fn) -> list[int] | None:
     if query.shape[0] != 1:
         raise ValueError(f"{fn}: with cu_seqlens the documents are packed in one batch row; got "
                          f"B = {query.shape[0]}")  # fmt: skip
-    if ring.window != NO_WINDOW or sinks is not None:
-        raise ValueError(f"{fn}: cu_seqlens does not take window_size or sinks")
+    if ring.window != NO_WINDOW:
+        raise ValueError(f"{fn}: cu_seqlens does not take window_size")
     docs = cu_seqlens.tolist()
     length = query.shape[1] * ring.world
-    if not docs or docs[0] != 0 or any(b < a for a, b in zip(docs, docs[1:])) or docs[-1] > length:
+    if (
+        not docs
+        or docs[0] != 0
+        or any(b < a for a, b in itertools.pairwise(docs))
+        or docs[-1] > length
+    ):
         raise ValueError(
             f"{fn}: cu_seqlens must start at 0, never decrease and end at most at the global "
             f"length {length}; got {docs}"
@@ -641,7 +647,7 @@ def ring_attention(
     1; query, key and value may also come packed as attention_varlen's, (L/R, H|Hkv, D) with
     mask and bias (H|Hkv|1, L/R), and the output is then (L/R, H, Dv). Off the diagonal a block
     holds at most one document and is one dense call; a chunk's own block is one varlen call.
-    Not with window_size or sinks.
+    sinks join as without documents; not with window_size.
 
     group: a process group, its name (``group.group_name``), or None for the default group.
     The ring runs inside one op (``dmattn::ring_attention_forward`` and its backward), so a

@@ -4,6 +4,7 @@ dmattn_ops.attention to float64 rounding; on GPUs (NCCL, bf16, one GPU per rank;
 against the float64 oracle, within PyTorch's own bf16 error (tests/helpers.py)."""
 
 import contextlib
+import itertools
 import math
 import os
 import sys
@@ -212,25 +213,28 @@ def _documents_worker(rank: int, world: int, rendezvous: str, failures) -> None:
         bias = torch.randn(hkv, length, generator=g, dtype=torch.float64)
         mask = torch.rand(1, length, generator=g) < 0.7
         w = torch.randn(length, h, d, generator=g, dtype=torch.float64)
+        sinks = torch.randn(h, generator=g, dtype=torch.float64)
+        sinks[1] = float("-inf")  # no sink for that head
         for docs in _documents(length):
             cu = torch.tensor(docs, dtype=torch.int32)
-            longest = max(b - a for a, b in zip(docs, docs[1:]))
-            for layout, is_causal, operands, packed in (
-                ("zigzag", True, True, False), ("zigzag", False, True, True),
-                ("contiguous", True, False, True), ("contiguous", False, True, False),
+            longest = max(b - a for a, b in itertools.pairwise(docs))
+            for layout, is_causal, operands, packed, with_sinks in (
+                ("zigzag", True, True, False, False), ("zigzag", False, True, True, True),
+                ("contiguous", True, False, True, True), ("contiguous", False, True, False, False),
             ):  # fmt: skip
                 m, b = (mask, bias) if operands else (None, None)
                 whole = [t.clone().requires_grad_() for t in (q, k, v)]
                 whole_b = b.clone().requires_grad_() if b is not None else None
+                whole_s = sinks.clone().requires_grad_() if with_sinks else None
                 want, lse = dmattn_ops.attention_varlen(
                     *whole, cu, cu, longest, longest, m, whole_b, is_causal=is_causal,
-                    return_lse=True,
+                    return_lse=True, sinks=whole_s,
                 )  # fmt: skip
                 (want * w).sum().backward()
                 wanted = [want.detach()] + [t.grad for t in whole]
                 wanted += [whole_b.grad] if b is not None else []
 
-                def part(t, dim):
+                def part(t, dim, layout=layout):
                     return None if t is None else cp.shard(t, dim, layout=layout)
 
                 # The packed layout as it is, or the dense one with one batch row.
@@ -240,16 +244,28 @@ def _documents_worker(rank: int, world: int, rendezvous: str, failures) -> None:
                 local = [part(lift(t), dims[0]).requires_grad_() for t in (q, k, v)]
                 local_b = part(lift_keys(b), dims[1]).requires_grad_() if b is not None else None
                 local_m = part(lift_keys(m), dims[1]) if m is not None else None
+                local_s = sinks.clone().requires_grad_() if with_sinks else None
                 out = cp.ring_attention(*local, local_m, local_b, layout=layout,
-                                        is_causal=is_causal, cu_seqlens=cu)  # fmt: skip
+                                        is_causal=is_causal, cu_seqlens=cu, sinks=local_s)  # fmt: skip
                 (out * part(lift(w), dims[0])).sum().backward()
                 got = [cp.unshard(out.detach(), dims[0], layout=layout)]
                 got += [cp.unshard(t.grad, dims[0], layout=layout) for t in local]
                 if b is not None:
                     got.append(cp.unshard(local_b.grad, dims[1], layout=layout))
+                names = ["out", "dq", "dk", "dv"] + (["dbias"] if b is not None else [])
+                if with_sinks:
+                    dsinks = local_s.grad.clone()
+                    dist.all_reduce(dsinks)  # each rank's rows' share
+                    got.append(dsinks)
+                    wanted.append(whole_s.grad)
+                    names.append("dsinks")
                 what = f"docs {docs} {layout} causal={is_causal} operands={operands}"
-                for name, a, e in zip(("out", "dq", "dk", "dv", "dbias"), got, wanted):
-                    a = a if packed else (a[0, :, 0] if name == "dbias" else a[0])
+                for name, a, e in zip(names, got, wanted):
+                    a = (
+                        a
+                        if packed or name == "dsinks"
+                        else (a[0, :, 0] if name == "dbias" else a[0])
+                    )
                     assert_close(a, e, float64_grad_bound(e, lse[None]), f"{what} {name}")
         # Compiled whole (the ring is one op taking cu_seqlens as a tensor): no graph break,
         # the same output as eager.

@@ -29,9 +29,8 @@ from dmattn_ops.core.operands import (
     operand_kind,
     operand_strides,
 )
-from dmattn_ops.core.problem import Options, Problem
+from dmattn_ops.core.problem import Options, Problem, dense_rows
 from dmattn_ops.core.problem import dense_index as _dense
-from dmattn_ops.core.problem import dense_rows
 from dmattn_ops.dispatch import plan
 from dmattn_ops.dispatch.plan import (
     DECODE,
