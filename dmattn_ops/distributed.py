@@ -128,7 +128,7 @@ class _Ring:
         for qi, a in enumerate(q_ids):
             for ki, c in enumerate(k_ids):
                 if docs is not None:
-                    block = _doc_block(docs, a * n, c * n, n, self.is_causal)
+                    block = _doc_block(docs, a * n, c * n, n, self)
                     if block is not None:
                         yield block.moved(qi * n, ki * n)
                     continue
@@ -241,6 +241,7 @@ class _Block:
         o, lse, rem = torch.ops.dmattn.attention_varlen_forward(
             query[0, qs], k[0, ks], v[0, ks], cu, cu, longest, longest, _keys(m, ks),
             _keys(b, ks), ring.scale, self.is_causal, ring.softcap, ring.deterministic,
+            self.window,
         )  # fmt: skip
         return o[None], lse[None], rem[None]
 
@@ -257,7 +258,7 @@ class _Block:
         dq, dk, dv, db = torch.ops.dmattn.attention_varlen_backward(
             grad_out[0, qs], None, query[0, qs], k[0, ks], v[0, ks], out[0, qs], lse[0][:, qs],
             lse_rem[0][:, qs], cu, cu, longest, longest, _keys(m, ks), _keys(b, ks), ring.scale,
-            self.is_causal, ring.softcap, ring.deterministic, need_dbias,
+            self.is_causal, ring.softcap, ring.deterministic, need_dbias, self.window,
         )  # fmt: skip
         return dq[None], dk[None], dv[None], db[None, :, None] if need_dbias else db
 
@@ -266,58 +267,62 @@ class _Block:
         return torch.tensor(self.cu, dtype=torch.int32, device=device), longest
 
 
-def _doc_block(docs: list[int], qa: int, ka: int, n: int, is_causal: bool) -> _Block | None:
+def _doc_block(docs: list[int], qa: int, ka: int, n: int, ring: _Ring) -> _Block | None:
     """The block of packed documents (global cu_seqlens `docs`) between the query chunk at
     global rows [qa, qa + n) and the key chunk at [ka, ka + n), in chunk-local indices; None
     when no query of it sees a key. Documents are contiguous runs of the packed sequence, so
     off the diagonal at most one document (the one holding the later chunk's first position)
-    reaches into both chunks, and that block is dense: every one of its keys lies before every
-    one of its queries (causal or not) or after them (only without causality). On the diagonal
-    it is a varlen call over the chunk's documents, cut at the chunk's ends. Rows past the
-    last document see nothing."""
+    reaches into both chunks, and that block is one dense call: its keys lie all before its
+    queries or all after them, and the ring's band (causality, window: on positions within the
+    document, the same as on global positions) over their global positions says which rows
+    and keys of it take part (_pair_call). On the diagonal it is a varlen call over the
+    chunk's documents, cut at the chunk's ends, with the ring's causality and window. Rows past
+    the last document see nothing."""
     end = docs[-1]
     if qa == ka:
         last = min(end, qa + n)
         if last <= qa:
             return None
         cuts = sorted({x - qa for x in docs if qa < x < last})
-        return _Block(0, last - qa, 0, last - qa, is_causal, NO_WINDOW, (0, *cuts, last - qa))
-    if is_causal and ka > qa:
-        return None
-    later = max(qa, ka)
+        return _Block(0, last - qa, 0, last - qa, ring.is_causal, ring.window,
+                      (0, *cuts, last - qa))  # fmt: skip
+    later, earlier = max(qa, ka), min(qa, ka)
     if later >= end:
         return None
     i = bisect.bisect_right(docs, later) - 1
     start, stop = docs[i], docs[i + 1]
-    earlier = min(qa, ka)
     if start >= earlier + n:  # the document begins after the earlier chunk ends
         return None
     # The earlier chunk's rows from the document's start, the later chunk's up to its end.
     e0, l1 = max(start, earlier) - earlier, min(stop, later + n) - later
-    if ka < qa:  # keys in the earlier chunk
-        return _Block(0, l1, e0, n, False)
-    return _Block(e0, n, 0, l1, False)
+    (q0, q1), (k0, k1) = ((0, l1), (e0, n)) if ka < qa else ((e0, n), (0, l1))
+    call = _pair_call(ring.band(), (ka + k0) - (qa + q0), q1 - q0, k1 - k0)
+    if call is None:
+        return None
+    (r0, r1), (c0, c1), causal, window = call
+    return _Block(q0 + r0, q0 + r1, k0 + c0, k0 + c1, causal, window)
 
 
-def _pair_call(band, offset: int, n: int):
-    """How the op computes one block: n queries at global positions p + i against n keys at
-    p + offset + j, the keys visible where key - query lies in band = (lo, hi). Returns the
-    rows (q0, q1) and keys (k0, k1) that see anything, and the op's (is_causal, window_size)
-    over those slices; None when nothing is visible.
+def _pair_call(band, offset: int, nq: int, nk: int | None = None):
+    """How the op computes one block: nq queries at global positions p + i against nk (nq by
+    default) keys at p + offset + j, the keys visible where key - query lies in band = (lo,
+    hi). Returns the rows (q0, q1) and keys (k0, k1) that see anything, and the op's
+    (is_causal, window_size) over those slices; None when nothing is visible.
 
     In local indices the band is j - i in [lo - offset, hi - offset]. The op aligns the slices'
     ends (bottom-right: j - i - (Lk - Lq) in [-left, right]), so cutting rows or keys off the
-    end shifts its band: the slices end where the first invisible row and key begin, and the
-    window is what is left of the band around that shift (one side is then 0, or both are
-    unbounded)."""
+    end shifts its band: the slices end where the first invisible row and key begin, so the
+    last row's last key lies in the band, and the window is what is left of the band around
+    that shift (one side is then 0, or both are unbounded)."""
+    nk = nq if nk is None else nk
     lo, hi = band[0] - offset, band[1] - offset
-    if lo > n - 1 or hi < -(n - 1) or lo > hi:
+    if lo > nk - 1 or hi < -(nq - 1) or lo > hi:
         return None
-    # j - i lies in [-(n - 1), n - 1]: a side beyond that bounds nothing.
-    lo = -math.inf if lo <= -(n - 1) else lo
-    hi = math.inf if hi >= n - 1 else hi
-    q0, q1 = int(max(0, -hi)), int(min(n, n - lo))
-    k0, k1 = int(max(0, lo)), int(min(n, n + hi))
+    # j - i lies in [-(nq - 1), nk - 1]: a side beyond that bounds nothing.
+    lo = -math.inf if lo <= -(nq - 1) else lo
+    hi = math.inf if hi >= nk - 1 else hi
+    q0, q1 = int(max(0, -hi)), int(min(nq, nk - lo))
+    k0, k1 = int(max(0, lo)), int(min(nk, nq + hi))
     shift = k1 - q1  # the op's band is [shift - left, shift + right]
     left = -1 if lo == -math.inf else int(shift - lo)
     right = -1 if hi == math.inf else int(hi - shift)
@@ -549,7 +554,7 @@ def _check_local(
 def _check_docs(cu_seqlens, query, ring, fn) -> list[int] | None:
     """cu_seqlens as a list, checked: packed documents of the global sequence, int32 or int64,
     (N+1,), from 0, non-decreasing, ending at or before the global length (rows past the last
-    document attend to nothing), one batch row; no window with them."""
+    document attend to nothing), one batch row."""
     if cu_seqlens is None:
         return None
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -560,8 +565,6 @@ def _check_docs(cu_seqlens, query, ring, fn) -> list[int] | None:
     if query.shape[0] != 1:
         raise ValueError(f"{fn}: with cu_seqlens the documents are packed in one batch row; got "
                          f"B = {query.shape[0]}")  # fmt: skip
-    if ring.window != NO_WINDOW:
-        raise ValueError(f"{fn}: cu_seqlens does not take window_size")
     docs = cu_seqlens.tolist()
     length = query.shape[1] * ring.world
     if (
@@ -647,7 +650,7 @@ def ring_attention(
     1; query, key and value may also come packed as attention_varlen's, (L/R, H|Hkv, D) with
     mask and bias (H|Hkv|1, L/R), and the output is then (L/R, H, Dv). Off the diagonal a block
     holds at most one document and is one dense call; a chunk's own block is one varlen call.
-    sinks join as without documents; not with window_size.
+    window_size and sinks apply within each document, as attention_varlen's.
 
     group: a process group, its name (``group.group_name``), or None for the default group.
     The ring runs inside one op (``dmattn::ring_attention_forward`` and its backward), so a

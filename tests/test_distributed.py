@@ -218,9 +218,16 @@ def _documents_worker(rank: int, world: int, rendezvous: str, failures) -> None:
         for docs in _documents(length):
             cu = torch.tensor(docs, dtype=torch.int32)
             longest = max(b - a for a, b in itertools.pairwise(docs))
-            for layout, is_causal, operands, packed, with_sinks in (
-                ("zigzag", True, True, False, False), ("zigzag", False, True, True, True),
-                ("contiguous", True, False, True, True), ("contiguous", False, True, False, False),
+            n = length // (2 * world)  # a zigzag chunk
+            for layout, is_causal, operands, packed, with_sinks, window in (
+                ("zigzag", True, True, False, False, (-1, -1)),
+                ("zigzag", False, True, True, True, (-1, -1)),
+                ("contiguous", True, False, True, True, (-1, -1)),
+                ("contiguous", False, True, False, False, (-1, -1)),
+                ("zigzag", True, True, False, True, (3, -1)),  # a few keys back
+                ("contiguous", True, True, True, False, (n + 2, 0)),  # across a chunk's end
+                ("zigzag", False, False, False, False, (2, n + 1)),
+                ("contiguous", False, True, False, True, (-1, 1)),
             ):  # fmt: skip
                 m, b = (mask, bias) if operands else (None, None)
                 whole = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -228,7 +235,7 @@ def _documents_worker(rank: int, world: int, rendezvous: str, failures) -> None:
                 whole_s = sinks.clone().requires_grad_() if with_sinks else None
                 want, lse = dmattn_ops.attention_varlen(
                     *whole, cu, cu, longest, longest, m, whole_b, is_causal=is_causal,
-                    return_lse=True, sinks=whole_s,
+                    return_lse=True, sinks=whole_s, window_size=window,
                 )  # fmt: skip
                 (want * w).sum().backward()
                 wanted = [want.detach()] + [t.grad for t in whole]
@@ -246,7 +253,8 @@ def _documents_worker(rank: int, world: int, rendezvous: str, failures) -> None:
                 local_m = part(lift_keys(m), dims[1]) if m is not None else None
                 local_s = sinks.clone().requires_grad_() if with_sinks else None
                 out = cp.ring_attention(*local, local_m, local_b, layout=layout,
-                                        is_causal=is_causal, cu_seqlens=cu, sinks=local_s)  # fmt: skip
+                                        is_causal=is_causal, cu_seqlens=cu, sinks=local_s,
+                                        window_size=window)  # fmt: skip
                 (out * part(lift(w), dims[0])).sum().backward()
                 got = [cp.unshard(out.detach(), dims[0], layout=layout)]
                 got += [cp.unshard(t.grad, dims[0], layout=layout) for t in local]
@@ -259,7 +267,7 @@ def _documents_worker(rank: int, world: int, rendezvous: str, failures) -> None:
                     got.append(dsinks)
                     wanted.append(whole_s.grad)
                     names.append("dsinks")
-                what = f"docs {docs} {layout} causal={is_causal} operands={operands}"
+                what = f"docs {docs} {layout} causal={is_causal} window={window} sinks={with_sinks}"
                 for name, a, e in zip(names, got, wanted):
                     a = (
                         a
@@ -578,3 +586,40 @@ def test_ring_attention_with_windows_and_sinks_equals_attention(world, tmp_path)
 
 def test_sharded_dma_model_compiles_fullgraph(tmp_path):
     _spawn_worker(_compiled_worker, 2, tmp_path)
+
+
+def test_pair_call_computes_exactly_the_visible_entries_of_a_block():
+    """distributed._pair_call: nq queries at p + i, nk keys at p + offset + j, keys visible where
+    key - query lies in [lo, hi]. The rows and keys it keeps, under the op's bottom-right band
+    (is_causal, or window_size over the slices), see exactly the visible (i, j), and nothing
+    when it returns None. Brute force over small blocks, every offset, bounded and unbounded
+    sides."""
+    from dmattn_ops import distributed as cp
+
+    inf = math.inf
+    sides = (-inf, -5, -2, -1, 0, 1, 3, inf)
+    for nq in range(1, 5):
+        for nk in range(1, 5):
+            for offset in range(-6, 7):
+                for lo in sides:
+                    for hi in sides:
+                        if lo > hi or lo == inf or hi == -inf:
+                            continue
+                        want = {(i, j) for i in range(nq) for j in range(nk)
+                                if lo <= j - i + offset <= hi}  # fmt: skip
+                        call = cp._pair_call((lo, hi), offset, nq, nk)
+                        got = set()
+                        if call is not None:
+                            (q0, q1), (k0, k1), causal, (left, right) = call
+                            shift = (k1 - k0) - (q1 - q0)
+                            for i in range(q0, q1):
+                                for j in range(k0, k1):
+                                    d = (j - k0) - (i - q0) - shift
+                                    if causal:
+                                        ok = d <= 0
+                                    else:
+                                        ok = (left < 0 or d >= -left) and (right < 0 or d <= right)
+                                    if ok:
+                                        got.add((i, j))
+                        assert got == want, (nq, nk, offset, lo, hi, call)
+                        assert call is None or want, (nq, nk, offset, lo, hi, call)
