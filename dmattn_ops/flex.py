@@ -305,9 +305,13 @@ _COMPILE_ERRORS = (torch._inductor.exc.InductorError, torch._dynamo.exc.BackendC
 
 
 def _eager_flex(q, k, v, kwargs):
+    """flex_attention outside torch.compile. torch 2.15 runs it through a dynamic compile of
+    its own with an eager backend, which lifts a float the score_mod closes over (softcap) as a
+    SymFloat, and the flex op then refuses it ("can only be of (Tensor, int, SymInt)"): floats
+    are specialised there (each softcap a constant, as in torch 2.11-2.14)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch._dynamo.config.patch(specialize_float=True):
         warnings.filterwarnings("ignore", message="flex_attention called without torch")
         return flex_attention(q, k, v, **kwargs)
 
