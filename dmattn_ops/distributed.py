@@ -11,7 +11,13 @@ K/V and reach their owner after the last hop. No rank ever holds a full-sequence
 
 Layouts: "zigzag" cuts the sequence into 2R chunks and gives rank r chunks r and 2R-1-r, which
 balances causal work (every rank has an early and a late chunk); "contiguous" gives rank r chunk
-r. `shard` and `unshard` convert between whole tensors and this rank's part.
+r. `shard` and `unshard` convert between whole tensors and this rank's part. The ring runs only
+as many steps as some rank's queries need (`_Ring.last_step`: a narrow window or short packed
+documents on the contiguous layout stop it after one).
+
+Packed documents (`cu_seqlens` over the global sequence) cut no chunk differently: between two
+chunks at most one document crosses, so each off-diagonal block is one dense call and each
+chunk's own block one varlen call (`_doc_block`).
 
 Backends: NCCL on GPUs, gloo on CPU (any torch.distributed backend with point-to-point ops).
 
