@@ -7,6 +7,10 @@ GPUs), dense causal and DMA (a per-key bias and its top-L/4 mask), against
 (R GPUs over 1), and peak memory: the one process's, and the largest of the R ranks' (measured
 with nothing of the one-process run alive); a length that does not fit is reported as OOM.
 
+``--docs N``: packed documents of N tokens (causal within each): `attention_varlen` over the
+whole sequence against the ring with `cu_seqlens` on the contiguous layout, whose ranks then
+need one ring step (documents shorter than a rank's rows cross at most into the next rank).
+
 ``--overlap`` (GPUs): one more ring step per row under torch.profiler, rank 0's NCCL kernel
 time and the share of it during which one of its compute kernels ran (`overlap`).
 
@@ -24,6 +28,7 @@ import argparse
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -117,6 +122,37 @@ def _ring(q, k, v, mask, bias):
     return cp.ring_attention(q, k, v, mask, bias, is_causal=True)
 
 
+@dataclass(frozen=True)
+class _Packed:
+    """The calls of a packed-document row (--docs): attention_varlen over the whole sequence,
+    and the ring with cu_seqlens on `layout`; per-key mask and bias as the varlen ops take
+    them."""
+
+    cu: torch.Tensor
+    longest: int
+    layout: str
+
+    def whole(self, q, k, v, mask, bias):
+        import dmattn_ops
+
+        keys = (None if t is None else t[0, :, 0] for t in (mask, bias))
+        return dmattn_ops.attention_varlen(
+            q[0], k[0], v[0], self.cu, self.cu, self.longest, self.longest, *keys, is_causal=True
+        )
+
+    def ring(self, q, k, v, mask, bias):
+        from dmattn_ops import distributed as cp
+
+        return cp.ring_attention(
+            q, k, v, mask, bias, is_causal=True, cu_seqlens=self.cu, layout=self.layout
+        )
+
+
+def _documents(length: int, doc: int, device) -> torch.Tensor:
+    """cu_seqlens of documents of `doc` tokens packed into `length` (the last one shorter)."""
+    return torch.tensor(sorted({*range(0, length, doc), length}), dtype=torch.int32, device=device)
+
+
 def _union(intervals):
     """The disjoint union of (start, end) intervals, sorted."""
     merged = []
@@ -167,7 +203,7 @@ def _profile_overlap(row: dict, step, device) -> None:
     row["hidden"] = hidden / busy if busy else None
 
 
-def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, results):
+def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, doc, results):
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
@@ -182,16 +218,21 @@ def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, results):
             for length in lengths:
                 row = dict(kind=kind, length=length)
                 q, k, v, mask, bias = _inputs(length, device, dtype, kind)
+                whole, ring, layout = _whole, _ring, "zigzag"
+                if doc is not None:
+                    layout = "contiguous"  # short documents: each rank's work is local
+                    packed = _Packed(_documents(length, doc, device), doc, layout)
+                    whole, ring = packed.whole, packed.ring
                 if rank == 0:  # one process, the whole sequence
-                    _measure(row, "one", _whole, (q, k, v, mask, bias), device)
+                    _measure(row, "one", whole, (q, k, v, mask, bias), device)
                 dist.barrier()
-                part = [cp.shard(t, 1) for t in (q, k, v)]
-                m_part = cp.shard(mask, 3) if mask is not None else None
-                b_part = cp.shard(bias, 3) if bias is not None else None
+                part = [cp.shard(t, 1, layout=layout) for t in (q, k, v)]
+                m_part = cp.shard(mask, 3, layout=layout) if mask is not None else None
+                b_part = cp.shard(bias, 3, layout=layout) if bias is not None else None
                 del q, k, v, mask, bias
-                _measure(row, "ring", _ring, (*part, m_part, b_part), device)
+                _measure(row, "ring", ring, (*part, m_part, b_part), device)
                 if cuda and profile_overlap and row["ring_ms"] != "OOM":
-                    _profile_overlap(row, _step(_ring, (*part, m_part, b_part)), device)
+                    _profile_overlap(row, _step(ring, (*part, m_part, b_part)), device)
                 if cuda:
                     # Every rank's peak: the table shows the largest.
                     peak = torch.tensor([row.get("ring_gib") or 0.0], device=device)
@@ -315,8 +356,8 @@ def _spawn(worker, world: int, *args) -> list[dict]:
     return rows
 
 
-def run(world: int, lengths, kinds, profile_overlap: bool = False) -> list[dict]:
-    return _spawn(_worker, world, lengths, kinds, profile_overlap)
+def run(world: int, lengths, kinds, profile_overlap: bool = False, doc=None) -> list[dict]:
+    return _spawn(_worker, world, lengths, kinds, profile_overlap, doc)
 
 
 def table(rows, world: int) -> str:
@@ -349,6 +390,14 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="32768,65536,131072", help="comma-separated")
     p.add_argument("--kinds", default="dense,dma", help="dense, dma")
     p.add_argument(
+        "--docs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="packed documents of N tokens: attention_varlen on one GPU against the ring with "
+        "cu_seqlens on the contiguous layout",
+    )
+    p.add_argument(
         "--overlap",
         action="store_true",
         help="profile one ring step per row: NCCL kernel time and the share of it "
@@ -375,7 +424,9 @@ def main(argv=None) -> int:
     if torch.cuda.is_available() and torch.cuda.device_count() < args.world:
         p.error(f"--world {args.world} needs as many GPUs; {torch.cuda.device_count()} visible")
     print(header(), flush=True)
-    rows = run(args.world, lengths, args.kinds.split(","), args.overlap)
+    if args.docs is not None:
+        print(f"packed documents of {args.docs} tokens; the ring on the contiguous layout")
+    rows = run(args.world, lengths, args.kinds.split(","), args.overlap, args.docs)
     print(table(rows, args.world))
     return 0
 
