@@ -34,8 +34,10 @@ after one small all-gather, so a call one rank refuses raises on all of them.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -124,7 +126,9 @@ class _Ring:
     def ids(self, rank: int) -> tuple[int, ...]:
         return _chunk_ids(self.layout, rank, self.world)
 
-    def pairs(self, src: int, rows: int, docs: list[int] | None = None, rank: int | None = None):
+    def pairs(
+        self, src: int, rows: int, docs: Sequence[int] | None = None, rank: int | None = None
+    ):
         """The op call (a _Block) for each (local query chunk of `rank`, this rank by default;
         key chunk of rank src) pair in which some query sees some key; chunks have
         rows // len(ids) rows. Pairs no query of which sees a key are skipped. docs: the global
@@ -154,19 +158,16 @@ class _Ring:
         lo = -math.inf if band.left == UNBOUNDED else -band.left
         return lo, math.inf if band.right == UNBOUNDED else band.right
 
-    def last_step(self, rows: int, docs: list[int] | None = None) -> int:
+    def last_step(self, rows: int, docs: Sequence[int] | None = None) -> int:
         """The last ring step with work on any rank: at step s rank r computes with the keys of
         rank r - s, and every rank forwards what it holds, so all run the same steps; steps
         after the last that some rank's queries need are neither computed nor sent. A window
         narrower than a rank's rows on the contiguous layout, or short packed documents there,
         stop the ring after a step or two; zigzag, whose ranks hold an early and a late chunk,
-        and unbounded or non-causal bands need every step."""
-        for step in range(self.world - 1, 0, -1):
-            for rank in range(self.world):
-                src = (rank - step) % self.world
-                if next(self.pairs(src, rows, docs, rank), None) is not None:
-                    return step
-        return 0
+        and unbounded or non-causal bands need every step. Cached: the search visits up to R^2
+        rank pairs (about 10 ms of host at R = 64 with a narrow window)."""
+        docs = None if docs is None else tuple(docs)
+        return _last_step(self.layout, self.world, self.is_causal, self.window, rows, docs)
 
     def visits(self, key, value, mask, bias, last: int):
         """(src, k, v, m, b) for each ring step up to `last` (last_step): the key-side blocks
@@ -206,6 +207,18 @@ class _Ring:
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+
+@functools.lru_cache(maxsize=64)
+def _last_step(layout, world, is_causal, window, rows, docs) -> int:
+    """_Ring.last_step for a ring of this shape (its rank, scale and group do not matter)."""
+    ring = _Ring(None, world, 0, layout, 1.0, is_causal, 0.0, False, window)
+    for step in range(world - 1, 0, -1):
+        for rank in range(world):
+            src = (rank - step) % world
+            if next(ring.pairs(src, rows, docs, rank), None) is not None:
+                return step
+    return 0
 
 
 @dataclass(frozen=True)
@@ -273,7 +286,7 @@ class _Block:
         return torch.tensor(self.cu, dtype=torch.int32, device=device), longest
 
 
-def _doc_block(docs: list[int], qa: int, ka: int, n: int, ring: _Ring) -> _Block | None:
+def _doc_block(docs: Sequence[int], qa: int, ka: int, n: int, ring: _Ring) -> _Block | None:
     """The block of packed documents (global cu_seqlens `docs`) between the query chunk at
     global rows [qa, qa + n) and the key chunk at [ka, ka + n), in chunk-local indices; None
     when no query of it sees a key. Documents are contiguous runs of the packed sequence, so
