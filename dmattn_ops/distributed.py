@@ -484,9 +484,9 @@ def _ring_backward(
     dk = torch.zeros(key.shape, dtype=acc, device=key.device)
     dv = torch.zeros(value.shape, dtype=acc, device=value.device)
     db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_dbias else None
-    # Each block's call reads its rows of grad_out as they are: the op copies an expanded slice
-    # for that call alone (problem.dense_rows), where a copy of all the rows here would live
-    # through the whole ring.
+    # Each block's call reads its rows of grad_out as they are. The op copies an expanded slice
+    # for that call alone, as problem.dense_rows says; a copy of all the rows made here would
+    # live through the whole ring.
     docs = None if cu_seqlens is None else cu_seqlens.tolist()
     last = ring.last_step(rows, docs)
     for step, (src, k, v, m, bb) in enumerate(ring.visits(key, value, mask, bias, last)):
