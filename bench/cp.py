@@ -41,11 +41,14 @@ B, H, HKV, D = 1, 16, 4, 128
 
 def _inputs(length: int, device, dtype, kind: str, on_device: bool = False):
     """(q, k, v, mask, bias), the same on every rank: drawn on the CPU, or with on_device from a
-    seeded generator of the device (faster at long L; equal across ranks of one GPU model)."""
+    seeded generator of the device, in dtype (faster at long L, no float32 copy of the whole
+    sequence; equal across ranks of one GPU model)."""
     g = torch.Generator(device=device if on_device else "cpu").manual_seed(0)
 
     def draw(*shape):
-        return torch.randn(*shape, generator=g, device=g.device).to(device, dtype)
+        if on_device:
+            return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+        return torch.randn(*shape, generator=g).to(device, dtype)
 
     q, k, v = draw(B, length, H, D), draw(B, length, HKV, D), draw(B, length, HKV, D)
     mask = bias = None
@@ -180,6 +183,9 @@ def overlap(comm, compute) -> tuple[float, float]:
     return busy, hidden
 
 
+KERNELS_SHOWN = 14  # --overlap: rank 0's GPU kernels by total time, the longest first
+
+
 def _profile_overlap(row: dict, step, device) -> None:
     """row["nccl_ms"], row["hidden"]: one profiled ring step's NCCL kernel time on this rank's
     GPU and the share of it during which a compute kernel ran (issue 52: each hop's transfer
@@ -192,15 +198,18 @@ def _profile_overlap(row: dict, step, device) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize(device)
-    comm, compute = [], []
+    comm, compute, by_name = [], [], {}
     for e in prof.events():
         if e.device_type != DeviceType.CUDA or "memcpy" in e.name.lower():
             continue
         span = (e.time_range.start, e.time_range.end)
         (comm if "nccl" in e.name.lower() else compute).append(span)
+        calls, total = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (calls + 1, total + span[1] - span[0])
     busy, hidden = overlap(comm, compute)
     row["nccl_ms"] = busy / 1e3
     row["hidden"] = hidden / busy if busy else None
+    row["kernels"] = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:KERNELS_SHOWN]
 
 
 def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, doc, results):
@@ -250,18 +259,15 @@ def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, doc, resul
 GRAIN = 8192  # the fit's L resolution (a multiple of every ring's 2 R chunks)
 
 
-def _fits(fn, length: int, kind: str, device) -> float | None:
-    """The peak GiB of one forward+backward of fn at `length` (whole-sequence inputs, or this
-    rank's shard when fn is the ring), None when it runs out of memory."""
+def _fits(fn, length: int, kind: str, device, world: int = 1) -> float | None:
+    """The peak GiB of one forward+backward of fn at `length`, None when it runs out of memory.
+    The ring (world > 1) gets its rank's rows drawn as they are (never the whole sequence, which
+    alone would not fit under the cap at the lengths R GPUs reach), its DMA mask the top quarter
+    of its own keys: the same shapes and density as a shard, which is all memory depends on."""
     step = None
     try:
         torch.cuda.empty_cache()
-        q, k, v, mask, bias = _inputs(length, device, torch.bfloat16, kind, on_device=True)
-        if fn is _ring:
-            from dmattn_ops import distributed as cp
-
-            q, k, v = (cp.shard(t, 1) for t in (q, k, v))
-            mask, bias = (cp.shard(t, 3) if t is not None else None for t in (mask, bias))
+        q, k, v, mask, bias = _inputs(length // world, device, torch.bfloat16, kind, True)
         step = _step(fn, (q, k, v, mask, bias))
         del q, k, v, mask, bias
         # From here: the step's inputs (this rank's shard) and all it allocates.
@@ -305,7 +311,8 @@ def _fit_worker(rank, world, rendezvous, kinds, cap_gib, results):
             # cap; the line through them gives the longest L under it.
             points = []
             for length in (32768, 65536):
-                peak = torch.tensor([_fits(_ring, length, kind, device) or -1.0], device=device)
+                peak = _fits(_ring, length, kind, device, world) or -1.0
+                peak = torch.tensor([peak], device=device)
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX)
                 points.append((length, peak.item()))
             (l0, p0), (l1, p1) = points
@@ -313,7 +320,7 @@ def _fit_worker(rank, world, rendezvous, kinds, cap_gib, results):
             # 2% under the line: the allocator's rounding must not make the check run out.
             longest = int(0.98 * ((cap_gib - p0) / slope + l0)) // GRAIN * GRAIN if slope > 0 else 0
             # Shown to fit at that length: every rank's step ran (all ranks agree it did).
-            ok = _fits(_ring, longest, kind, device) is not None
+            ok = _fits(_ring, longest, kind, device, world) is not None
             flag = torch.tensor([1.0 if ok else 0.0], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             row.update(ring=longest, ring_ok=bool(flag.item()), points=points)
@@ -382,6 +389,12 @@ def table(rows, world: int) -> str:
     return markdown(headers, table, ("", "", ".2f", ".2f", ".2f", ".2f", ".2f", ".2f", ".2f", ""))
 
 
+def kernel_table(kernels) -> str:
+    """(name, (calls, total us)) rows as a table: the profiled step's kernels by GPU time."""
+    rows = [[name[:70], calls, total / 1e3] for name, (calls, total) in kernels]
+    return markdown(["kernel", "calls", "ms"], rows, ("", "", ".2f"))
+
+
 def main(argv=None) -> int:
     from bench.__main__ import header
 
@@ -428,6 +441,10 @@ def main(argv=None) -> int:
         print(f"packed documents of {args.docs} tokens; the ring on the contiguous layout")
     rows = run(args.world, lengths, args.kinds.split(","), args.overlap, args.docs)
     print(table(rows, args.world))
+    for r in rows:
+        if r.get("kernels"):
+            print(f"\n{r['kind']} L{r['length']}: rank 0's kernels in one ring step")
+            print(kernel_table(r["kernels"]))
     return 0
 
 

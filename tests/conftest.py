@@ -1,7 +1,14 @@
 import os
 
-import pytest
-import torch
+# The GPU check may spread the xdist workers over several GPUs (DMATTN_TEST_GPUS=1,2,3): worker
+# gwN sees the N-th of them, modulo their number, as its only GPU. Set before torch starts CUDA.
+_gpus, _worker = os.environ.get("DMATTN_TEST_GPUS"), os.environ.get("PYTEST_XDIST_WORKER")
+if _gpus and _worker:
+    _ids = _gpus.split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = _ids[int(_worker.removeprefix("gw")) % len(_ids)]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU the Triton kernels run in Triton's interpreter. It is chosen when a kernel is
 # decorated, so it must be set before dmattn_ops (and its kernels) are imported.
@@ -12,7 +19,7 @@ if not torch.cuda.is_available():
 # Triton kernels, and tests/test_sdpa.py turns the dispatch back on where it tests it.
 os.environ["DMATTN_DENSE_SDPA"] = "0"
 
-from dmattn_ops.executors import _alloc
+from dmattn_ops.executors import _alloc  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ dmattn_ops.attention to float64 rounding; on GPUs (NCCL, bf16, one GPU per rank;
 against the float64 oracle, within PyTorch's own bf16 error (tests/helpers.py)."""
 
 import contextlib
+import faulthandler
 import itertools
 import math
 import os
@@ -131,9 +132,112 @@ def test_ring_attention_equals_attention_on_the_whole_sequence(world, tmp_path):
     _spawn(world, tmp_path, "cpu")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_ring_attention_on_gpus_with_nccl_in_bf16(tmp_path):
-    _spawn(2, tmp_path, "cuda")
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_on_gpus_with_nccl_in_bf16(world, tmp_path):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    _spawn(world, tmp_path, "cuda")
+
+
+def _band_oracle(q, k, v, bias, mask, sinks, cu, kw):
+    """reference.attention over the whole (L, H, D) sequence, or attention_varlen over its
+    documents cu; mask and bias per key, (1|Hkv, L)."""
+    from dmattn_ops import reference
+
+    if cu is None:
+        o = reference.attention(q[None], k[None], v[None], mask[None, :, None],
+                                bias[None, :, None], sinks=sinks, **kw)  # fmt: skip
+        return o[0]
+    t = torch.tensor(cu, dtype=torch.int32)
+    longest = max(b - a for a, b in itertools.pairwise(cu))
+    return reference.attention_varlen(q, k, v, t, t, longest, longest, mask, bias, sinks=sinks,
+                                      **kw)  # fmt: skip
+
+
+def _gpu_band_worker(rank: int, world: int, rendezvous: str, failures) -> None:
+    """On NCCL in bf16: ring_attention with packed documents, windows and sinks (the varlen
+    blocks, the cut blocks and the stopped ring on GPUs) against the float64 oracle on the
+    whole sequence, within twice PyTorch's own bf16 error (the oracle run in bf16)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from helpers import assert_close, low_precision_bound
+
+    from dmattn_ops import distributed as cp
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        length, h, hkv, d = 64 * 2 * world, 4, 2, 64
+        n = length // world  # a rank's rows
+        docs = [0, 37, 38, n + 5, length - 9]  # one straddles two ranks; rows past the last
+        cases = [
+            # (layout, is_causal, window, cu_seqlens, sinks)
+            ("zigzag", True, (-1, -1), docs, True),
+            ("contiguous", True, (n // 2 + 3, 0), docs, False),
+            ("contiguous", False, (-1, 9), docs, True),
+            ("zigzag", True, (40, -1), None, True),
+            ("contiguous", True, (n - 1, -1), None, False),  # the ring stops after one step
+            ("zigzag", False, (7, 30), None, False),
+        ]
+        for layout, is_causal, window, cu, with_sinks in cases:
+            g = torch.Generator().manual_seed(5)
+            q = torch.randn(length, h, d, generator=g, dtype=torch.float64)
+            k = torch.randn(length, hkv, d, generator=g, dtype=torch.float64)
+            v = torch.randn(length, hkv, d, generator=g, dtype=torch.float64)
+            bias = torch.randn(hkv, length, generator=g, dtype=torch.float64)
+            mask = torch.rand(1, length, generator=g) < 0.7
+            w = torch.randn(length, h, d, generator=g, dtype=torch.float64)
+            sinks = torch.randn(h, generator=g, dtype=torch.float64) if with_sinks else None
+            kw = dict(is_causal=is_causal, window_size=window)
+
+            results = []
+            for dtype in (torch.float64, torch.bfloat16):
+                # Sinks in float32 beside bf16 (as GPT-OSS keeps them): dsinks, a sum over
+                # ranks, is then not rounded to bf16 on each.
+                leaves = [t.to(dtype, copy=True).requires_grad_() for t in (q, k, v, bias)]
+                if with_sinks:
+                    low = torch.float32 if dtype == torch.bfloat16 else dtype
+                    leaves.append(sinks.to(low, copy=True).requires_grad_())
+                out = _band_oracle(*leaves[:4], mask, leaves[4] if with_sinks else None, cu, kw)
+                (out.double() * w).sum().backward()
+                results.append([out.detach()] + [t.grad for t in leaves])
+
+            def part(t, dim, layout=layout):
+                return cp.shard(t.cuda(), dim, layout=layout)
+
+            # The dense layout with one batch row: (1, L/R, H, D), per-key (1, H|1, 1, L/R).
+            local = [part(t.bfloat16()[None], 1).requires_grad_() for t in (q, k, v)]
+            local_bias = part(bias.bfloat16()[None, :, None], 3).requires_grad_()
+            local_sinks = sinks.cuda().float().requires_grad_() if with_sinks else None
+            cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+            out = cp.ring_attention(*local, part(mask[None, :, None], 3), local_bias,
+                                    layout=layout, sinks=local_sinks, cu_seqlens=cu_t,
+                                    **kw)  # fmt: skip
+            (out * part(w.bfloat16()[None], 1)).sum().backward()
+            got = [cp.unshard(out.detach(), 1, layout=layout)[0]]
+            got += [cp.unshard(t.grad, 1, layout=layout)[0] for t in local]
+            got.append(cp.unshard(local_bias.grad, 3, layout=layout)[0, :, 0])
+            if with_sinks:
+                dsinks = local_sinks.grad.clone()
+                dist.all_reduce(dsinks)  # each rank's rows' share
+                got.append(dsinks)
+            what = f"{layout} causal={is_causal} window={window} docs={cu} sinks={with_sinks}"
+            names = ("out", "dq", "dk", "dv", "dbias", "dsinks")
+            for name, a, e, e_lp in zip(names, got, *results):
+                bound = low_precision_bound(e, e_lp.double(), torch.bfloat16)
+                assert_close(a.cpu().double(), e, bound, f"{what} {name}")
+    except Exception:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_with_documents_windows_and_sinks_on_gpus_in_bf16(world, tmp_path):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    _spawn_worker(_gpu_band_worker, world, tmp_path)
 
 
 def test_shard_and_unshard_refuse_lengths_that_do_not_divide(tmp_path):
@@ -549,6 +653,16 @@ def _compiled_worker(rank: int, world: int, rendezvous: str, failures) -> None:
                               (bias.detach(), mask, 3, name, "zigzag"))  # fmt: skip
 
 
+def _watched(rank: int, worker, *args) -> None:
+    """worker(rank, *args); a rank still running after DMATTN_TEST_RANK_DUMP_S seconds (when
+    set: the GPU check sets it) prints every thread's stack to stderr, so that a ring stuck in
+    a transfer shows where."""
+    seconds = float(os.environ.get("DMATTN_TEST_RANK_DUMP_S", "0"))
+    if seconds > 0:
+        faulthandler.dump_traceback_later(seconds)
+    worker(rank, *args)
+
+
 def _spawn_worker(worker, world: int, tmp_path, *extra) -> None:
     """worker(rank, world, rendezvous, failures, *extra) in `world` spawned processes; a rank's
     failure fails the test with every rank's traceback. The ranks run without the Triton
@@ -557,8 +671,8 @@ def _spawn_worker(worker, world: int, tmp_path, *extra) -> None:
     failures = ctx.SimpleQueue()
     env = {"TRITON_INTERPRET": os.environ.pop("TRITON_INTERPRET", None)}
     try:
-        mp.start_processes(worker, args=(world, str(tmp_path / "rdv"), failures, *extra),
-                           nprocs=world, start_method="spawn")  # fmt: skip
+        mp.start_processes(_watched, args=(worker, world, str(tmp_path / "rdv"), failures,
+                                           *extra), nprocs=world, start_method="spawn")  # fmt: skip
     except mp.ProcessRaisedException:
         messages = []
         while not failures.empty():
