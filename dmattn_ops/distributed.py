@@ -437,11 +437,18 @@ def _ring_forward(
     top = torch.full((b, h, rows), float("-inf"), dtype=stats, device=query.device)
     log_sum = torch.zeros_like(top)
     last = ring.last_step(rows, docs)
+    merged = []  # the row ranges some block has written
     for src, k, v, m, bb in ring.visits(key, value, mask, bias, last):
         for block in ring.pairs(src, rows, docs):
             o, l_o, rem_o = block.forward(query, k, v, m, bb, ring)
             qs = block.qs
-            _merge(out[:, qs], top[:, :, qs], log_sum[:, :, qs], o, l_o, rem_o.to(stats))
+            if any(a < block.q1 and block.q0 < b for a, b in merged):
+                _merge(out[:, qs], top[:, :, qs], log_sum[:, :, qs], o, l_o, rem_o.to(stats))
+            else:  # the rows' first block: the merge into (0, -inf, 0) is the block itself
+                out[:, qs] = o
+                top[:, :, qs] = l_o
+                log_sum[:, :, qs] = rem_o
+            merged.append((block.q0, block.q1))
             del o  # the next block's call may reuse its memory
     # (lse, lse_rem) as the forward op hands them to the backward op; the sinks join once,
     # after every block (each row's softmax has one sink, not one per block).
@@ -489,23 +496,31 @@ def _ring_backward(
     # live through the whole ring.
     docs = None if cu_seqlens is None else cu_seqlens.tolist()
     last = ring.last_step(rows, docs)
+    # The accumulators travel with the keys they belong to. The hop after step s is started
+    # once the step's blocks are added and finished after the first block of step s + 1 has
+    # computed (it overlaps that block's backward): its gradients are added then. After the
+    # last step they sit `last` ranks after their owner (one before it when the ring went
+    # round), and one more transfer brings them home.
+    arriving = None
     for step, (src, k, v, m, bb) in enumerate(ring.visits(key, value, mask, bias, last)):
         for block in ring.pairs(src, rows, docs):
             g = block.backward(grad_out, query, k, v, m, bb, out, lse, lse_rem, ring, need_dbias)
             qs, ks = block.qs, block.ks
             dq[:, qs] += g[0]
+            if arriving is not None:
+                dk, dv, db = arriving()
+                arriving = None
             dk[:, ks] += g[1]
             dv[:, ks] += g[2]
             if need_dbias:
                 db[..., ks] += g[3]
             del g  # freed before the next block's call: its memory is that call's to reuse
-        # The accumulators travel with the keys they belong to; after the last step they sit
-        # `last` ranks after their owner (one before it when the ring went round), and one
-        # transfer brings them home.
+        if arriving is not None:  # no block of this rank at this step
+            dk, dv, db = arriving()
         if last > 0:
-            grads = [dk, dv] + ([db] if need_dbias else [])
-            dk, dv, *rest = ring.exchange(grads, 1 if step < last else -last)()
-            db = rest[0] if need_dbias else None
+            arriving = _send_grads(ring, (dk, dv, db), 1 if step < last else -last)
+    if arriving is not None:
+        dk, dv, db = arriving()
     # With the joined out and lse, the blocks' backward is the sinks' softmax already.
     # Outputs may not alias each other: each absent gradient is its own empty tensor.
     dsinks = (
@@ -525,6 +540,19 @@ def _(grad_out, query, key, value, mask, bias, sinks, cu_seqlens, out, lse, lse_
         torch.empty_like(bias) if need_dbias else query.new_empty(0),
         torch.empty_like(sinks) if need_dsinks else query.new_empty(0),
     )  # fmt: skip
+
+
+def _send_grads(ring: _Ring, grads, to: int):
+    """Start the hop of the (dk, dv, dbias or None) accumulators to rank + to; the returned
+    function finishes it and gives the incoming ones."""
+    dk, dv, db = grads
+    finish = ring.exchange([dk, dv] + ([db] if db is not None else []), to)
+
+    def arrived():
+        dk, dv, *rest = finish()
+        return dk, dv, rest[0] if rest else None
+
+    return arrived
 
 
 def _ring_setup(ctx, inputs, output):
