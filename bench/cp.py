@@ -212,19 +212,14 @@ def _profile_overlap(row: dict, step, device) -> None:
     row["kernels"] = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:KERNELS_SHOWN]
 
 
-def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, doc, high, results):
+def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, doc, results):
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if cuda else torch.float32
-    options = None
-    if cuda and high:
-        # NCCL's kernels on a high-priority stream: the GPU schedules their blocks ahead of
-        # the queued blocks of the attention kernel they should overlap.
-        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
-                            rank=rank, world_size=world, pg_options=options)  # fmt: skip
+                            rank=rank, world_size=world)  # fmt: skip
     from dmattn_ops import distributed as cp
 
     try:
@@ -368,10 +363,8 @@ def _spawn(worker, world: int, *args) -> list[dict]:
     return rows
 
 
-def run(
-    world: int, lengths, kinds, profile_overlap: bool = False, doc=None, high: bool = False
-) -> list[dict]:
-    return _spawn(_worker, world, lengths, kinds, profile_overlap, doc, high)
+def run(world: int, lengths, kinds, profile_overlap: bool = False, doc=None) -> list[dict]:
+    return _spawn(_worker, world, lengths, kinds, profile_overlap, doc)
 
 
 def table(rows, world: int) -> str:
@@ -430,11 +423,6 @@ def main(argv=None) -> int:
         metavar="GIB",
         help="longest L that fits in GIB per GPU, 1 GPU and the ring (GPUs only)",
     )
-    p.add_argument(
-        "--high-priority",
-        action="store_true",
-        help="NCCL on high-priority streams (ProcessGroupNCCL.Options(is_high_priority_stream))",
-    )
     args = p.parse_args(argv)
     if args.fit is not None:
         if not torch.cuda.is_available() or torch.cuda.device_count() < args.world:
@@ -451,11 +439,7 @@ def main(argv=None) -> int:
     print(header(), flush=True)
     if args.docs is not None:
         print(f"packed documents of {args.docs} tokens; the ring on the contiguous layout")
-    if args.high_priority:
-        print("NCCL on high-priority streams")
-    rows = run(
-        args.world, lengths, args.kinds.split(","), args.overlap, args.docs, args.high_priority
-    )
+    rows = run(args.world, lengths, args.kinds.split(","), args.overlap, args.docs)
     print(table(rows, args.world))
     for r in rows:
         if r.get("kernels"):
