@@ -139,6 +139,20 @@ def test_ring_attention_on_gpus_with_nccl_in_bf16(world, tmp_path):
     _spawn(world, tmp_path, "cuda")
 
 
+def _packed_inputs(length: int, h: int, hkv: int, d: int, seed: int):
+    """(q, k, v, bias, mask, w, sinks) of a whole packed sequence, float64, the same on every
+    rank: q/k/v (L, H|Hkv, D), per-key bias (Hkv, L) and mask (1, L) (70% kept), an upstream
+    gradient w like q, sinks (H,)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(length, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(length, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(length, hkv, d, generator=g, dtype=torch.float64)
+    bias = torch.randn(hkv, length, generator=g, dtype=torch.float64)
+    mask = torch.rand(1, length, generator=g) < 0.7
+    w = torch.randn(length, h, d, generator=g, dtype=torch.float64)
+    return q, k, v, bias, mask, w, torch.randn(h, generator=g, dtype=torch.float64)
+
+
 def _band_oracle(q, k, v, bias, mask, sinks, cu, kw):
     """reference.attention over the whole (L, H, D) sequence, or attention_varlen over its
     documents cu; mask and bias per key, (1|Hkv, L)."""
@@ -180,14 +194,8 @@ def _gpu_band_worker(rank: int, world: int, rendezvous: str, failures) -> None:
             ("zigzag", False, (7, 30), None, False),
         ]
         for layout, is_causal, window, cu, with_sinks in cases:
-            g = torch.Generator().manual_seed(5)
-            q = torch.randn(length, h, d, generator=g, dtype=torch.float64)
-            k = torch.randn(length, hkv, d, generator=g, dtype=torch.float64)
-            v = torch.randn(length, hkv, d, generator=g, dtype=torch.float64)
-            bias = torch.randn(hkv, length, generator=g, dtype=torch.float64)
-            mask = torch.rand(1, length, generator=g) < 0.7
-            w = torch.randn(length, h, d, generator=g, dtype=torch.float64)
-            sinks = torch.randn(h, generator=g, dtype=torch.float64) if with_sinks else None
+            q, k, v, bias, mask, w, sinks = _packed_inputs(length, h, hkv, d, seed=5)
+            sinks = sinks if with_sinks else None
             kw = dict(is_causal=is_causal, window_size=window)
 
             results = []
@@ -310,14 +318,7 @@ def _documents_worker(rank: int, world: int, rendezvous: str, failures) -> None:
 
     with _process_group(rank, world, rendezvous, failures):
         length, h, hkv, d = 4 * world * 3, 4, 2, 8
-        g = torch.Generator().manual_seed(11)
-        q = torch.randn(length, h, d, generator=g, dtype=torch.float64)
-        k = torch.randn(length, hkv, d, generator=g, dtype=torch.float64)
-        v = torch.randn(length, hkv, d, generator=g, dtype=torch.float64)
-        bias = torch.randn(hkv, length, generator=g, dtype=torch.float64)
-        mask = torch.rand(1, length, generator=g) < 0.7
-        w = torch.randn(length, h, d, generator=g, dtype=torch.float64)
-        sinks = torch.randn(h, generator=g, dtype=torch.float64)
+        q, k, v, bias, mask, w, sinks = _packed_inputs(length, h, hkv, d, seed=11)
         sinks[1] = float("-inf")  # no sink for that head
         for docs in _documents(length):
             cu = torch.tensor(docs, dtype=torch.int32)
