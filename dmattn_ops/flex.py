@@ -31,6 +31,7 @@ import weakref
 
 import torch
 
+from dmattn_ops.core.band import fold_causal
 from dmattn_ops.core.operands import is_limit, mask_rows
 from dmattn_ops.core.validate import (
     NO_WINDOW,
@@ -165,14 +166,6 @@ def row_shift(mask, bias, seqused_k, is_causal, b, h, hkv, lq, lk, window=NO_WIN
     return torch.where((best < _SHIFT_BELOW) & best.isfinite(), best, 0.0).contiguous()
 
 
-def _causal_band(window, is_causal: bool) -> tuple[int, int]:
-    """(left, right) of a window with causality folded into its right side (-1: unbounded)."""
-    left, right = window
-    if is_causal:
-        right = 0 if right < 0 else min(right, 0)
-    return left, right
-
-
 def _limit_max(x, limit, n, lq: int, is_causal: bool, window) -> torch.Tensor:
     """Max of x (B|1, H, 1, Lk) over the keys each row sees under the row-limit mask `limit`
     (B|1, H, 1, Lk), causality and the window, as (B|1, H, Lq), in O(Lk log Lq).
@@ -182,7 +175,7 @@ def _limit_max(x, limit, n, lq: int, is_causal: bool, window) -> torch.Tensor:
     table (level k holds maxima over 2**k rows) at the two level-k blocks that cover it
     exactly, k = floor(log2(hi - lo)); pushing every level down into the one below then leaves
     each row's maximum in level 0."""
-    left, right = _causal_band(window, is_causal)
+    left, right = fold_causal(is_causal, window)
     bx = max(x.shape[0], limit.shape[0], n.shape[0])
     heads, lk = x.shape[1], x.shape[-1]
     x = x.expand(bx, heads, 1, lk).reshape(-1, lk)
@@ -216,7 +209,7 @@ def _band_max(x, n, lq: int, lk: int, h: int, is_causal: bool, window) -> torch.
     """Max of x (B|1, H, Lq|1, Lk) over each row's band [p - left, p + right] (p = i + n - Lq;
     causal caps right at 0), as (B|1, H, Lq). Biases per key (Lq dim 1) take running maxima
     (one side bounded) or a max-pool of the band's width, never an Lq x Lk tensor."""
-    left, right = _causal_band(window, is_causal)
+    left, right = fold_causal(is_causal, window)
     i = torch.arange(lq, device=x.device)
     pos = i[None, :] + (n - lq)[:, None]  # [B|1, Lq]
     lo = pos - left if left >= 0 else torch.zeros_like(pos)

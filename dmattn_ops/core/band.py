@@ -9,6 +9,15 @@ from typing import NamedTuple
 UNBOUNDED = 1 << 29
 
 
+def fold_causal(is_causal: bool, window: tuple[int, int]) -> tuple[int, int]:
+    """(left, right) of a window (-1: unbounded) with causality folded into its right side: a
+    causal query sees no key after it, so right is at most 0."""
+    left, right = window
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
 class Band(NamedTuple):
     """How a launch restricts keys by position: (IS_CAUSAL, HAS_WINDOW, win_left, win_right).
     A window (kernels/common.py score_tile) takes causality into its right side, so at most
@@ -26,8 +35,7 @@ class Band(NamedTuple):
             # No lower bound, and no upper bound beyond causality's: the plain launch (dense
             # causal calls keep PyTorch's fused kernels, sdpa.py).
             return Band(bool(is_causal), False, 0, 0)
-        if is_causal:
-            right = 0 if right < 0 else min(right, 0)
+        left, right = fold_causal(is_causal, window)
         return Band(False, True, UNBOUNDED if left < 0 else left, UNBOUNDED if right < 0 else right)
 
     def args(self) -> tuple[int, int]:
