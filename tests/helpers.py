@@ -15,6 +15,13 @@ import pytest
 import torch
 
 from dmattn_ops import reference
+from dmattn_ops.dispatch import launch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Our Triton kernels run: compiled on a GPU, in Triton's interpreter on CPU (conftest sets it).
+TRITON = DEVICE == "cuda" or launch.interpreter_on()
+# float64 results against the float64 oracle: 64 ulps of the largest value.
+F64 = 64 * torch.finfo(torch.float64).eps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # For float64 inputs the ops keep lse (and its remainder) in float64 and backward recomputes

@@ -8,13 +8,12 @@ import math
 
 import pytest
 import torch
-from helpers import COMPUTE_ULPS, assert_close, float64_grad_bound, low_precision_bound
+from helpers import COMPUTE_ULPS, DEVICE, assert_close, float64_grad_bound, low_precision_bound
 
 import dmattn_ops
 from dmattn_ops import masks, reference
 from dmattn_ops.dispatch import launch, plan
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
     DEVICE == "cpu" and not launch.interpreter_on(), reason="needs CUDA or TRITON_INTERPRET=1"
 )

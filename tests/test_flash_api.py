@@ -2,13 +2,10 @@
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import F64, assert_close
 
 import dmattn_ops
 from dmattn_ops import reference
-
-# float64 results against the float64 oracle: 64 ulps of the largest value.
-F64 = 64 * torch.finfo(torch.float64).eps
 
 
 def _qkv(b=2, lq=7, lk=9, h=4, hkv=2, d=16):

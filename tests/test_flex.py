@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 from helpers import (
+    DEVICE,
     PATTERNS,
+    TRITON,
     Case,
     assert_close,
     low_precision_bound,
@@ -17,10 +19,6 @@ from helpers import (
 
 import dmattn_ops
 from dmattn_ops import flex, reference
-from dmattn_ops.dispatch import launch
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON = DEVICE == "cuda" or launch.interpreter_on()
 
 
 def inputs(c: Case, dtype=torch.float32, device=DEVICE):

@@ -7,13 +7,13 @@ packing, float64 in PyTorch, ...), and that the launchers run what the plan says
 
 import pytest
 import torch
+from helpers import DEVICE
 
 import dmattn_ops
 from dmattn_ops.core.problem import Options, Problem
 from dmattn_ops.dispatch import launch, plan
 from dmattn_ops.dispatch.plan import DECODE, DENSE, EMPTY, KEY_LISTS, PYTORCH, SDPA, TILE_TABLES
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
     not plan.triton_runs_on(torch.empty(0, device=DEVICE)), reason="needs CUDA or the interpreter"
 )

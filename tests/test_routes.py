@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, low_precision_bound, max_err
+from helpers import DEVICE, assert_close, low_precision_bound, max_err
 
 import dmattn_ops
 from dmattn_ops import reference
 from dmattn_ops.dispatch import plan
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
     not plan.triton_runs_on(torch.empty(0, device=DEVICE)), reason="needs CUDA or the interpreter"
 )

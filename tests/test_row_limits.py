@@ -13,6 +13,7 @@ import itertools
 import pytest
 import torch
 from helpers import (
+    DEVICE,
     DTYPES,
     Case,
     assert_close,
@@ -24,8 +25,6 @@ from helpers import (
 
 import dmattn_ops
 from dmattn_ops import masks, reference
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _limits(shape, lq: int, generator=None) -> torch.Tensor:

@@ -4,6 +4,9 @@ softmax denominator, against the float64 oracle and an independent formulation."
 import pytest
 import torch
 from helpers import (
+    DEVICE,
+    F64,
+    TRITON,
     assert_close,
     assert_grads_close,
     low_precision_bound,
@@ -12,13 +15,6 @@ from helpers import (
 import dmattn_ops
 from dmattn_ops import reference
 from dmattn_ops.dispatch import launch
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON = DEVICE == "cuda" or launch.interpreter_on()
-
-
-# float64 results against the float64 oracle: 64 ulps of the largest value.
-F64 = 64 * torch.finfo(torch.float64).eps
 
 
 def _inputs(dtype, b=2, lq=7, lk=9, h=4, hkv=2, d=16, seed=0):

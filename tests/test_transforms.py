@@ -14,12 +14,11 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_close, low_precision_bound
+from helpers import DEVICE, assert_close, low_precision_bound
 
 from dmattn_ops import reference
 from dmattn_ops.dispatch import launch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SOFTCAP = 4.0
 PATHS = {
     "chunked": torch.float64,

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 from helpers import (
+    DEVICE,
     DTYPES,
     PATTERNS,
     Case,
@@ -32,7 +33,6 @@ from dmattn_ops.dispatch import launch, plan
 from dmattn_ops.executors.tiles import PackFrom
 from dmattn_ops.kernels.common import grid_tile, run_end, run_tile
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
     DEVICE == "cpu" and not launch.interpreter_on(), reason="needs CUDA or TRITON_INTERPRET=1"
 )

@@ -9,13 +9,12 @@ from __future__ import annotations
 import expecttest
 import pytest
 import torch
-from helpers import DTYPES, assert_close, float64_grad_bound, low_precision_bound
+from helpers import DEVICE, DTYPES, assert_close, float64_grad_bound, low_precision_bound
 
 import dmattn_ops
 from dmattn_ops import reference
 from dmattn_ops.dispatch import launch, plan
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_OK = DEVICE == "cuda" or launch.interpreter_on()
 needs_triton = pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
 

@@ -6,6 +6,9 @@ import math
 import pytest
 import torch
 from helpers import (
+    DEVICE,
+    F64,
+    TRITON,
     assert_close,
     assert_grads_close,
     float64_grad_bound,
@@ -14,11 +17,6 @@ from helpers import (
 
 import dmattn_ops
 from dmattn_ops import flex, reference
-from dmattn_ops.dispatch import launch
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON = DEVICE == "cuda" or launch.interpreter_on()
-F64 = 64 * torch.finfo(torch.float64).eps
 
 # left only, right only, both, wider than the sequence, zero (the diagonal only), one-sided zero.
 WINDOWS = [(5, 0), (-1, 3), (4, 2), (500, 500), (0, 0), (0, -1), (7, -1)]
