@@ -1,6 +1,6 @@
-"""Context parallelism: ring_attention over 2 and 3 processes equals attention on the whole
+"""Context parallelism: ring_attention over 2, 3 and 4 processes equals attention on the whole
 sequence, outputs and every gradient (issue 17). On CPU (gloo, float64) against
-dmattn_ops.attention to float64 rounding; on GPUs (NCCL, bf16, one GPU per rank; needs two)
+dmattn_ops.attention to float64 rounding; on GPUs (NCCL, bf16, one GPU per rank; 2 and 4 ranks)
 against the float64 oracle, within PyTorch's own bf16 error (tests/helpers.py)."""
 
 import contextlib
@@ -127,7 +127,7 @@ def _spawn(world: int, tmp_path, device_type: str) -> None:
     _spawn_worker(_worker, world, tmp_path, device_type)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_attention_equals_attention_on_the_whole_sequence(world, tmp_path):
     _spawn(world, tmp_path, "cpu")
 
@@ -405,7 +405,7 @@ def _documents_worker(rank: int, world: int, rendezvous: str, failures) -> None:
                 raise AssertionError(f"cu_seqlens {bad.tolist()} was accepted")
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_attention_with_packed_documents_equals_attention_varlen(world, tmp_path):
     _spawn_worker(_documents_worker, world, tmp_path)
 
@@ -694,7 +694,7 @@ def test_sharded_dma_layer_equals_the_whole_sequence_layer(world, tmp_path):
     _spawn_worker(_layer_worker, world, tmp_path)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_attention_with_windows_and_sinks_equals_attention(world, tmp_path):
     _spawn_worker(_window_worker, world, tmp_path)
 
