@@ -535,10 +535,12 @@ def _ring_backward(
 @_ring_backward.register_fake
 def _(grad_out, query, key, value, mask, bias, sinks, cu_seqlens, out, lse, lse_rem, ring,
       need_dbias, need_dsinks):  # fmt: skip
+    # Contiguous whatever the inputs' layouts, as the real kernel returns them (empty_like would
+    # keep a transposed bias's strides, which Inductor then asserts against the real ones).
     return (
-        torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
-        torch.empty_like(bias) if need_dbias else query.new_empty(0),
-        torch.empty_like(sinks) if need_dsinks else query.new_empty(0),
+        query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
+        bias.new_empty(bias.shape) if need_dbias else query.new_empty(0),
+        sinks.new_empty(sinks.shape) if need_dsinks else query.new_empty(0),
     )  # fmt: skip
 
 
@@ -804,7 +806,10 @@ def _cp_topk_select(
     order = order + before[..., list(ids)].unsqueeze(-1)
     keep_tie = tied_chunks & (order < (k - above_all).unsqueeze(-1))
     selected = above | keep_tie.flatten(-2)
-    return selected & allowed if allowed is not None else selected
+    selected = selected & allowed if allowed is not None else selected
+    # Contiguous, as the fake kernel says: the elementwise ops above follow the bias's layout
+    # (a transposed one in the DMA layer), and Inductor asserts the fake's strides at run time.
+    return selected.contiguous()
 
 
 @_cp_topk_select.register_fake

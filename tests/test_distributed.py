@@ -598,7 +598,7 @@ def _compiled_worker(rank: int, world: int, rendezvous: str, failures) -> None:
     global top-k and the ring are ops taking the group by name, one node each (Dynamo broke a
     layer's graph 15 times when it traced them, 2 when they ran compiler.disable'd), and the
     compiled model's output and gradients equal the eager model's, with the ring's ops in
-    the forward and backward graphs."""
+    the forward and backward graphs; under Inductor too."""
     import torch._dynamo as dynamo
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -635,6 +635,18 @@ def _compiled_worker(rank: int, world: int, rendezvous: str, failures) -> None:
         targets = [str(n.target) for g in graphs for n in g.graph.nodes]
         for op in ("cp_topk_select", "ring_attention_forward", "ring_attention_backward"):
             assert sum(f"dmattn.{op}" in t for t in targets) == len(model), (op, targets)
+        # The default backend: Inductor checks each op's output strides against its fake
+        # kernel's at run time (the layer's bias is transposed: cp_topk_select's mask and the
+        # ring's dbias once followed it while their fakes said contiguous).
+        dynamo.reset()
+        inductor = torch.compile(model, fullgraph=True)
+        model.zero_grad()
+        leaf = x.clone().requires_grad_()
+        out = inductor(leaf)
+        out.square().sum().backward()
+        got = [out.detach(), leaf.grad, *(p.grad for p in model.parameters())]
+        for eager, g in zip(runs[0], got):
+            torch.testing.assert_close(g, eager, rtol=1e-10, atol=1e-10)
 
         # The ops' schemas, fake kernels and autograd registration (every rank runs the same
         # sequence of calls, as the ring needs).
