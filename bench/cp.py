@@ -14,6 +14,11 @@ need one ring step (documents shorter than a rank's rows cross at most into the 
 ``--overlap`` (GPUs): one more ring step per row under torch.profiler, rank 0's NCCL kernel
 time and the share of it during which one of its compute kernels ran (`overlap`).
 
+``--model``: a whole training step instead of one call: bench.model's stack of four pre-norm
+DMA blocks (hidden 2048, H16 Hkv4 D128, window L/4, B1), on one GPU against the same model with
+`parallelize` on R (global top-k and the ring in every layer), compiled with fullgraph=True
+(``--eager``: not compiled); step ms and peak memory as above.
+
 ``--fit GIB`` (GPUs): the longest L whose forward+backward fits in GIB per GPU (the process's
 memory capped with `torch.cuda.set_per_process_memory_fraction`), for one GPU and for the ring.
 One GPU: a doubling search then bisection, OOM caught. The ring cannot search so: a rank that
@@ -256,6 +261,79 @@ def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, doc, resul
         dist.destroy_process_group()
 
 
+def _model_step(model, x, compiled: bool):
+    """One training step of model on x (leaf gradients freed first): the loss is the output's
+    mean square."""
+    fn = torch.compile(model, fullgraph=True) if compiled else model
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        fn(x).float().square().mean().backward()
+
+    return run
+
+
+def _model_worker(rank, world, rendezvous, lengths, compiled, results):
+    """--model: bench.model's DMA stack on one process (rank 0), then parallelized on all."""
+    from bench.model import HIDDEN, make_model
+    from dmattn_ops import distributed as cp
+    from dmattn_ops.nn import DynamicMaskAttention
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
+                            rank=rank, world_size=world)  # fmt: skip
+    try:
+        for length in lengths:
+            row = dict(kind="model dma-w4", length=length)
+            torch.manual_seed(0)  # the same weights on every rank
+            model = make_model("dma-w4", length, device, dtype)
+            if not cuda:  # a smoke run: the PyTorch path, not Triton's interpreter
+                for layer in model.modules():
+                    if isinstance(layer, DynamicMaskAttention):
+                        layer.backend = "auto"
+            x = torch.randn(1, length, HIDDEN, generator=torch.Generator().manual_seed(1))
+            x = x.to(device, dtype)
+            if rank == 0:
+                _measure_step(row, "one", _model_step(model, x, compiled), device)
+            dist.barrier()
+            cp.parallelize(model)
+            local = cp.shard(x, 1)
+            del x
+            _measure_step(row, "ring", _model_step(model, local, compiled), device)
+            if cuda:
+                peak = torch.tensor([row.get("ring_gib") or 0.0], device=device)
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                row["ring_gib"] = peak.item()
+            if rank == 0:
+                results.put(row)
+            del model, local
+            if cuda:
+                torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_step(row: dict, name: str, step, device) -> None:
+    """_measure for a prepared step (a model's: its parameters stay, its gradients are freed
+    at each step's start)."""
+    cuda = device.type == "cuda"
+    try:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        row[name + "_ms"] = _time(step, device)
+        row[name + "_gib"] = _peak_gib(device)
+    except torch.OutOfMemoryError:
+        row[name + "_ms"] = "OOM"
+    finally:
+        if cuda:
+            torch.cuda.empty_cache()
+
+
 GRAIN = 8192  # the fit's L resolution (a multiple of every ring's 2 R chunks)
 
 
@@ -417,6 +495,12 @@ def main(argv=None) -> int:
         "that compute kernels overlap (GPUs)",
     )
     p.add_argument(
+        "--model",
+        action="store_true",
+        help="a whole training step of bench.model's DMA stack instead of one call",
+    )
+    p.add_argument("--eager", action="store_true", help="--model without torch.compile")
+    p.add_argument(
         "--fit",
         type=float,
         default=None,
@@ -437,6 +521,10 @@ def main(argv=None) -> int:
     if torch.cuda.is_available() and torch.cuda.device_count() < args.world:
         p.error(f"--world {args.world} needs as many GPUs; {torch.cuda.device_count()} visible")
     print(header(), flush=True)
+    if args.model:
+        print("bench.model's DMA stack, " + ("eager" if args.eager else "compiled, fullgraph"))
+        print(table(_spawn(_model_worker, args.world, lengths, not args.eager), args.world))
+        return 0
     if args.docs is not None:
         print(f"packed documents of {args.docs} tokens; the ring on the contiguous layout")
     rows = run(args.world, lengths, args.kinds.split(","), args.overlap, args.docs)

@@ -104,6 +104,19 @@ def test_context_parallel_bench_with_packed_documents():
     assert "packed documents of 24 tokens" in res.stdout
 
 
+def test_context_parallel_bench_of_a_whole_model():
+    """bench.cp --model: bench.model's DMA stack on one process and parallelized on two
+    (gloo, eager, the PyTorch path), one table row."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "bench.cp", "--world", "2", "--lengths", "64", "--model",
+           "--eager"]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| model dma-w4")]
+    assert len(rows) == 1 and "OOM" not in rows[0], res.stdout
+
+
 def test_causal_work_counts_the_scores_a_key_mask_leaves():
     """bench.model's work fraction against a count of every (query, key) pair."""
     from bench.model import causal_work
