@@ -99,23 +99,9 @@ def _step(fn, tensors):
 def _measure(row: dict, name: str, fn, tensors, device) -> None:
     """row[name + "_ms"] and row[name + "_gib"]: the median forward+backward step of fn over
     tensors, and the device's peak memory from an emptied cache on ("OOM" as the time where
-    it does not fit). The step's leaves and their gradients are freed before it returns, so
-    that nothing of one measurement counts in the next one's peak."""
-    cuda = device.type == "cuda"
-    step = None
-    try:
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        step = _step(fn, tensors)
-        row[name + "_ms"] = _time(step, device)
-        row[name + "_gib"] = _peak_gib(device)
-    except torch.OutOfMemoryError:
-        row[name + "_ms"] = "OOM"
-    finally:
-        step = None  # frees the leaves and gradients before the cache is emptied
-        if cuda:
-            torch.cuda.empty_cache()
+    it does not fit). The step's leaves and their gradients are freed when it returns, before
+    the next measurement empties the cache, so nothing of one counts in the next one's peak."""
+    _measure_step(row, name, _step(fn, tensors), device)
 
 
 def _whole(q, k, v, mask, bias):
@@ -217,14 +203,29 @@ def _profile_overlap(row: dict, step, device) -> None:
     row["kernels"] = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:KERNELS_SHOWN]
 
 
-def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, doc, results):
+def _join(rank: int, world: int, rendezvous: str) -> tuple[torch.device, torch.dtype]:
+    """Join the group (NCCL, one GPU per rank, bf16; gloo and float32 on CPU): this rank's
+    device and the benchmark's dtype."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dtype = torch.bfloat16 if cuda else torch.float32
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
                             rank=rank, world_size=world)  # fmt: skip
+    return device, torch.bfloat16 if cuda else torch.float32
+
+
+def _largest_peak(row: dict, device) -> None:
+    """row["ring_gib"] as the largest of every rank's peak (GPUs; the table shows it)."""
+    if device.type == "cuda":
+        peak = torch.tensor([row.get("ring_gib") or 0.0], device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        row["ring_gib"] = peak.item()
+
+
+def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, doc, results):
+    device, dtype = _join(rank, world, rendezvous)
+    cuda = device.type == "cuda"
     from dmattn_ops import distributed as cp
 
     try:
@@ -247,11 +248,7 @@ def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, doc, resul
                 _measure(row, "ring", ring, (*part, m_part, b_part), device)
                 if cuda and profile_overlap and row["ring_ms"] != "OOM":
                     _profile_overlap(row, _step(ring, (*part, m_part, b_part)), device)
-                if cuda:
-                    # Every rank's peak: the table shows the largest.
-                    peak = torch.tensor([row.get("ring_gib") or 0.0], device=device)
-                    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-                    row["ring_gib"] = peak.item()
+                _largest_peak(row, device)
                 if rank == 0:
                     results.put(row)
                 del part, m_part, b_part
@@ -279,13 +276,8 @@ def _model_worker(rank, world, rendezvous, lengths, compiled, results):
     from dmattn_ops import distributed as cp
     from dmattn_ops.nn import DynamicMaskAttention
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
-                            rank=rank, world_size=world)  # fmt: skip
+    device, dtype = _join(rank, world, rendezvous)
+    cuda = device.type == "cuda"
     try:
         for length in lengths:
             row = dict(kind="model dma-w4", length=length)
@@ -304,10 +296,7 @@ def _model_worker(rank, world, rendezvous, lengths, compiled, results):
             local = cp.shard(x, 1)
             del x
             _measure_step(row, "ring", _model_step(model, local, compiled), device)
-            if cuda:
-                peak = torch.tensor([row.get("ring_gib") or 0.0], device=device)
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-                row["ring_gib"] = peak.item()
+            _largest_peak(row, device)
             if rank == 0:
                 results.put(row)
             del model, local
