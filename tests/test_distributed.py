@@ -664,6 +664,12 @@ def _compiled_worker(rank: int, world: int, rendezvous: str, failures) -> None:
         torch.library.opcheck(torch.ops.dmattn.ring_attention_forward.default, args)
         torch.library.opcheck(torch.ops.dmattn.cp_topk_select.default,
                               (bias.detach(), mask, 3, name, "zigzag"))  # fmt: skip
+        # A transposed bias, as the DMA layer makes it: the outputs keep the fakes' strides.
+        bias_t = torch.randn(2, 4, 2, dtype=torch.float64).transpose(1, 2).unsqueeze(2)
+        torch.library.opcheck(torch.ops.dmattn.cp_topk_select.default,
+                              (bias_t, None, 3, name, "zigzag"))  # fmt: skip
+        args = (q, k, v, mask, bias_t.requires_grad_(), sinks, None, ring)
+        torch.library.opcheck(torch.ops.dmattn.ring_attention_forward.default, args)
 
 
 def _watched(rank: int, worker, *args) -> None:

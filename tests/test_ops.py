@@ -45,6 +45,7 @@ def samples(dtype=torch.float64, requires_grad=True):
         ("mask-bias-causal", True, True, 0.0, None),
         ("softcap-seqused", True, False, 2.0, torch.tensor([19, 7], dtype=torch.int32)),
         ("row-limits-causal", "limits", True, 0.0, None),
+        ("transposed-layouts", "transposed", True, 0.0, None),
     ]:
         q, k, v = make_qkv(c, dtype=dtype, requires_grad=requires_grad)
         mask = make_mask((c.b, c.hkv, 1, c.lk)) if with_operands else None
@@ -55,6 +56,16 @@ def samples(dtype=torch.float64, requires_grad=True):
             if with_operands
             else None
         )
+        if with_operands == "transposed":
+            # Views as models make them: q/k/v (B, L, H, D) of (B, H, L, D) tensors (HF's
+            # layout), a per-key bias and mask (B, Hkv, 1, L) of (B, L, Hkv) ones (the DMA
+            # layer's). Outputs must have the strides the fake kernels say (Inductor asserts
+            # them at run time).
+            q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+            q, k, v = (t.requires_grad_(requires_grad) for t in (q, k, v))
+            bias = torch.randn(c.b, c.lk, c.hkv, dtype=dtype).transpose(1, 2).unsqueeze(2)
+            bias.requires_grad_(requires_grad)
+            mask = (torch.rand(c.b, c.lk, c.hkv) < 0.6).transpose(1, 2).unsqueeze(2)
         out.append(
             (name, (q, k, v, mask, bias), dict(is_causal=causal, softcap=softcap, seqused_k=seq))
         )
