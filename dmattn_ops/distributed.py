@@ -53,6 +53,7 @@ from dmattn_ops.core.validate import (
 )
 from dmattn_ops.executors.chunked import join_sinks, lse_split, row_delta, sinks_grad
 from dmattn_ops.masks import _allowed, rank_key
+from dmattn_ops.registration import inductor
 from dmattn_ops.registration.calls import default_scale
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -846,3 +847,8 @@ def parallelize(
         if hasattr(module, "context_parallel"):
             module.context_parallel = mode
     return model
+
+
+# A compiled graph holding these ops keeps their fake kernels' strides in Inductor's asserts:
+# its cached form must miss when the package changes, as for the attention ops.
+inductor.key_compiled_graphs_on_fingerprint()

@@ -189,19 +189,25 @@ class _Fingerprint:
         return None
 
 
-def _key_compiled_graphs_on_fingerprint() -> None:
+def key_compiled_graphs_on_fingerprint() -> None:
+    """Record the fingerprint for every dmattn op registered so far that lacks it (at `import
+    dmattn_ops`, and again where a module registers more ops: dmattn_ops.distributed). A
+    compiled graph holding an op keeps its fake kernel's output strides in Inductor's asserts,
+    so a cached graph must also miss when the package's code changes."""
     kernels = getattr(torch._library.triton, "triton_ops_to_kernels", None)
     if not isinstance(kernels, dict):  # another PyTorch: its caches key as they do
         return
     names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("dmattn::")]
     for name in names:
-        kernels.setdefault(name, []).append(_Fingerprint())
+        recorded = kernels.setdefault(name, [])
+        if not any(isinstance(k, _Fingerprint) for k in recorded):
+            recorded.append(_Fingerprint())
 
 
 def register() -> None:
     """Install the rules and record the fingerprint for Inductor's caches (once, at
     `import dmattn_ops`: neither changes a setting of PyTorch's)."""
-    _key_compiled_graphs_on_fingerprint()
+    key_compiled_graphs_on_fingerprint()
     for layout in (ops.DENSE_OPS, ops.VARLEN_OPS):
         trace_into_graphs(layout.forward, ops.forward_kernel(layout), keeps_lists=True)
         trace_into_graphs(layout.backward, ops.backward_kernel(layout), keeps_lists=True)
