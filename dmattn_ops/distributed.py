@@ -174,35 +174,36 @@ class _Ring:
         """(src, k, v, m, b) for each ring step up to `last` (last_step): the key-side blocks
         of rank src (this rank's first), the next block's transfer started before the caller
         computes on this one and finished after."""
-        travelling = [t for t in (key, value, mask, bias) if t is not None]
+        travelling = [key, value, mask, bias]
         for step in range(last + 1):
             finish = self.exchange(travelling) if step < last else None
-            k, v, *rest = travelling
-            m = rest.pop(0) if mask is not None else None
-            b = rest.pop(0) if bias is not None else None
-            yield (self.rank - step) % self.world, k, v, m, b
+            yield (self.rank - step) % self.world, *travelling
             if finish is not None:
                 travelling = finish()
 
     def exchange(self, tensors, to: int = 1):
         """Send these tensors to rank + to (the next rank) and receive those of rank - to (same
-        shapes): started now, finished by calling the returned function."""
+        shapes; a None stays None, nothing sent): started now, finished by calling the returned
+        function, which gives the incoming tensors in the same places."""
         peers = ((self.rank + to) % self.world, (self.rank - to) % self.world)
-        # Bool masks travel as bytes (not every backend sends bool).
-        outgoing = [t.contiguous().view(torch.uint8) if t.dtype == torch.bool else t.contiguous()
-                    for t in tensors]  # fmt: skip
-        incoming = [torch.empty_like(t) for t in outgoing]
-        ops = []
-        for t, buf in zip(outgoing, incoming):
-            ops.append(dist.P2POp(dist.isend, t, self._global(peers[0]), self.group))
+        ops, incoming = [], []
+        for t in tensors:
+            if t is None:
+                incoming.append(None)
+                continue
+            # Bool masks travel as bytes (not every backend sends bool).
+            out = t.contiguous()
+            out = out.view(torch.uint8) if t.dtype == torch.bool else out
+            buf = torch.empty_like(out)
+            ops.append(dist.P2POp(dist.isend, out, self._global(peers[0]), self.group))
             ops.append(dist.P2POp(dist.irecv, buf, self._global(peers[1]), self.group))
-        requests = dist.batch_isend_irecv(ops)
+            incoming.append(buf.view(torch.bool) if t.dtype == torch.bool else buf)
+        requests = dist.batch_isend_irecv(ops) if ops else []
 
         def finish():
             for request in requests:
                 request.wait()
-            return [buf.view(torch.bool) if t.dtype == torch.bool else buf
-                    for t, buf in zip(tensors, incoming)]  # fmt: skip
+            return incoming
 
         return finish
 
@@ -492,9 +493,9 @@ def _ring_backward(
     dk = torch.zeros(key.shape, dtype=acc, device=key.device)
     dv = torch.zeros(value.shape, dtype=acc, device=value.device)
     db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_dbias else None
-    # Each block's call reads its rows of grad_out as they are. The op copies an expanded slice
-    # for that call alone, as problem.dense_rows says; a copy of all the rows made here would
-    # live through the whole ring.
+    # Each block's call reads its rows of grad_out as they are. Where grad_out is expanded, the
+    # op itself copies that call's slice (Problem's dense_rows rule); a copy of all the rows
+    # made here would live through the whole ring.
     docs = None if cu_seqlens is None else cu_seqlens.tolist()
     last = ring.last_step(rows, docs)
     # The accumulators travel with the keys they belong to. The hop after step s is started
@@ -519,7 +520,7 @@ def _ring_backward(
         if arriving is not None:  # no block of this rank at this step
             dk, dv, db = arriving()
         if last > 0:
-            arriving = _send_grads(ring, (dk, dv, db), 1 if step < last else -last)
+            arriving = ring.exchange([dk, dv, db], 1 if step < last else -last)
     if arriving is not None:
         dk, dv, db = arriving()
     # With the joined out and lse, the blocks' backward is the sinks' softmax already.
@@ -543,19 +544,6 @@ def _(grad_out, query, key, value, mask, bias, sinks, cu_seqlens, out, lse, lse_
         bias.new_empty(bias.shape) if need_dbias else query.new_empty(0),
         sinks.new_empty(sinks.shape) if need_dsinks else query.new_empty(0),
     )  # fmt: skip
-
-
-def _send_grads(ring: _Ring, grads, to: int):
-    """Start the hop of the (dk, dv, dbias or None) accumulators to rank + to; the returned
-    function finishes it and gives the incoming ones."""
-    dk, dv, db = grads
-    finish = ring.exchange([dk, dv] + ([db] if db is not None else []), to)
-
-    def arrived():
-        dk, dv, *rest = finish()
-        return dk, dv, rest[0] if rest else None
-
-    return arrived
 
 
 def _ring_setup(ctx, inputs, output):
