@@ -133,9 +133,14 @@ class _Ring:
         """The op call (a _Block) for each (local query chunk of `rank`, this rank by default;
         key chunk of rank src) pair in which some query sees some key; chunks have
         rows // len(ids) rows. Pairs no query of which sees a key are skipped. docs: the global
-        cu_seqlens of packed documents."""
-        q_ids, k_ids = self.ids(self.rank if rank is None else rank), self.ids(src)
+        cu_seqlens of packed documents. Zigzag steps whose band is the whole past or everything
+        (no window, no documents) are one call instead (_zigzag_block)."""
+        rank = self.rank if rank is None else rank
+        q_ids, k_ids = self.ids(rank), self.ids(src)
         n, band = rows // len(q_ids), self.band()
+        if docs is None and len(q_ids) == 2 and band[0] == -math.inf and band[1] in (0, math.inf):
+            yield _zigzag_block(rank, src, n, causal=band[1] == 0)
+            return
         for qi, a in enumerate(q_ids):
             for ki, c in enumerate(k_ids):
                 if docs is not None:
@@ -209,6 +214,24 @@ class _Ring:
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+
+def _zigzag_block(rank: int, src: int, n: int, causal: bool) -> _Block:
+    """A zigzag step's one call where the band is the whole past (causal) or everything: the
+    rank's chunks (rank, 2R-1-rank), n rows each, against the chunks (src, 2R-1-src) of src's
+    keys. Causal, on its own keys the local rows and keys are in global order with a gap
+    (chunk rank's rows see their own chunk causally and not the later one; chunk 2R-1-rank's
+    see chunk rank whole and their own causally), so the call is causal over both chunks; an
+    earlier rank's first chunk is seen whole by both row chunks and its second by neither; a
+    later rank's chunks are both seen whole by the second row chunk only. As ring-flash-attention
+    runs zigzag: one call a step where a pair of chunks a call would take two to four."""
+    if not causal:
+        return _Block(0, 2 * n, 0, 2 * n, False)
+    if src == rank:
+        return _Block(0, 2 * n, 0, 2 * n, True)
+    if src < rank:
+        return _Block(0, 2 * n, 0, n, False)
+    return _Block(n, 2 * n, 0, 2 * n, False)
 
 
 @functools.lru_cache(maxsize=64)

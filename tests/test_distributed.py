@@ -721,6 +721,57 @@ def test_sharded_dma_model_compiles_fullgraph(tmp_path):
     _spawn_worker(_compiled_worker, 2, tmp_path)
 
 
+def _block_entries(block) -> list[tuple[int, int]]:
+    """The (row, key) entries, in the block's local indices, that its op call computes: the op's
+    band aligned bottom-right over the block's slices."""
+    nq, nk = block.q1 - block.q0, block.k1 - block.k0
+    left, right = block.window
+    got = []
+    for i in range(nq):
+        for j in range(nk):
+            d = j - i - (nk - nq)
+            if block.is_causal:
+                ok = d <= 0
+            else:
+                ok = (left < 0 or d >= -left) and (right < 0 or d <= right)
+            if ok:
+                got.append((block.q0 + i, block.k0 + j))
+    return got
+
+
+def test_ring_steps_compute_each_visible_entry_once():
+    """_Ring.pairs: the calls of each ring step (every rank, every source rank's keys, both
+    layouts, causal or not, windows) compute exactly the (row, key) entries whose global
+    positions see each other, and each of them once: zigzag's whole-band steps as one call
+    (_zigzag_block), the rest per pair of chunks. Brute force over global positions."""
+    from dmattn_ops import distributed as cp
+
+    n = 3  # rows per chunk
+    for world in (1, 2, 3, 4):
+        for layout in cp.LAYOUTS:
+            rows = n * len(cp._chunk_ids(layout, 0, world))
+            for is_causal in (True, False):
+                for window in ((-1, -1), (2, 0), (-1, 4), (5, 2), (0, -1)):
+                    ring = cp._Ring(None, world, 0, layout, 1.0, is_causal, 0.0, False, window)
+                    lo, hi = ring.band()
+                    for rank in range(world):
+                        for src in range(world):
+
+                            def pos(r, local):
+                                ids = cp._chunk_ids(layout, r, world)
+                                return ids[local // n] * n + local % n
+
+                            want = {(i, j) for i in range(rows) for j in range(rows)
+                                    if lo <= pos(src, j) - pos(rank, i) <= hi}  # fmt: skip
+                            got = [e for b in ring.pairs(src, rows, rank=rank)
+                                   for e in _block_entries(b)]  # fmt: skip
+                            what = (world, layout, is_causal, window, rank, src)
+                            assert len(got) == len(set(got)), what
+                            assert set(got) == want, what
+                            if layout == "zigzag" and window[0] < 0 and (is_causal or window[1] < 0):
+                                assert len(list(ring.pairs(src, rows, rank=rank))) == 1, what
+
+
 def test_pair_call_computes_exactly_the_visible_entries_of_a_block():
     """distributed._pair_call: nq queries at p + i, nk keys at p + offset + j, keys visible where
     key - query lies in [lo, hi]. The rows and keys it keeps, under the op's bottom-right band
