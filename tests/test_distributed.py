@@ -754,15 +754,13 @@ def test_ring_steps_compute_each_visible_entry_once():
                 for window in ((-1, -1), (2, 0), (-1, 4), (5, 2), (0, -1)):
                     ring = cp._Ring(None, world, 0, layout, 1.0, is_causal, 0.0, False, window)
                     lo, hi = ring.band()
+                    # Global position of each local row, per rank.
+                    pos = [[ids[x // n] * n + x % n for x in range(rows)]
+                           for ids in (cp._chunk_ids(layout, r, world) for r in range(world))]  # fmt: skip
                     for rank in range(world):
                         for src in range(world):
-
-                            def pos(r, local):
-                                ids = cp._chunk_ids(layout, r, world)
-                                return ids[local // n] * n + local % n
-
                             want = {(i, j) for i in range(rows) for j in range(rows)
-                                    if lo <= pos(src, j) - pos(rank, i) <= hi}  # fmt: skip
+                                    if lo <= pos[src][j] - pos[rank][i] <= hi}  # fmt: skip
                             got = [e for b in ring.pairs(src, rows, rank=rank)
                                    for e in _block_entries(b)]  # fmt: skip
                             what = (world, layout, is_causal, window, rank, src)
