@@ -128,17 +128,24 @@ class _Ring:
         return _chunk_ids(self.layout, rank, self.world)
 
     def pairs(
-        self, src: int, rows: int, docs: Sequence[int] | None = None, rank: int | None = None
+        self,
+        src: int,
+        rows: int,
+        docs: Sequence[int] | None = None,
+        rank: int | None = None,
+        *,
+        whole: bool = True,
     ):
         """The op call (a _Block) for each (local query chunk of `rank`, this rank by default;
         key chunk of rank src) pair in which some query sees some key; chunks have
         rows // len(ids) rows. Pairs no query of which sees a key are skipped. docs: the global
-        cu_seqlens of packed documents. Zigzag steps whose band is the whole past or everything
-        (no window, no documents) are one call instead (_zigzag_block)."""
+        cu_seqlens of packed documents. With `whole`, zigzag steps whose band is the whole past
+        or everything (no window, no documents) are one call instead (_zigzag_block)."""
         rank = self.rank if rank is None else rank
         q_ids, k_ids = self.ids(rank), self.ids(src)
         n, band = rows // len(q_ids), self.band()
-        if docs is None and len(q_ids) == 2 and band[0] == -math.inf and band[1] in (0, math.inf):
+        whole_band = band[0] == -math.inf and band[1] in (0, math.inf)
+        if whole and docs is None and len(q_ids) == 2 and whole_band:
             yield _zigzag_block(rank, src, n, causal=band[1] == 0)
             return
         for qi, a in enumerate(q_ids):
@@ -528,7 +535,11 @@ def _ring_backward(
     # round), and one more transfer brings them home.
     arriving = None
     for step, (src, k, v, m, bb) in enumerate(ring.visits(key, value, mask, bias, last)):
-        for block in ring.pairs(src, rows, docs):
+        # Per pair of chunks, not a zigzag step's one call: a backward call's transient memory
+        # (its gradients and the dK/dV kernel's float32 scratch, tens of times a row's size)
+        # grows with its rows, and the backward sets the ring's peak (measured: one call a
+        # step took the largest rank's peak from 0.55x to 0.68x of one GPU's at L65536).
+        for block in ring.pairs(src, rows, docs, whole=False):
             g = block.backward(grad_out, query, k, v, m, bb, out, lse, lse_rem, ring, need_dbias)
             qs, ks = block.qs, block.ks
             dq[:, qs] += g[0]

@@ -743,7 +743,8 @@ def test_ring_steps_compute_each_visible_entry_once():
     """_Ring.pairs: the calls of each ring step (every rank, every source rank's keys, both
     layouts, causal or not, windows) compute exactly the (row, key) entries whose global
     positions see each other, and each of them once: zigzag's whole-band steps as one call
-    (_zigzag_block), the rest per pair of chunks. Brute force over global positions."""
+    (_zigzag_block) or per pair of chunks (whole=False, the backward's), the rest per pair.
+    Brute force over global positions."""
     from dmattn_ops import distributed as cp
 
     n = 3  # rows per chunk
@@ -762,11 +763,12 @@ def test_ring_steps_compute_each_visible_entry_once():
                         for src in range(world):
                             want = {(i, j) for i in range(rows) for j in range(rows)
                                     if lo <= pos[src][j] - pos[rank][i] <= hi}  # fmt: skip
-                            got = [e for b in ring.pairs(src, rows, rank=rank)
-                                   for e in _block_entries(b)]  # fmt: skip
                             what = (world, layout, is_causal, window, rank, src)
-                            assert len(got) == len(set(got)), what
-                            assert set(got) == want, what
+                            for whole in (True, False):
+                                got = [e for b in ring.pairs(src, rows, rank=rank, whole=whole)
+                                       for e in _block_entries(b)]  # fmt: skip
+                                assert len(got) == len(set(got)), (*what, whole)
+                                assert set(got) == want, (*what, whole)
                             if layout == "zigzag" and whole_band:
                                 assert len(list(ring.pairs(src, rows, rank=rank))) == 1, what
 
