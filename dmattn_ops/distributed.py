@@ -4,8 +4,9 @@ Each of R ranks holds L/R rows of the sequence (queries, keys, values, and the p
 bias columns of its keys). `ring_attention` computes exactly `dmattn_ops.attention` over the
 whole sequence, returning this rank's output rows: K, V and their mask/bias columns travel around
 the ring of ranks with torch.distributed point-to-point ops (the next block's transfer overlaps
-the current block's compute), each step calls the forward op on one (query chunk, key chunk)
-pair and the partial outputs merge by their log-sum-exp. The backward runs the ring again with
+the current block's compute), each step calls the forward op on each (query chunk, key chunk)
+pair that sees anything, or once on both of a zigzag rank's chunks where the band allows it
+(`_zigzag_block`), and the partial outputs merge by their log-sum-exp. The backward runs the ring again with
 the global output and lse: dQ stays local, dK/dV/dbias accumulate while travelling with their
 K/V and reach their owner after the last hop. No rank ever holds a full-sequence tensor.
 
