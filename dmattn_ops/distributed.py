@@ -6,9 +6,10 @@ whole sequence, returning this rank's output rows: K, V and their mask/bias colu
 the ring of ranks with torch.distributed point-to-point ops (the next block's transfer overlaps
 the current block's compute), each step calls the forward op on each (query chunk, key chunk)
 pair that sees anything, or once on both of a zigzag rank's chunks where the band allows it
-(`_zigzag_block`), and the partial outputs merge by their log-sum-exp. The backward runs the ring again with
-the global output and lse: dQ stays local, dK/dV/dbias accumulate while travelling with their
-K/V and reach their owner after the last hop. No rank ever holds a full-sequence tensor.
+(`_zigzag_block`), and the partial outputs merge by their log-sum-exp. The backward runs the
+ring again with the global output and lse: dQ stays local, dK/dV/dbias accumulate while
+travelling with their K/V and reach their owner after the last hop. No rank ever holds a
+full-sequence tensor.
 
 Layouts: "zigzag" cuts the sequence into 2R chunks and gives rank r chunks r and 2R-1-r, which
 balances causal work (every rank has an early and a late chunk); "contiguous" gives rank r chunk

@@ -511,24 +511,28 @@ def test_compiled_windowed_call_with_a_partial_chunk(dispatch_on, monkeypatch, k
 # Causal windows through cuDNN's own graphs (cudnn_graphs.py, with the optional frontend).
 
 
-def test_graph_window_rules(monkeypatch):
+def test_graph_window_rules():
     """Which bands the graphs could take (window_of: shapes only; `supports` then asks cuDNN):
-    a causal window shorter than the sequence and not under MIN_KEYS, with Lq == Lk; C = left
-    + 1 keys."""
+    a causal window shorter than the sequence and not under min_keys (the kernel option
+    graph_window_min_keys, 512 by default), with Lq == Lk; C = left + 1 keys."""
     q, k, _ = _operands("meta", lq=32, lk=32)
-    assert cudnn_graphs.window_of(q, k, Band.of(True, (7, 0))) is None  # under MIN_KEYS
-    monkeypatch.setattr(cudnn_graphs, "MIN_KEYS", 1)
-    assert cudnn_graphs.window_of(q, k, Band.of(True, (7, 0))) == 8
-    assert cudnn_graphs.window_of(q, k, Band.of(True, (7, -1))) == 8  # causal caps the right
-    assert cudnn_graphs.window_of(q, k, Band.of(False, (7, 0))) == 8
-    assert cudnn_graphs.window_of(q, k, Band.of(True, (0, 0))) == 1  # only the query's own key
-    assert cudnn_graphs.window_of(q, k, Band.of(True, (31, 0))) is None  # the whole sequence
-    assert cudnn_graphs.window_of(q, k, Band.of(False, (7, 2))) is None  # keys right of it
-    assert cudnn_graphs.window_of(q, k, Band.of(True, (-1, 0))) is None  # no window
-    assert cudnn_graphs.window_of(q, k, Band.of(False, (-1, 0))) is None  # no lower bound
+
+    def window_of(query, band, min_keys=1):
+        return cudnn_graphs.window_of(query, k, band, min_keys)
+
+    assert cudnn_graphs.window_of(q, k, Band.of(True, (7, 0))) is None  # under the default
+    assert window_of(q, Band.of(True, (7, 0)), min_keys=9) is None  # under min_keys
+    assert window_of(q, Band.of(True, (7, 0)), min_keys=8) == 8
+    assert window_of(q, Band.of(True, (7, -1))) == 8  # causal caps the right
+    assert window_of(q, Band.of(False, (7, 0))) == 8
+    assert window_of(q, Band.of(True, (0, 0))) == 1  # only the query's own key
+    assert window_of(q, Band.of(True, (31, 0))) is None  # the whole sequence
+    assert window_of(q, Band.of(False, (7, 2))) is None  # keys right of it
+    assert window_of(q, Band.of(True, (-1, 0))) is None  # no window
+    assert window_of(q, Band.of(False, (-1, 0))) is None  # no lower bound
     q16, _, _ = _operands("meta", lq=16, lk=32)
-    assert cudnn_graphs.window_of(q16, k, Band.of(True, (7, 0))) is None  # Lq != Lk
-    assert not cudnn_graphs.supports(q, k, k, Band.of(True, (7, 0)))  # not CUDA
+    assert window_of(q16, Band.of(True, (7, 0))) is None  # Lq != Lk
+    assert not cudnn_graphs.supports(q, k, k, Band.of(True, (7, 0)), min_keys=1)  # not CUDA
 
 
 def test_graph_windows_can_be_switched_off(monkeypatch):
@@ -543,14 +547,40 @@ def test_graph_support_is_checked_per_pass(monkeypatch):
     monkeypatch.setattr(cudnn_graphs, "_module", lambda: object())
     monkeypatch.setattr(cudnn_graphs, "_usable", lambda query: True)
     monkeypatch.setattr(cudnn_graphs, "_build", lambda kind, *args: built.append(kind) or kind)
-    monkeypatch.setattr(cudnn_graphs, "MIN_KEYS", 1)
     monkeypatch.setattr(cudnn_graphs._local, "graphs", {}, raising=False)
     cudnn_graphs._builds.cache_clear()
     q, k, _ = _operands("meta", lq=32, lk=32)
     band = Band.of(True, (7, 0))
-    assert cudnn_graphs.supports(q, k, k, band) and built == ["fwd"]
-    assert cudnn_graphs.supports(q, k, k, band) and built == ["fwd"]
-    assert cudnn_graphs.supports(q, k, k, band, backward=True) and built == ["fwd", "bwd"]
+    assert cudnn_graphs.supports(q, k, k, band, min_keys=1) and built == ["fwd"]
+    assert cudnn_graphs.supports(q, k, k, band, min_keys=1) and built == ["fwd"]
+    assert cudnn_graphs.supports(q, k, k, band, True, 1) and built == ["fwd", "bwd"]
+    cudnn_graphs._builds.cache_clear()
+
+
+def test_graph_window_min_keys_decides_which_windows_take_the_graphs(monkeypatch, kernel_options):
+    """The kernel option graph_window_min_keys (default 512) is the shortest window the plan
+    puts on cuDNN's graphs, for both passes; shorter ones take the other routes. (cuDNN
+    faked: every graph builds.)"""
+    from dmattn_ops.core.problem import Options, Problem
+    from dmattn_ops.dispatch import plan
+
+    monkeypatch.setattr(cudnn_graphs, "_module", lambda: object())
+    monkeypatch.setattr(cudnn_graphs, "_usable", lambda query: True)
+    monkeypatch.setattr(cudnn_graphs, "_build", lambda kind, *args: kind)
+    monkeypatch.setattr(cudnn_graphs._local, "graphs", {}, raising=False)
+    monkeypatch.setattr(sdpa, "choose", lambda *args: ("cudnn", []))
+    cudnn_graphs._builds.cache_clear()
+    q, k, _ = _operands("meta", lq=32, lk=32)
+    opts = Options(0.25, True, window=(7, 0))
+    assert plan.plan(Problem(q, k, k), opts).fused != sdpa.GRAPHS  # 8 keys < 512
+    kernel_options(graph_window_min_keys=9)
+    assert plan.plan(Problem(q, k, k), opts).fused != sdpa.GRAPHS
+    kernel_options(graph_window_min_keys=8)
+    for direction in (plan.FORWARD, plan.BACKWARD):
+        p = plan.plan(Problem(q, k, k), opts, direction)
+        assert (p.route, p.fused) == (plan.SDPA, sdpa.GRAPHS), direction
+    with pytest.raises(ValueError, match="graph_window_min_keys"):
+        dmattn_ops.kernel_options(graph_window_min_keys=0).__enter__()
     cudnn_graphs._builds.cache_clear()
 
 
@@ -569,14 +599,14 @@ def test_a_graph_cudnn_declines_leaves_the_window_to_the_other_routes(monkeypatc
     monkeypatch.setattr(cudnn_graphs, "_module", lambda: object())
     monkeypatch.setattr(cudnn_graphs, "_usable", lambda query: True)
     monkeypatch.setattr(cudnn_graphs, "_build", declined)
-    monkeypatch.setattr(cudnn_graphs, "MIN_KEYS", 1)
     monkeypatch.setattr(cudnn_graphs._local, "graphs", {}, raising=False)
     monkeypatch.setattr(sdpa, "choose", lambda *args: ("cudnn", []))
     cudnn_graphs._builds.cache_clear()
+    kernel_options(graph_window_min_keys=1)
     q, k, _ = _operands("meta", lq=32, lk=32)
     band = Band.of(True, (7, 0))
-    assert not cudnn_graphs.supports(q, k, k, band)
-    assert not cudnn_graphs.supports(q, k, k, band)
+    assert not cudnn_graphs.supports(q, k, k, band, min_keys=1)
+    assert not cudnn_graphs.supports(q, k, k, band, min_keys=1)
     assert tries == ["fwd"]
     opts = Options(0.25, True, window=(7, 0))
     p = plan.plan(Problem(q, k, k), opts)
@@ -594,13 +624,13 @@ needs_graphs = pytest.mark.skipif(
 
 
 @pytest.fixture
-def graphs_on(monkeypatch):
-    """DMATTN_DENSE_SDPA=1 and DMATTN_CUDNN_GRAPHS=1, windows of any width (MIN_KEYS = 1);
-    returns the calls of cudnn_graphs' forward and backward (the window's C each) and of sdpa's
-    chunked calls."""
+def graphs_on(monkeypatch, kernel_options):
+    """DMATTN_DENSE_SDPA=1 and DMATTN_CUDNN_GRAPHS=1, windows of any width on the graphs
+    (kernel option graph_window_min_keys=1); returns the calls of cudnn_graphs' forward and
+    backward (the window's C each) and of sdpa's chunked calls."""
     monkeypatch.setenv("DMATTN_DENSE_SDPA", "1")
     monkeypatch.setenv("DMATTN_CUDNN_GRAPHS", "1")
-    monkeypatch.setattr(cudnn_graphs, "MIN_KEYS", 1)
+    kernel_options(graph_window_min_keys=1)
     calls = {"forward": [], "backward": [], "chunks": []}
     for name in ("forward", "backward"):
         real = getattr(cudnn_graphs, name)

@@ -38,6 +38,13 @@ CONFIG_KINDS = ("fwd", "dq", "dkdv", "decode")
 # (executors/sdpa.py window_chunk).
 WINDOW_MIN_KEYS = 2048
 
+# Narrower windows stay off cuDNN's own window graphs: their kernels are short, and a graph's run
+# costs more host time than our launch (H100, op fwd+bwd ms, graphs / ours: B1 L16384 H32/8 D128
+# window 128 1.354 / 1.305, 512 1.691 / 1.982; GPT-OSS's B1 L8192 H64/8 D64 window 128,
+# compiled, 1.10 / 0.69-0.86). Kernel option graph_window_min_keys replaces it
+# (executors/cudnn_graphs.py window_of).
+GRAPH_WINDOW_MIN_KEYS = 512
+
 
 class KernelOptions(TypedDict, total=False):
     """Options of one call's kernels (all optional; absent means the library's choice).
@@ -58,6 +65,8 @@ class KernelOptions(TypedDict, total=False):
         together: True wherever the shapes allow, False never (default: from Lq).
     window_min_keys: causal windows of at least this many keys run as chunked fused calls
         (default 2048).
+    graph_window_min_keys: causal windows of at least this many keys may run on cuDNN's own
+        window graphs (default 512).
     dkdv_split: programs sharing a KV group's query heads in the dk/dv kernel, a divisor of G.
     fwd_config, dq_config, dkdv_config, decode_config: (block_m, block_n, num_warps,
         num_stages) for that kernel instead of the table's (decode's block_m is ignored).
@@ -70,6 +79,7 @@ class KernelOptions(TypedDict, total=False):
     pack_keys: bool
     pack_heads: bool
     window_min_keys: int
+    graph_window_min_keys: int
     dkdv_split: int
     fwd_config: tuple[int, int, int, int]
     dq_config: tuple[int, int, int, int]
@@ -78,7 +88,7 @@ class KernelOptions(TypedDict, total=False):
 
 
 _BOOLS = ("fused_sdpa", "cudnn_graphs", "hopper", "pack_keys", "pack_heads")
-_INTS = ("window_min_keys", "dkdv_split")
+_INTS = ("window_min_keys", "graph_window_min_keys", "dkdv_split")
 _CONFIGS = tuple(f"{kind}_config" for kind in CONFIG_KINDS)
 _KEYS = ("route", *_BOOLS, *_INTS, *_CONFIGS)
 
@@ -94,6 +104,7 @@ class Tuning:
     pack_keys: bool = True
     pack_heads: bool | None = None
     window_min_keys: int = WINDOW_MIN_KEYS
+    graph_window_min_keys: int = GRAPH_WINDOW_MIN_KEYS
     dkdv_split: int | None = None
     fwd_config: Config | None = None
     dq_config: Config | None = None

@@ -215,14 +215,18 @@ def _sdpa(problem: Problem, opts: Options, tuning, p: _Pass):
     query, key, value = problem.query, problem.key, problem.value
     band = opts.band
     graphs, chunk, found = sdpa.window_route(
-        query, key, value, band, tuning.window_min_keys, tuning.cudnn_graphs
-    )
+        query, key, value, band, tuning.window_min_keys, tuning.cudnn_graphs,
+        tuning.graph_window_min_keys,
+    )  # fmt: skip
     if found:
         return None, None, 0, found
     which, found = sdpa.choose(problem, opts, tuning.fused_sdpa)
     if which is None or not band.has_window:
         return which, None, 0, found
-    if graphs and sdpa.graphs_take(query, key, value, band, which, p.direction == BACKWARD):
+    backward = p.direction == BACKWARD
+    if graphs and sdpa.graphs_take(
+        query, key, value, band, which, backward, tuning.graph_window_min_keys
+    ):
         return sdpa.GRAPHS, None, 0, []
     if chunk is None:
         return None, None, 0, ["cuDNN's graphs do not build this window"]

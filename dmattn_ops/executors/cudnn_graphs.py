@@ -6,7 +6,8 @@ itself included), its forward and backward kernels skip the tiles outside the ba
 same rate as a causal call. So where the optional `nvidia-cudnn-frontend` package is installed
 (`pip install "dmattn-ops[cudnn]"`), a causal window call that SDPA would run on cuDNN is one
 forward and one backward graph: no chunks, copies or merge (sdpa.py's chunked calls), for any
-length and windows of MIN_KEYS keys or more. H100, B1 H32/8 D128 bf16, fwd+bwd ms, graphs
+length and windows of at least the kernel option graph_window_min_keys keys (512 by default:
+core/options.py GRAPH_WINDOW_MIN_KEYS). H100, B1 H32/8 D128 bf16, fwd+bwd ms, graphs
 against chunked calls: L32768 window 4096 14.21 against 16.39 (0.262x of
 the full causal call against 0.302x), L16384 window 2048 4.01 against 5.24.
 
@@ -29,17 +30,12 @@ import threading
 import torch
 
 from dmattn_ops.core.band import UNBOUNDED, Band
+from dmattn_ops.core.options import GRAPH_WINDOW_MIN_KEYS
 from dmattn_ops.core.switches import switch
 
 # A cuDNN 9 backend; whether it takes a window's graph is asked per shape (`supports`), so an
 # older 9.x that lacks one falls back. Measured on 9.19 (PyTorch 2.11's CUDA 13 wheels).
 MIN_BACKEND = 90000
-
-# Narrower windows stay on our kernels: their kernels are short, and a graph's run costs more
-# host time than our launch (H100, op fwd+bwd ms, graphs / ours: B1 L16384 H32/8 D128 window
-# 128 1.354 / 1.305, 512 1.691 / 1.982; GPT-OSS's B1 L8192 H64/8 D64 window 128, compiled,
-# 1.10 / 0.69-0.86).
-MIN_KEYS = 512
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _local = threading.local()
@@ -69,28 +65,31 @@ def enabled() -> bool:
     return switch("DMATTN_CUDNN_GRAPHS", True) and _module() is not None
 
 
-def window_of(query, key, band: Band) -> int | None:
+def window_of(query, key, band: Band, min_keys: int = GRAPH_WINDOW_MIN_KEYS) -> int | None:
     """cuDNN's left bound (C = left + 1 keys) for a causal window these graphs could take: a band
     with a bounded left side and causality as its right (right = 0), Lq == Lk (the alignment of
-    both corners), a window of MIN_KEYS keys or more and shorter than the sequence (longer
-    ones are plain causal calls, sdpa.py); None otherwise. Whether cuDNN takes it is `supports`."""
+    both corners), a window of min_keys keys or more (the kernel option graph_window_min_keys)
+    and shorter than the sequence (longer ones are plain causal calls, sdpa.py); None
+    otherwise. Whether cuDNN takes it is `supports`."""
     if not band.has_window or band.right != 0 or band.left == UNBOUNDED:
         return None
     length = query.shape[1]
     c = band.left + 1
-    if key.shape[1] != length or c >= length or c < MIN_KEYS:
+    if key.shape[1] != length or c >= length or c < min_keys:
         return None
     return c
 
 
-def supports(query, key, value, band: Band, backward: bool = False) -> bool:
+def supports(
+    query, key, value, band: Band, backward: bool = False, min_keys: int = GRAPH_WINDOW_MIN_KEYS
+) -> bool:
     """Whether this pass of the call (the forward, or with `backward` the backward) runs here:
     window_of, CUDA fp16/bf16, a usable frontend (the plan asks the kernel option cudnn_graphs,
     DMATTN_CUDNN_GRAPHS, first), and cuDNN builds the pass's graph for these shapes
     (checked once per shape and pass, so inference builds no backward graph; the check's
     graph, built at the default scale, stays cached for calls that use it). Each pass decides
     alone: either backward is exact from the forward's out and lse."""
-    c = window_of(query, key, band)
+    c = window_of(query, key, band, min_keys)
     if c is None or not _usable(query) or _module() is None:
         return False
     b, length, h, d = query.shape

@@ -179,13 +179,14 @@ def window_chunk(query, key, band: Band, min_keys: int = WINDOW_MIN_KEYS) -> int
 
 
 def window_route(
-    query, key, value, band: Band, min_keys: int, graphs: bool
+    query, key, value, band: Band, min_keys: int, graphs: bool, graph_min_keys: int
 ) -> tuple[bool, int | None, list[str]]:
     """How a windowed dense call could run here, by its shape alone: (on cuDNN's graphs
-    possible, chunk C or None, reasons if neither). graphs: the kernel option cudnn_graphs."""
+    possible, chunk C or None, reasons if neither). graphs, min_keys, graph_min_keys: the
+    kernel options cudnn_graphs, window_min_keys and graph_window_min_keys."""
     if not band.has_window:
         return False, None, []
-    on_graphs = graphs and cudnn_graphs.window_of(query, key, band) is not None
+    on_graphs = graphs and cudnn_graphs.window_of(query, key, band, graph_min_keys) is not None
     chunk = window_chunk(query, key, band, min_keys)
     if on_graphs or chunk is not None:
         return on_graphs, chunk, []
@@ -195,15 +196,16 @@ def window_route(
         [
             f"window {band.left, band.right} over Lq {query.shape[1]}, Lk {key.shape[1]}: the "
             f"fused kernels take causal windows of Lq == Lk with at least {min_keys} keys (or "
-            f"{cudnn_graphs.MIN_KEYS} on cuDNN's graphs)"
+            f"{graph_min_keys} on cuDNN's graphs)"
         ],
     )
 
 
-def graphs_take(query, key, value, band: Band, which, backward: bool) -> bool:
+def graphs_take(query, key, value, band: Band, which, backward: bool, min_keys: int) -> bool:
     """Whether this pass of a windowed call on `which` runs on cuDNN's own graphs
-    (cudnn_graphs.supports, asked per pass)."""
-    return which == CUDNN and cudnn_graphs.supports(query, key, value, band, backward)
+    (cudnn_graphs.supports, asked per pass; min_keys: the kernel option
+    graph_window_min_keys)."""
+    return which == CUDNN and cudnn_graphs.supports(query, key, value, band, backward, min_keys)
 
 
 def forward(query, key, value, scale, band: Band, which, chunk=None):
