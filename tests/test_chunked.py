@@ -21,14 +21,13 @@ from helpers import (
 
 import dmattn_ops
 from dmattn_ops.core.problem import Options, Problem
-from dmattn_ops.dispatch import plan
 from dmattn_ops.executors import chunked
 
 
 @pytest.fixture(autouse=True)
-def chunked_only(monkeypatch):
-    """This file tests the PyTorch implementation: keep the Triton kernels out of the way."""
-    monkeypatch.setattr(plan, "use_triton", lambda query: False)
+def chunked_only(kernel_options):
+    """This file tests the PyTorch implementation: every call planned in it takes that route."""
+    kernel_options(route="pytorch")
 
 
 SHAPES = [

@@ -13,7 +13,7 @@ from helpers import DEVICE, DTYPES, assert_close, float64_grad_bound, low_precis
 
 import dmattn_ops
 from dmattn_ops import reference
-from dmattn_ops.dispatch import launch, plan
+from dmattn_ops.dispatch import launch
 
 TRITON_OK = DEVICE == "cuda" or launch.interpreter_on()
 needs_triton = pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -145,9 +145,9 @@ def test_dtypes_softcap_gqa(dtype):
 
 
 @pytest.mark.parametrize("mix", ["mixed", "no-keys"])
-def test_cpu_pytorch_path(monkeypatch, mix):
+def test_cpu_pytorch_path(kernel_options, mix):
     """The chunked PyTorch kernels (the CPU path without the interpreter), float64."""
-    monkeypatch.setattr(plan, "use_triton", lambda query: False)
+    kernel_options(route="pytorch")
     p = Packed(*MIXES[mix], dtype=torch.float64, device="cpu")
     mask, bias = p.operand("H"), p.operand("G", torch.float64)
     check_against_oracle(p, mask, bias, torch.float64, backend="auto", is_causal=True)
