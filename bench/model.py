@@ -424,35 +424,42 @@ def run_host(kinds, log, calls=20) -> list[dict]:
     return rows
 
 
-def _cprofile(fn, calls: int, top: int) -> str:
-    """cProfile of `calls` calls of fn (then a synchronize): the `top` functions by own time."""
+def _cprofile(fn, calls: int, top: int, orders=("tottime",)) -> str:
+    """cProfile of `calls` calls of fn, queued behind a sleep kernel so that no call waits for
+    the GPU (then a synchronize): the `top` functions in each of `orders` (pstats' sort keys:
+    "tottime" own time, "cumulative" with callees)."""
     import cProfile
     import io
     import pstats
 
     profile = cProfile.Profile()
+    torch.cuda._sleep(_sleep_cycles(SLEEP_MS))
     profile.enable()
     for _ in range(calls):
         fn()
     profile.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    for order in orders:
+        text.write(f"-- by {order}\n")
+        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(top)
     return "\n".join(line for line in text.getvalue().splitlines() if line.strip())
 
 
-def host_profile(kinds, log, calls=20, top=25) -> None:
-    """cProfile of `calls` forward+backward calls per kind, the `top` functions by own time:
-    where the host time of a call goes (Triton's launch path, autograd, the launchers)."""
+def host_profile(kinds, log, calls=20, top=30) -> None:
+    """cProfile of `calls` forward+backward calls per kind, the `top` functions by own time and
+    by cumulative time: where the host time of a call goes (the autograd engine, Triton's
+    launch path, the launchers). The profiler inflates each Python call several times: read
+    shares, and host_ms for the time."""
 
     for kind in kinds:
         fwdbwd = host_calls(kind)[1]
         for _ in range(3):
             fwdbwd()
         torch.cuda.synchronize()
-        text = _cprofile(fwdbwd, calls, top)
-        log(f"== {kind} fwd+bwd, {calls} calls, by own time")
-        log(text[:6000])
+        text = _cprofile(fwdbwd, calls, top, ("tottime", "cumulative"))
+        log(f"== {kind} fwd+bwd, {calls} calls")
+        log(text[:12000])
 
 
 def host_table(rows) -> str:
