@@ -31,7 +31,14 @@ from dmattn_ops.executors import _triton
 from dmattn_ops.executors._triton import LazyKernel
 from dmattn_ops.registration import inductor
 
-topk_mask_kernel = LazyKernel("topk_mask", "topk_mask_kernel")
+
+def _topk_mask_module():
+    from dmattn_ops.kernels import topk_mask
+
+    return topk_mask
+
+
+topk_mask_kernel = LazyKernel(_topk_mask_module, "topk_mask_kernel")
 
 
 def _allowed(bias: torch.Tensor, mask: torch.Tensor | None, fn: str) -> torch.Tensor | None:

@@ -27,7 +27,12 @@ def test_a_misnamed_kernel_names_itself(monkeypatch):
     missing attribute, raised inside a property, used to recurse through __getattr__)."""
     from dmattn_ops.executors._triton import LazyKernel
 
-    kernel = LazyKernel("attention_bwd_dq", "no_such_kernel")
+    def load():
+        from dmattn_ops.kernels import attention_bwd_dq
+
+        return attention_bwd_dq
+
+    kernel = LazyKernel(load, "no_such_kernel")
     with pytest.raises(LookupError, match="no_such_kernel"):
         kernel[(1,)]
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the launch cache's path (GPU launches)

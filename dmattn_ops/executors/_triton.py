@@ -1,9 +1,10 @@
 """Triton, imported on first use.
 
-`import dmattn_ops` does not import Triton: where it does not install (macOS, Windows) the
-PyTorch paths (the chunked implementation, "flex", "reference") work without it. The kernels
-of dmattn_ops.kernels are reached through LazyKernel, which imports them (and Triton) at their
-first launch.
+`import dmattn_ops` needs no Triton: where it does not install (macOS, Windows) the PyTorch
+paths (the chunked implementation, "flex", "reference") work without it. The kernels of
+dmattn_ops.kernels are reached through LazyKernel, whose loader (a function importing the
+kernel's module by name in its body) runs at the first launch. (Where Triton is installed,
+PyTorch's own compile stack, which the package imports, imports it.)
 
 Eager launches skip most of Triton's launch path (LaunchCache): `JITFunction.run` binds and
 specialises every argument on every launch (42-88 us for our 75-87-argument
@@ -16,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import importlib.util
 import operator
 import os
 import threading
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -202,15 +204,20 @@ def tracing_on() -> bool:
 class LazyKernel:
     """A kernel of dmattn_ops.kernels, imported at its first use: `kernel[grid](...)` and
     attribute access behave as on the @triton.jit function itself (inside `tracing()`, as on
-    its torch.library.wrap_triton wrapper). Eager launches go through a LaunchCache."""
+    its torch.library.wrap_triton wrapper). Eager launches go through a LaunchCache.
 
-    def __init__(self, module: str, name: str):
-        self._module, self._name = module, name
+    `load` returns the kernel's module: a function whose body imports it (`from
+    dmattn_ops.kernels import attention_fwd`), so that the import, which imports Triton, runs
+    at the first launch and not at `import dmattn_ops`, while the code still names the module
+    it launches from."""
+
+    def __init__(self, load: Callable[[], ModuleType], name: str):
+        self._load, self._name = load, name
         self.launches = LaunchCache()
 
     @functools.cached_property
     def fn(self):
-        module = importlib.import_module(f"dmattn_ops.kernels.{self._module}")
+        module = self._load()
         try:
             return getattr(module, self._name)
         except AttributeError:
@@ -235,4 +242,4 @@ class LazyKernel:
         return getattr(self.fn, attr)
 
     def __repr__(self) -> str:
-        return f"LazyKernel(dmattn_ops.kernels.{self._module}.{self._name})"
+        return f"LazyKernel({self._name}, loaded by {self._load.__qualname__})"

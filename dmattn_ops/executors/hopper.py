@@ -55,8 +55,14 @@ def enabled() -> bool:
 
 # Eager launches go through LazyKernel's launch cache, which skips Triton's binder (~100 us a
 # launch for these kernels' descriptors and ~30 arguments).
-_FORWARD_KERNEL = LazyKernel("hopper", "hopper_fwd_kernel")
-_DKDV_KERNEL = LazyKernel("hopper", "hopper_dkdv_kernel")
+def _kernels():
+    from dmattn_ops.kernels import hopper
+
+    return hopper
+
+
+_FORWARD_KERNEL = LazyKernel(_kernels, "hopper_fwd_kernel")
+_DKDV_KERNEL = LazyKernel(_kernels, "hopper_dkdv_kernel")
 
 _GLUON: list[bool] = []  # found or not, once asked (a plain global: see _triton._FOUND)
 

@@ -57,8 +57,15 @@ from dmattn_ops.executors import cudnn_graphs
 from dmattn_ops.executors._alloc import empty
 from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
-reverse_rows_kernel = LazyKernel("window_chunks", "reverse_rows_kernel")
-window_merge_kernel = LazyKernel("window_chunks", "window_merge_kernel")
+
+def _window_chunks():
+    from dmattn_ops.kernels import window_chunks
+
+    return window_chunks
+
+
+reverse_rows_kernel = LazyKernel(_window_chunks, "reverse_rows_kernel")
+window_merge_kernel = LazyKernel(_window_chunks, "window_merge_kernel")
 
 DTYPES = (torch.float16, torch.bfloat16)
 FLASH, CUDNN = "flash", "cudnn"

@@ -17,11 +17,24 @@ from dmattn_ops.core.operands import batch_strides, head_div, operand_strides
 from dmattn_ops.executors._alloc import empty
 from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
-key_lists_kernel = LazyKernel("key_lists", "key_lists_kernel")
-varlen_key_lists_kernel = LazyKernel("key_lists", "varlen_key_lists_kernel")
-mask_block_any_kernel = LazyKernel("block_mask", "mask_block_any_kernel")
-tile_cols_kernel = LazyKernel("block_mask", "tile_cols_kernel")
-tile_rows_kernel = LazyKernel("block_mask", "tile_rows_kernel")
+
+def _key_lists():
+    from dmattn_ops.kernels import key_lists
+
+    return key_lists
+
+
+def _block_mask():
+    from dmattn_ops.kernels import block_mask
+
+    return block_mask
+
+
+key_lists_kernel = LazyKernel(_key_lists, "key_lists_kernel")
+varlen_key_lists_kernel = LazyKernel(_key_lists, "varlen_key_lists_kernel")
+mask_block_any_kernel = LazyKernel(_block_mask, "mask_block_any_kernel")
+tile_cols_kernel = LazyKernel(_block_mask, "tile_cols_kernel")
+tile_rows_kernel = LazyKernel(_block_mask, "tile_rows_kernel")
 
 
 @dataclass
