@@ -32,13 +32,14 @@ from dmattn_ops.executors._triton import LazyKernel
 from dmattn_ops.registration import inductor
 
 
-def _topk_mask_module():
+def _kernels() -> tuple:
+    """The top-k selection kernel's module, imported (with Triton) at its first launch."""
     from dmattn_ops.kernels import topk_mask
 
-    return topk_mask
+    return (topk_mask,)
 
 
-topk_mask_kernel = LazyKernel(_topk_mask_module, "topk_mask_kernel")
+topk_mask_kernel = LazyKernel(_kernels, "topk_mask_kernel")
 
 
 def _allowed(bias: torch.Tensor, mask: torch.Tensor | None, fn: str) -> torch.Tensor | None:

@@ -30,7 +30,7 @@ def test_a_misnamed_kernel_names_itself(monkeypatch):
     def load():
         from dmattn_ops.kernels import attention_bwd_dq
 
-        return attention_bwd_dq
+        return (attention_bwd_dq,)
 
     kernel = LazyKernel(load, "no_such_kernel")
     with pytest.raises(LookupError, match="no_such_kernel"):

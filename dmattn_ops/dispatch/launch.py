@@ -55,55 +55,33 @@ from dmattn_ops.executors.tiles import (
     build_varlen_key_lists,
 )
 
-# The kernels' modules, each imported (with Triton) at its first launch (_triton.LazyKernel).
+
+def _kernels() -> tuple:
+    """The attention kernels' modules, imported (with Triton) at the first launch
+    (_triton.LazyKernel)."""
+    from dmattn_ops.kernels import (
+        attention_bwd_dbias,
+        attention_bwd_dkdv,
+        attention_bwd_dq,
+        attention_bwd_stats,
+        attention_decode,
+        attention_fwd,
+    )
+
+    return (attention_fwd, attention_bwd_stats, attention_bwd_dbias, attention_bwd_dkdv,
+            attention_bwd_dq, attention_decode)  # fmt: skip
 
 
-def _fwd():
-    from dmattn_ops.kernels import attention_fwd
-
-    return attention_fwd
-
-
-def _bwd_stats():
-    from dmattn_ops.kernels import attention_bwd_stats
-
-    return attention_bwd_stats
-
-
-def _bwd_dbias():
-    from dmattn_ops.kernels import attention_bwd_dbias
-
-    return attention_bwd_dbias
-
-
-def _bwd_dkdv():
-    from dmattn_ops.kernels import attention_bwd_dkdv
-
-    return attention_bwd_dkdv
-
-
-def _bwd_dq():
-    from dmattn_ops.kernels import attention_bwd_dq
-
-    return attention_bwd_dq
-
-
-def _decode():
-    from dmattn_ops.kernels import attention_decode
-
-    return attention_decode
-
-
-attention_fwd_kernel = LazyKernel(_fwd, "attention_fwd_kernel")
-sinks_join_kernel = LazyKernel(_fwd, "sinks_join_kernel")
-attention_row_stats_kernel = LazyKernel(_bwd_stats, "attention_row_stats_kernel")
-attention_bwd_dbias_kernel = LazyKernel(_bwd_dbias, "attention_bwd_dbias_kernel")
-attention_bwd_sinks_kernel = LazyKernel(_bwd_stats, "attention_bwd_sinks_kernel")
-attention_bwd_dkdv_kernel = LazyKernel(_bwd_dkdv, "attention_bwd_dkdv_kernel")
-attention_bwd_dkdv_reduce_kernel = LazyKernel(_bwd_dkdv, "attention_bwd_dkdv_reduce_kernel")
-attention_bwd_dq_kernel = LazyKernel(_bwd_dq, "attention_bwd_dq_kernel")
-attention_decode_kernel = LazyKernel(_decode, "attention_decode_kernel")
-decode_combine_kernel = LazyKernel(_decode, "decode_combine_kernel")
+attention_fwd_kernel = LazyKernel(_kernels, "attention_fwd_kernel")
+sinks_join_kernel = LazyKernel(_kernels, "sinks_join_kernel")
+attention_row_stats_kernel = LazyKernel(_kernels, "attention_row_stats_kernel")
+attention_bwd_dbias_kernel = LazyKernel(_kernels, "attention_bwd_dbias_kernel")
+attention_bwd_sinks_kernel = LazyKernel(_kernels, "attention_bwd_sinks_kernel")
+attention_bwd_dkdv_kernel = LazyKernel(_kernels, "attention_bwd_dkdv_kernel")
+attention_bwd_dkdv_reduce_kernel = LazyKernel(_kernels, "attention_bwd_dkdv_reduce_kernel")
+attention_bwd_dq_kernel = LazyKernel(_kernels, "attention_bwd_dq_kernel")
+attention_decode_kernel = LazyKernel(_kernels, "attention_decode_kernel")
+decode_combine_kernel = LazyKernel(_kernels, "decode_combine_kernel")
 
 
 def _seen_buffer(mask, lk: int) -> torch.Tensor:

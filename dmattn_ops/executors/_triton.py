@@ -206,24 +206,26 @@ class LazyKernel:
     attribute access behave as on the @triton.jit function itself (inside `tracing()`, as on
     its torch.library.wrap_triton wrapper). Eager launches go through a LaunchCache.
 
-    `load` returns the kernel's module: a function whose body imports it (`from
-    dmattn_ops.kernels import attention_fwd`), so that the import, which imports Triton, runs
-    at the first launch and not at `import dmattn_ops`, while the code still names the module
-    it launches from."""
+    `load` is the launching module's function that imports the kernel modules it launches
+    from (`from dmattn_ops.kernels import attention_fwd`) in its body and returns them: the
+    imports, which import Triton, run at the first launch and not at `import dmattn_ops`,
+    while the code still names the modules. The kernel is the one of those modules that
+    defines `name`."""
 
-    def __init__(self, load: Callable[[], ModuleType], name: str):
+    def __init__(self, load: Callable[[], tuple[ModuleType, ...]], name: str):
         self._load, self._name = load, name
         self.launches = LaunchCache()
 
     @functools.cached_property
     def fn(self):
-        module = self._load()
-        try:
-            return getattr(module, self._name)
-        except AttributeError:
-            # Not an AttributeError: from a property, Python would retry through __getattr__,
-            # which asks for fn again (a RecursionError instead of this message).
-            raise LookupError(f"{module.__file__} defines no kernel {self._name!r}") from None
+        modules = self._load()
+        for module in modules:
+            if hasattr(module, self._name):
+                return getattr(module, self._name)
+        # Not an AttributeError: from a property, Python would retry through __getattr__,
+        # which asks for fn again (a RecursionError instead of this message).
+        names = ", ".join(m.__name__ for m in modules)
+        raise LookupError(f"no kernel {self._name!r} in {names}")
 
     def __getitem__(self, grid):
         fn = self.fn  # imported here: a missing kernel is named at `kernel[grid]`
@@ -242,4 +244,4 @@ class LazyKernel:
         return getattr(self.fn, attr)
 
     def __repr__(self) -> str:
-        return f"LazyKernel({self._name}, loaded by {self._load.__qualname__})"
+        return f"LazyKernel({self._name}, from {self._load.__module__}.{self._load.__qualname__})"

@@ -55,10 +55,11 @@ def enabled() -> bool:
 
 # Eager launches go through LazyKernel's launch cache, which skips Triton's binder (~100 us a
 # launch for these kernels' descriptors and ~30 arguments).
-def _kernels():
+def _kernels() -> tuple:
+    """The Gluon kernels' module, imported (with Triton) at the first launch."""
     from dmattn_ops.kernels import hopper
 
-    return hopper
+    return (hopper,)
 
 
 _FORWARD_KERNEL = LazyKernel(_kernels, "hopper_fwd_kernel")

@@ -58,14 +58,15 @@ from dmattn_ops.executors._alloc import empty
 from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
 
-def _window_chunks():
+def _kernels() -> tuple:
+    """The chunked window's kernels' module, imported (with Triton) at the first launch."""
     from dmattn_ops.kernels import window_chunks
 
-    return window_chunks
+    return (window_chunks,)
 
 
-reverse_rows_kernel = LazyKernel(_window_chunks, "reverse_rows_kernel")
-window_merge_kernel = LazyKernel(_window_chunks, "window_merge_kernel")
+reverse_rows_kernel = LazyKernel(_kernels, "reverse_rows_kernel")
+window_merge_kernel = LazyKernel(_kernels, "window_merge_kernel")
 
 DTYPES = (torch.float16, torch.bfloat16)
 FLASH, CUDNN = "flash", "cudnn"

@@ -18,23 +18,18 @@ from dmattn_ops.executors._alloc import empty
 from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
 
-def _key_lists():
-    from dmattn_ops.kernels import key_lists
+def _kernels() -> tuple:
+    """The mask-structure kernels' modules, imported (with Triton) at the first launch."""
+    from dmattn_ops.kernels import block_mask, key_lists
 
-    return key_lists
-
-
-def _block_mask():
-    from dmattn_ops.kernels import block_mask
-
-    return block_mask
+    return key_lists, block_mask
 
 
-key_lists_kernel = LazyKernel(_key_lists, "key_lists_kernel")
-varlen_key_lists_kernel = LazyKernel(_key_lists, "varlen_key_lists_kernel")
-mask_block_any_kernel = LazyKernel(_block_mask, "mask_block_any_kernel")
-tile_cols_kernel = LazyKernel(_block_mask, "tile_cols_kernel")
-tile_rows_kernel = LazyKernel(_block_mask, "tile_rows_kernel")
+key_lists_kernel = LazyKernel(_kernels, "key_lists_kernel")
+varlen_key_lists_kernel = LazyKernel(_kernels, "varlen_key_lists_kernel")
+mask_block_any_kernel = LazyKernel(_kernels, "mask_block_any_kernel")
+tile_cols_kernel = LazyKernel(_kernels, "tile_cols_kernel")
+tile_rows_kernel = LazyKernel(_kernels, "tile_rows_kernel")
 
 
 @dataclass
