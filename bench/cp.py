@@ -12,7 +12,9 @@ whole sequence against the ring with `cu_seqlens` on the contiguous layout, whos
 need one ring step (documents shorter than a rank's rows cross at most into the next rank).
 
 ``--overlap`` (GPUs): one more ring step per row under torch.profiler, rank 0's NCCL kernel
-time and the share of it during which one of its compute kernels ran (`overlap`).
+time and the share of it during which one of its compute kernels ran (`overlap`), and for
+every rank where its step went (`rank_time`): the host's time to issue it, the GPU's compute
+and NCCL time, and the time the GPU ran nothing.
 
 ``--model``: a whole training step instead of one call: bench.model's stack of four pre-norm
 DMA blocks (hidden 2048, H16 Hkv4 D128, window L/4, B1), on one GPU against the same model with
@@ -174,6 +176,19 @@ def overlap(comm, compute) -> tuple[float, float]:
     return busy, hidden
 
 
+def rank_time(wall: float, issue: float, comm, compute) -> dict:
+    """Where one rank's profiled step went (ms; intervals in us on its GPU): `wall` the step
+    with its synchronize, `issue` the host's time until the step returned (its last launch
+    issued; the ring's shape agreement waits for the GPU inside it), `compute` the union of the
+    compute kernels, `nccl` of the NCCL ones, `idle` the wall less the union of both (the GPU
+    waiting for the host). A step whose issue time is near its wall and whose idle time is
+    large is host-bound; one whose NCCL time far exceeds its transfers' size waits for a peer."""
+    busy = sum(b - a for a, b in _union([*comm, *compute]))
+    return dict(wall=wall, issue=issue, compute=sum(b - a for a, b in _union(compute)) / 1e3,
+                nccl=sum(b - a for a, b in _union(comm)) / 1e3,
+                idle=max(0.0, wall - busy / 1e3))  # fmt: skip
+
+
 KERNELS_SHOWN = 14  # --overlap: rank 0's GPU kernels by total time, the longest first
 
 
@@ -187,8 +202,11 @@ def _profile_overlap(row: dict, step, device) -> None:
     step()  # warm
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         step()
+        issue = time.perf_counter() - t0
         torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
     comm, compute, by_name = [], [], {}
     for e in prof.events():
         if e.device_type != DeviceType.CUDA or "memcpy" in e.name.lower():
@@ -201,6 +219,9 @@ def _profile_overlap(row: dict, step, device) -> None:
     row["nccl_ms"] = busy / 1e3
     row["hidden"] = hidden / busy if busy else None
     row["kernels"] = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:KERNELS_SHOWN]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, rank_time(wall * 1e3, issue * 1e3, comm, compute))
+    row["ranks"] = every
 
 
 def _join(rank: int, world: int, rendezvous: str) -> tuple[torch.device, torch.dtype]:
@@ -456,6 +477,15 @@ def table(rows, world: int) -> str:
     return markdown(headers, table, ("", "", ".2f", ".2f", ".2f", ".2f", ".2f", ".2f", ".2f", ""))
 
 
+def rank_table(ranks) -> str:
+    """rank_time's figures of every rank, one row each."""
+    rows = [[r, t["wall"], t["issue"], t["compute"], t["nccl"], t["idle"]]
+            for r, t in enumerate(ranks)]  # fmt: skip
+    headers = ["rank", "step ms (profiled)", "host issue ms", "compute ms", "NCCL ms",
+               "GPU idle ms"]  # fmt: skip
+    return markdown(headers, rows, ("", ".2f", ".2f", ".2f", ".2f", ".2f"))
+
+
 def kernel_table(kernels) -> str:
     """(name, (calls, total us)) rows as a table: the profiled step's kernels by GPU time."""
     rows = [[name[:70], calls, total / 1e3] for name, (calls, total) in kernels]
@@ -522,6 +552,8 @@ def main(argv=None) -> int:
         if r.get("kernels"):
             print(f"\n{r['kind']} L{r['length']}: rank 0's kernels in one ring step")
             print(kernel_table(r["kernels"]))
+            print(f"\n{r['kind']} L{r['length']}: where each rank's profiled step went")
+            print(rank_table(r["ranks"]))
     return 0
 
 

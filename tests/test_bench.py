@@ -151,6 +151,17 @@ def test_selection_work_reads_each_dma_layer():
     assert selection_work(make_model("sdpa-plain", n, "cpu", torch.float32), x) == []
 
 
+def test_rank_time_splits_a_step_into_compute_nccl_and_idle():
+    """bench.cp's rank_time: compute and NCCL time as the unions of their kernels' intervals
+    (us in, ms out), idle as the wall less the union of both."""
+    from bench.cp import rank_time
+
+    # Compute [0, 4000) and [3000, 5000) us: 5 ms; NCCL [4500, 7000): 2.5 ms; both: 7 ms.
+    got = rank_time(10.0, 9.5, [(4500, 7000)], [(3000, 5000), (0, 4000)])
+    assert got == dict(wall=10.0, issue=9.5, compute=5.0, nccl=2.5, idle=3.0)
+    assert rank_time(1.0, 0.2, [], [])["idle"] == 1.0
+
+
 def test_overlap_counts_transfer_time_under_compute():
     """bench.cp's overlap: the time some transfer ran (its intervals' union) and the part of it
     during which some compute kernel ran, whatever the intervals' order and overlaps."""
