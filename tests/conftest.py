@@ -22,6 +22,18 @@ os.environ["DMATTN_DENSE_SDPA"] = "0"
 from dmattn_ops.executors import _alloc  # noqa: E402
 
 
+_DURATIONS = os.environ.get("DMATTN_TEST_DURATIONS")
+
+
+def pytest_runtest_logreport(report):
+    """With DMATTN_TEST_DURATIONS=path, each test's call phase appends "seconds nodeid" to that
+    file as it ends (every xdist worker appends to the one file): the slowest tests of a run
+    its time limit cuts, which pytest's own --durations, printed at the end, never shows."""
+    if _DURATIONS and report.when == "call":
+        with open(_DURATIONS, "a") as f:
+            f.write(f"{report.duration:.2f} {report.nodeid}\n")
+
+
 @pytest.fixture(autouse=True)
 def poison_library_allocations(monkeypatch):
     """Fill every output the library allocates with NaN: an unwritten element fails loudly."""
