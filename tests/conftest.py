@@ -21,7 +21,6 @@ os.environ["DMATTN_DENSE_SDPA"] = "0"
 
 from dmattn_ops.executors import _alloc  # noqa: E402
 
-
 _DURATIONS = os.environ.get("DMATTN_TEST_DURATIONS")
 
 
