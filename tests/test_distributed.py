@@ -795,16 +795,7 @@ def test_pair_call_computes_exactly_the_visible_entries_of_a_block():
                         call = cp._pair_call((lo, hi), offset, nq, nk)
                         got = set()
                         if call is not None:
-                            (q0, q1), (k0, k1), causal, (left, right) = call
-                            shift = (k1 - k0) - (q1 - q0)
-                            for i in range(q0, q1):
-                                for j in range(k0, k1):
-                                    d = (j - k0) - (i - q0) - shift
-                                    if causal:
-                                        ok = d <= 0
-                                    else:
-                                        ok = (left < 0 or d >= -left) and (right < 0 or d <= right)
-                                    if ok:
-                                        got.add((i, j))
+                            (q0, q1), (k0, k1), causal, window = call
+                            got = set(_block_entries(cp._Block(q0, q1, k0, k1, causal, window)))
                         assert got == want, (nq, nk, offset, lo, hi, call)
                         assert call is None or want, (nq, nk, offset, lo, hi, call)
