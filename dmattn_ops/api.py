@@ -6,6 +6,7 @@ import torch
 
 from dmattn_ops import flex, reference
 from dmattn_ops.core import options
+from dmattn_ops.core._compat import plain_eager
 from dmattn_ops.core.options import KernelOptions
 from dmattn_ops.core.problem import Options, Problem
 from dmattn_ops.core.validate import (
@@ -19,6 +20,7 @@ from dmattn_ops.core.validate import (
     has_window,
 )
 from dmattn_ops.dispatch import plan
+from dmattn_ops.executors import sdpa
 from dmattn_ops.executors.chunked import add_sinks
 from dmattn_ops.registration import ops
 from dmattn_ops.registration.calls import default_scale
@@ -53,6 +55,28 @@ def _check_triton_can_run(query: torch.Tensor, fn: str = "dmattn.attention") -> 
             f"{fn}: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 "
             f"(Triton's interpreter) for CPU tensors; got tensors on {query.device}"
         )
+
+
+def _fused_eager(query, key, value, scale, is_causal: bool, deterministic: bool):
+    """out of a plain eager dense call (no mask, bias, seqused_k, sinks, softcap, window or
+    returned lse: the caller checks) whose plan puts every pass it will run on PyTorch's
+    fused kernels, computed by the aten op under PyTorch's autograd (sdpa.attention); None
+    for any other call, which then goes through the ops. The same plan decides, so the same
+    kernels run either way; transforms, modes, tensor subclasses and traces always take the
+    ops, whose graphs and rules they need."""
+    if not query.is_cuda or torch.compiler.is_compiling() or not plain_eager((query, key, value)):
+        return None
+    problem = Problem(query, key, value)
+    opts = Options(scale, is_causal, deterministic=deterministic)
+    forward = plan.plan(problem, opts)
+    if forward.route != plan.SDPA or forward.fused not in (sdpa.CUDNN, sdpa.FLASH):
+        return None
+    grads = query.requires_grad or key.requires_grad or value.requires_grad
+    if grads and torch.is_grad_enabled():
+        backward = plan.plan(problem, opts, plan.BACKWARD)
+        if backward.route != plan.SDPA or backward.fused != forward.fused:
+            return None
+    return sdpa.attention(query, key, value, scale, is_causal, forward.fused)
 
 
 def attention(
@@ -171,6 +195,12 @@ def attention(
             extra = (window, sinks)
         if tuned is not None:
             extra = (window, sinks, tuned)  # only the lower op carries kernel options
+        dense = mask is None and bias is None and seqused_k is None and not softcap
+        if dense and not (extra or return_lse):
+            resolved = default_scale(query) if scale is None else scale
+            out = _fused_eager(query, key, value, resolved, is_causal, deterministic)
+            if out is not None:
+                return out
         if return_lse or tuned is not None:
             scale = default_scale(query) if scale is None else scale
             out, lse, _ = torch.ops.dmattn.attention_forward(

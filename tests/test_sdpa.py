@@ -205,6 +205,80 @@ def test_lse_gradient_and_deterministic_take_our_backward(dispatch_on, sinks):
     assert len(dispatch_on["forward"]) == 2 and dispatch_on["backward"] == []
 
 
+@pytest.fixture
+def eager_calls(monkeypatch):
+    """The kernels the eager fast path (api._fused_eager) ran, one entry per call."""
+    calls = []
+    real = sdpa.attention
+
+    def spy(*args):
+        calls.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(sdpa, "attention", spy)
+    return calls
+
+
+def _eager(*args, return_lse, **kwargs):
+    """dmattn_ops.attention without lse (the fast path's calls), in _check's (out, lse) form."""
+    return dmattn_ops.attention(*args, **kwargs), None
+
+
+@gpu
+@pytest.mark.parametrize("which", ["cudnn", "flash"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("c", [CASES[0], CASES[1], CASES[2]])
+def test_plain_eager_dense_calls_run_the_aten_op_under_pytorchs_autograd(
+    dispatch_on, eager_calls, c, is_causal, which
+):
+    """Where the plan puts both passes on a fused kernel, a plain eager call runs that aten op
+    under PyTorch's own autograd (no ops, no Python autograd node): the oracle's values."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if is_causal and c.lq != c.lk:
+        pytest.skip("bottom-right causal with Lq != Lk stays on our kernels")
+    only = SDPBackend.CUDNN_ATTENTION if which == "cudnn" else SDPBackend.FLASH_ATTENTION
+    with sdpa_kernel([only]):
+        q, k, v = _operands("cuda", torch.bfloat16, c.lq, c.lk, c.d, c.dv, c.h, c.hkv)
+        if _fused(q, k, v, is_causal=is_causal) is None:
+            pytest.skip(f"PyTorch's {which} kernel does not take this call here")
+        _check(c, torch.bfloat16, is_causal, fn=_eager, lse=False)
+        assert eager_calls == [which] and dispatch_on == {"forward": [], "backward": []}
+        q.requires_grad_()
+        out = dmattn_ops.attention(q, k, v, is_causal=is_causal)
+        names = {type(out.grad_fn).__name__}
+        names |= {type(f).__name__ for f, _ in out.grad_fn.next_functions if f is not None}
+        assert not any("AttentionFunction" in n for n in names), names
+        with torch.no_grad():  # inference: the forward's plan alone
+            dmattn_ops.attention(q, k, v, is_causal=is_causal)
+    assert eager_calls == [which] * 3
+
+
+@gpu
+def test_calls_the_fast_path_cannot_serve_take_the_ops(dispatch_on, eager_calls):
+    """deterministic (our backward), a returned lse and a torch.func transform go through the
+    ops, with the oracle's values."""
+    c = Case(2, 256, 256, 8, 2, 64, 64)
+    _check(c, torch.bfloat16, True, fn=_eager, lse=False, deterministic=True)
+    assert len(dispatch_on["forward"]) == 1 and dispatch_on["backward"] == []
+    _check(c, torch.bfloat16, True)
+    assert len(dispatch_on["forward"]) == 2 and len(dispatch_on["backward"]) == 1
+    q, k, v = (t.normal_() for t in _operands("cuda", torch.bfloat16, 64, 64, 64, 64, 4, 2))
+    g = torch.randn_like(q)
+
+    def loss(fn, q, k, v):
+        return (fn(q, k, v, is_causal=True) * g.to(q.dtype)).sum()
+
+    got = torch.func.grad(lambda q: loss(dmattn_ops.attention, q, k, v))(q)
+    assert len(dispatch_on["forward"]) == 3 and len(dispatch_on["backward"]) == 2
+    ref64, ref_lp = (
+        torch.func.grad(loss, argnums=1)(reference.attention, q.to(t), k.to(t), v.to(t))
+        for t in (torch.float64, torch.bfloat16)
+    )
+    assert_close(got, ref64, low_precision_bound(ref64, ref_lp, torch.bfloat16), "dq (func.grad)")
+    assert eager_calls == []
+
+
 @gpu
 def test_causal_with_more_queries_than_keys_stays_bottom_right(dispatch_on):
     # Flash aligns causality top-left; the contract's bottom-right alignment must hold.

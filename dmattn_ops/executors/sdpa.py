@@ -267,6 +267,27 @@ def _forward(query, key, value, scale, is_causal, which):
     return out.transpose(1, 2).contiguous(), lse.contiguous()
 
 
+def attention(query, key, value, scale, is_causal, which):
+    """out (B, Lq, H, D) of a dense call through the kernel `which`, as a differentiable call of
+    the aten op: PyTorch's own autograd formula (a C++ node) runs its backward kernel, the one
+    `backward` calls. The eager fast path (api.py) takes this where the plan puts both passes
+    of a plain eager call here: the ops' Python autograd node, and the autograd engine's
+    hand-off of it to the device thread, cost about 0.4 ms of host time a forward+backward on
+    an H200's host, for the same kernels."""
+    qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if which == CUDNN:
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qt, kt, vt, None, True, 0.0, bool(is_causal), False, scale=float(scale)
+        )[0]
+    else:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            qt, kt, vt, 0.0, bool(is_causal), False, scale=float(scale)
+        )[0]
+    # Both kernels write (B, Lq, H, D) rows: the transposed view is contiguous, as the ops'
+    # outputs are (contiguous() adds no copy and no autograd node then).
+    return out.transpose(1, 2).contiguous()
+
+
 def _backward(grad_out, query, key, value, out, lse, scale, is_causal, which):
     lq, lk = query.shape[1], key.shape[1]
     # Both kernels want the rows of grad_out and out as the forward wrote them.
