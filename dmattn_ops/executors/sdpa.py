@@ -271,9 +271,8 @@ def attention(query, key, value, scale, is_causal, which):
     """out (B, Lq, H, D) of a dense call through the kernel `which`, as a differentiable call of
     the aten op: PyTorch's own autograd formula (a C++ node) runs its backward kernel, the one
     `backward` calls. The eager fast path (api.py) takes this where the plan puts both passes
-    of a plain eager call here: the ops' Python autograd node, and the autograd engine's
-    hand-off of it to the device thread, cost about 0.4 ms of host time a forward+backward on
-    an H200's host, for the same kernels."""
+    of a plain eager call here, for the same kernels without the ops' Python autograd node: on
+    two H200 hosts our dense forward+backward's host time went from 2.7x SDPA's to 1.2-1.5x."""
     qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if which == CUDNN:
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(
