@@ -252,6 +252,15 @@ def _whole(query, c: int) -> int:
 
 def _forward(query, key, value, scale, is_causal, which):
     """(out (B, Lq, H, D) contiguous, lse (B, H, Lq) float32) through the kernel `which`."""
+    out, lse = _fused(query, key, value, scale, is_causal, which)
+    # Contiguous like the Triton path's outputs and the fake kernels (a no-op here: both write
+    # (B, Lq, H, D) rows and return them transposed, and (B, H, Lq) statistics).
+    return out.contiguous(), lse.contiguous()
+
+
+def _fused(query, key, value, scale, is_causal, which):
+    """(out (B, Lq, H, D), lse (B, H, Lq)) of the aten op of the kernel `which`, as that op
+    returns them (out a transposed view of its (B, Lq, H, D) rows)."""
     qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if which == CUDNN:
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
@@ -262,9 +271,7 @@ def _forward(query, key, value, scale, is_causal, which):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             qt, kt, vt, 0.0, bool(is_causal), False, scale=float(scale)
         )[:2]
-    # Contiguous like the Triton path's outputs and the fake kernels (a no-op here: both write
-    # (B, Lq, H, D) rows and return them transposed, and (B, H, Lq) statistics).
-    return out.transpose(1, 2).contiguous(), lse.contiguous()
+    return out.transpose(1, 2), lse
 
 
 def attention(query, key, value, scale, is_causal, which):
@@ -273,18 +280,9 @@ def attention(query, key, value, scale, is_causal, which):
     `backward` calls. The eager fast path (api.py) takes this where the plan puts both passes
     of a plain eager call here, for the same kernels without the ops' Python autograd node: on
     two H200 hosts our dense forward+backward's host time went from 2.7x SDPA's to 1.2-1.5x."""
-    qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if which == CUDNN:
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            qt, kt, vt, None, True, 0.0, bool(is_causal), False, scale=float(scale)
-        )[0]
-    else:
-        out = torch.ops.aten._scaled_dot_product_flash_attention(
-            qt, kt, vt, 0.0, bool(is_causal), False, scale=float(scale)
-        )[0]
     # Both kernels write (B, Lq, H, D) rows: the transposed view is contiguous, as the ops'
     # outputs are (contiguous() adds no copy and no autograd node then).
-    return out.transpose(1, 2).contiguous()
+    return _fused(query, key, value, scale, is_causal, which)[0].contiguous()
 
 
 def _backward(grad_out, query, key, value, out, lse, scale, is_causal, which):
