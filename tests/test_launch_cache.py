@@ -183,3 +183,29 @@ def test_a_misaligned_operand_gets_its_own_kernel():
     assert len(launch.attention_fwd_kernel.launches) > before
     for e, g in zip(expected, got):
         assert torch.equal(e, g)
+
+
+def test_empties_carves_aligned_disjoint_buffers_one_allocation_a_dtype():
+    """Fewer torch.empty calls a key-list call (executors/_alloc.py): the buffers of one dtype
+    share one storage, each starts ALIGN_BYTES into it, none overlaps another, floats are
+    NaN-poisoned under test as `empty`'s are."""
+    from dmattn_ops.executors._alloc import ALIGN_BYTES, empties
+
+    i32, bf16 = torch.int32, torch.bfloat16
+    specs = [((2, 3, 5), i32), None, ((7,), bf16), ((1,), i32), ((4, 33), bf16), ((0, 3), i32)]
+    got = empties(specs, device="cpu")
+    assert got[1] is None
+    for t, spec in zip(got, specs):
+        if spec is not None:
+            assert t.shape == spec[0] and t.dtype == spec[1] and t.is_contiguous()
+            assert t.storage_offset() * t.element_size() % ALIGN_BYTES == 0
+    storages = {t.dtype: set() for t in got if t is not None}
+    for t in got:
+        if t is not None:
+            storages[t.dtype].add(t.untyped_storage().data_ptr())
+    assert all(len(s) == 1 for s in storages.values()) and len(storages) == 2
+    assert all(t.isnan().all() for t in got if t is not None and t.is_floating_point())
+    for i, t in enumerate(got):
+        if t is not None:
+            t.fill_(i)
+    assert all((t == i).all() for i, t in enumerate(got) if t is not None)

@@ -42,7 +42,7 @@ from dmattn_ops.dispatch.plan import (
     BackwardConfigs,
 )
 from dmattn_ops.executors import chunked, hopper, sdpa
-from dmattn_ops.executors._alloc import empty
+from dmattn_ops.executors._alloc import empties, empty
 from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 from dmattn_ops.executors.chunked import stats_dtype
 from dmattn_ops.executors.tiles import (
@@ -626,10 +626,12 @@ def _launch_backward(
         )  # fmt: skip
     part_dk = part_dv = part_db = None
     if split > 1:
-        part_dk = empty((split, b * hkv, lk, d), dtype=torch.float32, device=query.device)
-        part_dv = empty((split, b * hkv, lk, d_v), dtype=torch.float32, device=query.device)
-        if group_cols:
-            part_db = empty((split, b * hkv, lk), dtype=torch.float32, device=query.device)
+        f32 = torch.float32
+        part_dk, part_dv, part_db = empties(
+            [((split, b * hkv, lk, d), f32), ((split, b * hkv, lk, d_v), f32),
+             ((split, b * hkv, lk), f32) if group_cols else None],
+            device=query.device,
+        )  # fmt: skip
     # Batched key lists are permutations of the keys (tiles.KeyLists): the dk/dv kernels write
     # zeros at the keys no list holds.
     zero_unlisted = dkdv_lists is not None and cu_q is None

@@ -14,7 +14,7 @@ import torch
 from dmattn_ops.core.band import Band
 from dmattn_ops.core.device import cdiv, head_block
 from dmattn_ops.core.operands import batch_strides, head_div, operand_strides
-from dmattn_ops.executors._alloc import empty
+from dmattn_ops.executors._alloc import empties, empty
 from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
 
@@ -181,12 +181,7 @@ def build_key_lists(
     device = mask.device
     bt = b if seqused_k is not None else bm
     nq = cdiv(lq, block_m)
-    keys = empty((bm, hm, lk), dtype=torch.int32, device=device)
-    key_end = empty((bt, hm, nq), dtype=torch.int32, device=device)
-    key_start = empty((bt, hm, nq), dtype=torch.int32, device=device) if band.has_window else None
-    key_count = empty((bt, hm), dtype=torch.int32, device=device)
-    keys_stride_b = hm * lk if bm > 1 else 0
-    end_stride_b, count_stride_b = (hm * nq, hm) if bt > 1 else (0, 0)
+    i32 = torch.int32
     packed = None
     if pack is None:
         # One program row per (table batch, mask head): K, V and the bias are not read.
@@ -194,20 +189,30 @@ def build_key_lists(
         key = value = bias = None
         key_strides = value_strides = (0, 0, 0, 0)
         d = dv = 16
+        packs = [None] * 3
     else:
         key, value, bias, h, _ = pack
         rows, groups, d, dv = b, key.shape[2], key.shape[3], value.shape[3]
         g = h // groups
         mask_div, bias_div = head_div(mask, h, groups), head_div(bias, h, groups)
         bias_heads = g if bias is not None and bias.shape[1] == h else 1
-        packed = Packed(
-            empty((b, lk, groups, d), dtype=key.dtype, device=device),
-            empty((b, lk, groups, dv), dtype=value.dtype, device=device),
-            None if bias is None
-            else empty((b, groups * bias_heads, 1, lk), dtype=bias.dtype, device=device),
-        )  # fmt: skip
         key_strides, value_strides = batch_strides(key), batch_strides(value)
-    prefix = empty((rows * groups, lk), dtype=torch.int32, device=device)
+        packs = [
+            ((b, lk, groups, d), key.dtype), ((b, lk, groups, dv), value.dtype),
+            None if bias is None else ((b, groups * bias_heads, 1, lk), bias.dtype),
+        ]  # fmt: skip
+    # The lists, their ends and counts and the packed rows live as long as each other (the
+    # backward keeps them); the prefix sums are the kernel's scratch, small beside the lists:
+    # one allocation a dtype.
+    keys, key_end, key_start, key_count, prefix, *packs = empties(
+        [((bm, hm, lk), i32), ((bt, hm, nq), i32), ((bt, hm, nq), i32) if band.has_window else None,
+         ((bt, hm), i32), ((rows * groups, lk), i32), *packs],
+        device=device,
+    )  # fmt: skip
+    if pack is not None:
+        packed = Packed(*packs)
+    keys_stride_b = hm * lk if bm > 1 else 0
+    end_stride_b, count_stride_b = (hm * nq, hm) if bt > 1 else (0, 0)
     block_d = head_block(max(d, dv))
     sb, sh, _, sn = operand_strides(bias)
     interpreted = interpreter_on()
