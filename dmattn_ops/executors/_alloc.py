@@ -16,6 +16,7 @@ import math
 import torch
 
 from dmattn_ops.core.switches import switch
+from dmattn_ops.executors._triton import tracing_on
 
 POISON = switch("DMATTN_POISON_EMPTY", False)
 
@@ -25,7 +26,7 @@ POISON = switch("DMATTN_POISON_EMPTY", False)
 ALIGN_BYTES = 128
 
 
-def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
+def empty(shape, dtype: torch.dtype, *, device) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype, device=device)
     if POISON and t.is_floating_point():
         t.fill_(float("nan"))
@@ -37,6 +38,11 @@ def empties(specs, *, device) -> list[torch.Tensor | None]:
     dtype views of one allocation, each starting ALIGN_BYTES-aligned. Buffers of one storage
     are for scratch and for buffers that live and die together, never for an op's separate
     outputs (which must not alias)."""
+    if tracing_on():
+        # Traced into a compiled graph, Inductor allocates the buffers (no host cost to save),
+        # and views of one base, mutated by user kernels, are functionalized as one tensor:
+        # a Hopper key-list call compiled that way read out of bounds on the H200.
+        return [None if spec is None else empty(*spec, device=device) for spec in specs]
     out: list[torch.Tensor | None] = [None] * len(specs)
     for dtype in dict.fromkeys(spec[1] for spec in specs if spec is not None):
         mine = [i for i, spec in enumerate(specs) if spec is not None and spec[1] == dtype]
