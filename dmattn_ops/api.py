@@ -68,15 +68,11 @@ def _fused_eager(query, key, value, scale, is_causal: bool, deterministic: bool)
         return None
     problem = Problem(query, key, value)
     opts = Options(scale, is_causal, deterministic=deterministic)
-    forward = plan.plan(problem, opts)
-    if forward.route != plan.SDPA or forward.fused not in (sdpa.CUDNN, sdpa.FLASH):
-        return None
     grads = query.requires_grad or key.requires_grad or value.requires_grad
-    if grads and torch.is_grad_enabled():
-        backward = plan.plan(problem, opts, plan.BACKWARD)
-        if backward.route != plan.SDPA or backward.fused != forward.fused:
-            return None
-    return sdpa.attention(query, key, value, scale, is_causal, forward.fused)
+    fused = plan.fused_kernel(problem, opts, both=grads and torch.is_grad_enabled())
+    if fused is None:
+        return None
+    return sdpa.attention(query, key, value, scale, is_causal, fused)
 
 
 def attention(
@@ -184,7 +180,8 @@ def attention(
             )  # fmt: skip
         # The value checks (seqused_k's range) run inside the op, below any torch.func
         # transform, so that direct calls of torch.ops.dmattn.* keep the same contract.
-        check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap)
+        problem = Problem(query, key, value, mask, bias, sinks, seqused_k)
+        check_inputs(problem, scale, softcap)
         if backend == "triton":
             _check_triton_can_run(query)
         # Only a window that bounds something is passed: graphs of windowless calls stay as
@@ -201,7 +198,21 @@ def attention(
             out = _fused_eager(query, key, value, resolved, is_causal, deterministic)
             if out is not None:
                 return out
-        if return_lse or tuned is not None:
+        lower = return_lse or tuned is not None  # only the lower op returns lse
+        eager = not torch.compiler.is_compiling()
+        if eager and plain_eager((query, key, value, mask, bias, seqused_k, sinks)):
+            # Validated above: the op's Autograd kernel's work, without a second validation.
+            resolved = default_scale(query) if scale is None else scale
+            cap = 0.0 if softcap is None else softcap
+            opts = Options(resolved, bool(is_causal), cap, bool(deterministic), window, tuned)
+            result = ops.attend(problem, opts, public=not lower)
+            if not lower:
+                return result
+            out, lse, _ = result
+            if not return_lse:
+                return out
+            return out, (lse if _internal_lse else lse.float())
+        if lower:
             scale = default_scale(query) if scale is None else scale
             out, lse, _ = torch.ops.dmattn.attention_forward(
                 query, key, value, mask, bias, scale, is_causal, softcap, seqused_k,
@@ -301,7 +312,11 @@ def attention_varlen(
             )
             return fn_backend(*args, **common, return_lse=return_lse)
         # The cu_seqlens value checks run inside the op (see attention).
-        check_varlen_inputs(*args, scale, softcap, fn=fn)
+        packed = Problem(
+            query, key, value, mask, bias, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k,
+        )  # fmt: skip
+        check_varlen_inputs(packed, scale, softcap, fn)
         if backend == "triton":
             _check_triton_can_run(query, fn)
         extra = (window,) if has_window(window) else ()
@@ -352,9 +367,9 @@ def explain(
     query, key, value, bias = ops.autocast_inputs(query, key, value, bias)
     if backend in ("reference", "flex"):
         return plan.Explanation(backend, None, None)
-    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn=fn)
-    check_sinks(sinks, query, fn)
     problem = Problem(query, key, value, mask, bias, sinks, seqused_k)
+    check_inputs(problem, scale, softcap, fn)
+    check_sinks(sinks, query, fn)
     opts = Options(
         default_scale(query) if scale is None else scale, is_causal, softcap, deterministic,
         window, tuned,

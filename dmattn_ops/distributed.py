@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from dmattn_ops.core.band import UNBOUNDED, Band
+from dmattn_ops.core.problem import Problem
 from dmattn_ops.core.validate import (
     NO_WINDOW,
     check_flags,
@@ -608,7 +609,7 @@ def _check_local(
     query, key, value, mask, bias, scale, softcap, is_causal, deterministic, layout, rank, world, fn
 ) -> None:
     check_flags(fn, is_causal=is_causal, deterministic=deterministic)
-    check_inputs(query, key, value, mask, bias, None, scale, softcap, fn=fn)
+    check_inputs(Problem(query, key, value, mask, bias), scale, softcap, fn)
     for name, t in (("mask", mask), ("bias", bias)):
         if t is not None and t.shape[2] != 1:
             raise ValueError(

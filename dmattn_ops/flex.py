@@ -33,6 +33,7 @@ import torch
 
 from dmattn_ops.core.band import fold_causal
 from dmattn_ops.core.operands import is_limit, mask_rows
+from dmattn_ops.core.problem import Problem
 from dmattn_ops.core.validate import (
     NO_WINDOW,
     check_backend,
@@ -453,7 +454,8 @@ def attention(
         )  # fmt: skip
         out, lse = add_sinks(out, lse, sinks)
         return (out, lse.float()) if return_lse else out
-    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn="dmattn.flex")
+    problem = Problem(query, key, value, mask, bias, seqused_k=seqused_k)
+    check_inputs(problem, scale, softcap, "dmattn.flex")
     check_seqused_k_values(seqused_k, key.shape[1], "dmattn.flex")
     window = check_window(window_size, "dmattn.flex")
     b, lq, h, d = query.shape
@@ -569,10 +571,11 @@ def attention_varlen(
     fn = "dmattn.flex.attention_varlen"
     check_backend(backend, fn)
     check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
-    check_varlen_inputs(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        mask, bias, scale, softcap, fn=fn,
+    problem = Problem(
+        query, key, value, mask, bias, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k,
     )  # fmt: skip
+    check_varlen_inputs(problem, scale, softcap, fn)
     window = check_window(window_size, fn)
     total_q, h, d = query.shape
     total_k, hkv = key.shape[0], key.shape[1]

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from dmattn_ops.core.problem import Problem
 from dmattn_ops.core.validate import (
     check_backend,
     check_cu_seqlens_values,
@@ -87,7 +88,7 @@ def attention(
             f"{fn}: kernel_options choose among this library's kernels (backend 'auto' or "
             "'triton'); the reference runs none of them"
         )
-    check_inputs(query, key, value, mask, bias, seqused_k, scale, softcap, fn=fn)
+    check_inputs(Problem(query, key, value, mask, bias, seqused_k=seqused_k), scale, softcap, fn)
     check_seqused_k_values(seqused_k, key.shape[1], "reference.attention")
     left, right = check_window(window_size, fn)
     b, lq, h, d = query.shape
@@ -195,10 +196,11 @@ def attention_varlen(
     fn = "reference.attention_varlen"
     check_backend(backend, fn)
     check_flags(fn, is_causal=is_causal, deterministic=deterministic, return_lse=return_lse)
-    check_varlen_inputs(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        mask, bias, scale, softcap, fn=fn,
+    problem = Problem(
+        query, key, value, mask, bias, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k,
     )  # fmt: skip
+    check_varlen_inputs(problem, scale, softcap, fn)
     total_q, h, d = query.shape
     total_k = key.shape[0]
     check_cu_seqlens_values(

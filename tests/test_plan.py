@@ -210,9 +210,9 @@ def test_the_kernels_read_an_expanded_gradient_densely(monkeypatch):
     seen = []
     real = launch._launch_backward
 
-    def spy(query, key, value, grad_out, *args, **kwargs):
+    def spy(ops, grad_out, *args, **kwargs):
         seen.append(grad_out)
-        return real(query, key, value, grad_out, *args, **kwargs)
+        return real(ops, grad_out, *args, **kwargs)
 
     monkeypatch.setattr(launch, "_launch_backward", spy)
     q, k, v = qkv()
@@ -261,6 +261,38 @@ def test_each_pass_is_planned_once_and_repeated_calls_reuse_the_plan(monkeypatch
     dmattn_ops.attention(q, k, v, mask, is_causal=True, window_size=(9, 0)).sum().backward()
     assert plan.calls["decided"] - before == 2
     assert counted == {"window_chunk": 1, "choose": 2}
+
+
+@needs_triton
+@pytest.mark.parametrize("entry", ["api", "op"])
+def test_an_eager_differentiable_call_is_validated_once(monkeypatch, entry):
+    """The window and the inputs are checked once per eager call, forward and backward, whether
+    it comes through dmattn_ops.attention (which checks and then runs the op's work itself) or
+    through the op (whose Autograd kernel checks, and its forward then does not)."""
+    from dmattn_ops import api
+    from dmattn_ops.core import validate
+    from dmattn_ops.registration import ops
+
+    counted = {"check_window": 0, "check_inputs": 0}
+    for name in counted:
+        real = getattr(validate, name)
+
+        def wrapped(*args, _name=name, _real=real, **kwargs):
+            counted[_name] += 1
+            return _real(*args, **kwargs)
+
+        for module in (api, ops):
+            monkeypatch.setattr(module, name, wrapped)
+    q, k, v = (t.requires_grad_() for t in qkv())
+    bias = torch.randn(B, HKV, 1, LK, device=DEVICE, requires_grad=True)
+    mask = mask_of(B, HKV, 1)
+    if entry == "api":
+        out = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, window_size=(20, 0))
+    else:
+        out = torch.ops.dmattn.attention(q, k, v, mask, bias, None, True, 0.0, None, False, (20, 0))
+    out.sum().backward()
+    assert counted == {"check_window": 1, "check_inputs": 1}
+    assert all(t.grad is not None for t in (q, k, v, bias))
 
 
 @needs_triton

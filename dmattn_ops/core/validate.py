@@ -12,6 +12,7 @@ import math
 import torch
 
 from dmattn_ops.core._compat import FakeTensor, FunctionalTensor, functorch
+from dmattn_ops.core.problem import Problem
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
@@ -48,10 +49,11 @@ def check_broadcast_operand(
         )
 
 
-def _check_qkv(query, key, value, mask, bias, rows: tuple[str, str], fn: str) -> None:
+def _check_qkv(problem: Problem, rows: tuple[str, str], fn: str) -> None:
     """query, key and value are tensors of one rank, (rows..., heads, head dim): rows ("B, Lq",
     "B, Lk") for a batched call, ("total_q", "total_k") for a packed one; then the operands'
     dtypes and devices."""
+    query, key, value = problem.query, problem.key, problem.value
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, t, fn)
     rank = 2 + len(rows[0].split(","))
@@ -62,22 +64,16 @@ def _check_qkv(query, key, value, mask, bias, rows: tuple[str, str], fn: str) ->
             raise ValueError(
                 f"{fn}: {name} must be {rank}-D ({t_rows}, {tail}); got shape {_shape(t)}"
             )
-    _check_dtypes_devices(query, key, value, mask, bias, fn)
+    _check_dtypes_devices(problem, fn)
 
 
-def check_inputs(
-    query,
-    key,
-    value,
-    mask=None,
-    bias=None,
-    seqused_k=None,
-    scale=None,
-    softcap=0.0,
-    fn: str = "dmattn.attention",
-) -> None:
-    """Raise TypeError/ValueError for any call that breaks the contract (README "Semantics")."""
-    _check_qkv(query, key, value, mask, bias, ("B, Lq", "B, Lk"), fn)
+def check_inputs(problem: Problem, scale=None, softcap=0.0, fn: str = "dmattn.attention") -> None:
+    """Raise TypeError/ValueError for any dense or seqused_k call that breaks the contract
+    (README "Semantics"): the shapes, dtypes and devices of the problem's query, key, value,
+    mask, bias and seqused_k (not its sinks: check_sinks), and the scalars."""
+    _check_qkv(problem, ("B, Lq", "B, Lk"), fn)
+    query, key, value = problem.query, problem.key, problem.value
+    mask, bias, seqused_k = problem.mask, problem.bias, problem.seqused_k
     b, lq, h, d = query.shape
     bk, lk, hkv, dk = key.shape
     bv, lkv, hv, dv = value.shape
@@ -191,7 +187,9 @@ def _check_heads(query, key, h, hkv, d, dv, fn: str) -> None:
         )
 
 
-def _check_dtypes_devices(query, key, value, mask, bias, fn: str) -> None:
+def _check_dtypes_devices(problem: Problem, fn: str) -> None:
+    query, key, value = problem.query, problem.key, problem.value
+    mask, bias = problem.mask, problem.bias
     if query.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{fn}: query must be float16, bfloat16, float32 or float64; got {query.dtype}"
@@ -208,21 +206,15 @@ def _check_dtypes_devices(query, key, value, mask, bias, fn: str) -> None:
 
 
 def check_varlen_inputs(
-    query,
-    key,
-    value,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    mask=None,
-    bias=None,
-    scale=None,
-    softcap=0.0,
-    fn: str = "dmattn.attention_varlen",
+    problem: Problem, scale=None, softcap=0.0, fn: str = "dmattn.attention_varlen"
 ) -> None:
-    """The shape/dtype/device checks of a varlen call (README "Variable-length batches")."""
-    _check_qkv(query, key, value, mask, bias, ("total_q", "total_k"), fn)
+    """The shape/dtype/device checks of a packed (cu_seqlens) call (README "Variable-length
+    batches"); not its sinks (check_sinks)."""
+    _check_qkv(problem, ("total_q", "total_k"), fn)
+    query, key, value = problem.query, problem.key, problem.value
+    mask, bias = problem.mask, problem.bias
+    cu_seqlens_q, cu_seqlens_k = problem.cu_seqlens_q, problem.cu_seqlens_k
+    max_seqlen_q, max_seqlen_k = problem.max_seqlen_q, problem.max_seqlen_k
     _, h, d = query.shape
     total_k, hkv, dk = key.shape
     if dk != d or value.shape[0] != total_k or value.shape[1] != hkv:

@@ -142,6 +142,75 @@ class Saved(NamedTuple):
     lse_rem: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Operands:
+    """What one launch of the attention kernels reads. query, key, value: (B, L, H, D), or for
+    packed sequences their (1, total, H, D) views with cu_q and cu_k; mask and bias as 4-D
+    broadcast operands (packed: (1, H|Hkv|1, 1, total_k)); seqused_k; sinks (forward only).
+    b, lq, lk: the batch and the rows and keys a batch holds (packed: the totals); span_q and
+    span_k: the rows and keys a program grid covers (dense: lq and lk; packed: the longest
+    sequences); lse_strides: the (batch, head) strides of lse, lse_rem and the row statistics,
+    whose rows are unit-strided."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None
+    bias: torch.Tensor | None
+    seqused_k: torch.Tensor | None
+    cu_q: torch.Tensor | None
+    cu_k: torch.Tensor | None
+    sinks: torch.Tensor | None
+    b: int
+    lq: int
+    lk: int
+    span_q: int
+    span_k: int
+    lse_strides: tuple[int, int]
+
+    @classmethod
+    def dense(cls, problem: Problem, key=None, value=None) -> Operands:
+        """A (collapsed) dense or seqused_k problem's operands; key and value in place of the
+        problem's (the tile-table routes zero the keys no query sees)."""
+        query = problem.query
+        b, lq, h, _ = query.shape
+        lk = problem.key.shape[1]
+        return cls(
+            query, problem.key if key is None else key, problem.value if value is None else value,
+            problem.mask, problem.bias, problem.seqused_k, None, None, problem.sinks,
+            b, lq, lk, lq, lk, (h * lq, lq),
+        )  # fmt: skip
+
+    @classmethod
+    def packed(cls, problem: Problem) -> Operands:
+        """A packed (cu_seqlens) problem's operands: (1, total, H, D) views, the per-key-token
+        mask and bias as 4-D operands, grids over the longest sequences."""
+        total_q, total_k = problem.query.shape[0], problem.key.shape[0]
+        return cls(
+            problem.query[None], problem.key[None], problem.value[None],
+            _varlen_operand(problem.mask), _varlen_operand(problem.bias), None,
+            problem.cu_seqlens_q, problem.cu_seqlens_k, None, problem.batch, total_q, total_k,
+            min(problem.max_seqlen_q, total_q), min(problem.max_seqlen_k, total_k),
+            (0, total_q),
+        )  # fmt: skip
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_q is not None
+
+    def strides(self, key=None, value=None, bias=None, grad_out=None) -> tuple[int, ...]:
+        """The kernels' operand strides in their order: query, key, value, (grad_out,) mask,
+        bias; key, value and bias may be replaced (packed rows)."""
+        key = self.key if key is None else key
+        value = self.value if value is None else value
+        bias = self.bias if bias is None else bias
+        grad = () if grad_out is None else batch_strides(grad_out)
+        return (
+            *batch_strides(self.query), *batch_strides(key), *batch_strides(value), *grad,
+            *operand_strides(self.mask), *operand_strides(bias),
+        )  # fmt: skip
+
+
 class KeptLists:
     """Key lists a forward built, kept for the backward of the same call, which then builds
     none of its own (one key_lists launch and seven allocations fewer per call). Whoever makes
@@ -216,7 +285,7 @@ def forward(problem: Problem, opts: Options, kept: KeptLists | None = None) -> S
         return Saved(*_varlen_forward(problem, opts, p))
     query, key, value = problem.query, problem.key, problem.value
     mask, bias, seqused_k, sinks = problem.mask, problem.bias, problem.seqused_k, problem.sinks
-    scale, softcap, band = opts.scale, opts.softcap, p.band
+    scale, band = opts.scale, p.band
     if p.route == EMPTY:
         return Saved(*chunked.join_sinks(*_empty_forward(query, value), sinks))
     if p.route == PYTORCH:
@@ -235,7 +304,6 @@ def forward(problem: Problem, opts: Options, kept: KeptLists | None = None) -> S
     b, lq, h, _ = query.shape
     lk, dv, cfg = key.shape[1], value.shape[3], p.config
     positions = cfg.block_m // p.heads  # query positions per tile (plan._pack_heads)
-    nq = cdiv(lq, positions)
     tables = lists = None
     if p.route == KEY_LISTS:
         lists = _key_lists(
@@ -247,19 +315,17 @@ def forward(problem: Problem, opts: Options, kept: KeptLists | None = None) -> S
         tables = build_tables(mask, seqused_k, b, lq, lk, band, cfg.block_m, cfg.block_n,
                               seen=seen)  # fmt: skip
         key, value = chunked.zero_keys(key, value, seen)
-    out = empty((b, lq, h, dv), dtype=query.dtype, device=query.device)
-    lse = empty((b, h, lq), dtype=torch.float32, device=query.device)
-    lse_rem = empty((b, h, lq), dtype=torch.float32, device=query.device)
+    saved = Saved(
+        empty((b, lq, h, dv), dtype=query.dtype, device=query.device),
+        empty((b, h, lq), dtype=torch.float32, device=query.device),
+        empty((b, h, lq), dtype=torch.float32, device=query.device),
+    )
     if p.hopper:
         mask_div = head_div(mask, h, key.shape[2])
-        hopper.forward(query, lists, out, lse, lse_rem, scale, band.is_causal, mask_div)
-        return Saved(out, lse, lse_rem)
-    _launch_forward(
-        query, key, value, mask, bias, seqused_k, None, None, out, lse, lse_rem,
-        b, lq, lk, nq, (h * lq, lq), tables, lists, cfg, scale, band, softcap, sinks,
-        pack_heads=p.heads,
-    )  # fmt: skip
-    return Saved(out, lse, lse_rem)
+        hopper.forward(query, lists, *saved, scale, band.is_causal, mask_div)
+        return saved
+    _launch_forward(Operands.dense(problem, key, value), saved, tables, lists, p, opts)
+    return saved
 
 
 # The forward and dq kernels' COMPACT values (kernels/common.py).
@@ -281,34 +347,35 @@ def _key_operands(key, value, bias, lists):
     return key, value, bias, 0 if lists is None else LISTED
 
 
-def _launch_forward(
-    query, key, value, mask, bias, seqused_k, cu_q, cu_k, out, lse, lse_rem,
-    b, lq, lk, nq, lse_strides, tables, lists, cfg, scale, band, softcap, sinks=None,
-    pack_heads=1,
-):  # fmt: skip
-    """query/key/value/out 4-D, mask/bias 4-D broadcast operands. Varlen: (1, total, H, D)
-    views, Lq/Lk the totals, cu_q/cu_k the cu_seqlens, and nq tiles of the longest sequence.
-    Key lists with packed rows: the kernel reads those instead of K, V and bias (PACKED)."""
+def _launch_forward(ops: Operands, saved: Saved, tables, lists, p: plan.Plan, opts: Options):
+    """attention_fwd_kernel over `ops` into saved's (out, lse, lse_rem), out (B, Lq, H, Dv)
+    (packed: its (1, total, H, Dv) view), by the plan's config, band and heads per program,
+    reading the tile tables or the key lists if any. Key lists with packed rows: the kernel
+    reads those instead of K, V and bias (PACKED)."""
+    query, mask, lse_strides = ops.query, ops.mask, ops.lse_strides
+    out, lse, lse_rem = saved
     h, d = query.shape[2], query.shape[3]
-    hkv, dv = key.shape[2], value.shape[3]
-    key, value, bias, compact = _key_operands(key, value, bias, lists)
-    attention_fwd_kernel[(nq, b * h // pack_heads)](
-        query, key, value, scored_mask(mask, lists), bias, seqused_k, cu_q, cu_k,
+    hkv, dv = ops.key.shape[2], ops.value.shape[3]
+    cfg, band, pack_heads = p.config, p.band, p.heads
+    nq = cdiv(ops.span_q, cfg.block_m // pack_heads)
+    key, value, bias, compact = _key_operands(ops.key, ops.value, ops.bias, lists)
+    scored = scored_mask(mask, lists)
+    attention_fwd_kernel[(nq, ops.b * h // pack_heads)](
+        query, key, value, scored, bias, ops.seqused_k, ops.cu_q, ops.cu_k,
         tables.kv_num if tables else None, tables.kv_idx if tables else None,
         tables.kv_int if tables else None,
         lists.keys if lists else None, lists.key_start if lists else None,
-        lists.key_end if lists else None, out, lse, lse_rem, sinks,
-        *batch_strides(query), *batch_strides(key), *batch_strides(value),
-        *operand_strides(mask), *operand_strides(bias), *batch_strides(out),
+        lists.key_end if lists else None, out, lse, lse_rem, ops.sinks,
+        *ops.strides(key, value, bias), *batch_strides(out),
         tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
-        h, h // hkv, lq, lk, d, dv, cdiv(lk, cfg.block_n),
-        head_div(mask, h, hkv), head_div(bias, h, hkv), float(scale), float(softcap),
+        h, h // hkv, ops.lq, ops.lk, d, dv, cdiv(ops.lk, cfg.block_n),
+        head_div(mask, h, hkv), head_div(bias, h, hkv), float(opts.scale), float(opts.softcap),
         *band.args(), **band.flags(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(query.dtype),
-        HAS_MASK=operand_kind(scored_mask(mask, lists)), HAS_BIAS=operand_kind(bias),
-        HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0, COMPACT=compact,
-        VARLEN=cu_q is not None, HAS_SINKS=sinks is not None, PACK_G=pack_heads,
+        HAS_MASK=operand_kind(scored), HAS_BIAS=operand_kind(bias),
+        HAS_SEQUSED=ops.seqused_k is not None, HAS_SOFTCAP=opts.softcap > 0, COMPACT=compact,
+        VARLEN=ops.varlen, HAS_SINKS=ops.sinks is not None, PACK_G=pack_heads,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -353,7 +420,7 @@ def backward(
     query, key, value = problem.query, problem.key, problem.value
     mask, bias, seqused_k, sinks = problem.mask, problem.bias, problem.seqused_k, problem.sinks
     out, lse, lse_rem = saved
-    scale, softcap = opts.scale, opts.softcap
+    scale = opts.scale
     b, lq, h, _ = query.shape
     lk, hkv = key.shape[1], key.shape[2]
     device = query.device
@@ -417,10 +484,8 @@ def backward(
     dk = empty(key.shape, dtype=key.dtype, device=device)
     dvv = empty(value.shape, dtype=value.dtype, device=device)
     dbias_cols = dbias_direct = dbias_bcast = None
-    col_strides = (h * lk, lk)
     if dbias_mode == "group":
         dbias_cols = empty((b, hkv, 1, lk), dtype=bias.dtype, device=device)
-        col_strides = (hkv * lk, lk)
     elif dbias_mode == "cols":
         dbias_cols = empty((b, h, lk), dtype=torch.float32, device=device)
     elif dbias_mode == "direct":
@@ -428,18 +493,14 @@ def backward(
     elif dbias_mode == "bcast":
         dbias_bcast = empty(bias.shape, dtype=bias.dtype, device=device)
 
+    ops = Operands.dense(problem, key, value)
+    rows = RowStats(stats, out, grad_lse, lse, lse_rem)
     _launch_backward(
-        query, key, value, grad_out, mask, bias, seqused_k, None, None,
-        RowStats(stats, out, grad_lse, lse, lse_rem), dq, dk, dvv, dbias_cols, dbias_direct,
-        b, lq, lk, lq, lk, (h * lq, lq), col_strides, tables, dq_tables, lists, lists, cfgs,
-        scale, band, softcap, group_cols=dbias_mode == "group", on_hopper=p.hopper,
-        pack_heads=p.heads, split=p.split,
+        ops, grad_out, rows, Grads(dq, dk, dvv, dbias_cols, dbias_direct), tables, dq_tables,
+        lists, lists, p, opts,
     )  # fmt: skip
     if dbias_bcast is not None:
-        _launch_dbias_bcast(
-            query, key, value, grad_out, mask, bias, seqused_k, stats, tables, dbias_bcast,
-            cfgs.dkdv, scale, band, softcap,
-        )  # fmt: skip
+        _launch_dbias_bcast(ops, grad_out, stats, tables, dbias_bcast, p, opts)
 
     if not compute_dbias:
         dbias = torch.empty((0,), dtype=query.dtype, device=device)
@@ -455,14 +516,13 @@ def backward(
     return Gradients(dq, dk, dvv, dbias, dsinks)
 
 
-def _launch_dbias_bcast(
-    query, key, value, grad_out, mask, bias, seqused_k, stats, tables, dbias, cfg, scale, band,
-    softcap,
-):  # fmt: skip
+def _launch_dbias_bcast(ops: Operands, grad_out, stats, tables, dbias, p: plan.Plan, opts):
     """dbias of a bias with query rows shared over batch and/or heads (plan "bcast"): one
     program per query tile of each bias (batch, head) sums dS over the query heads and batches
     that share it, reading the dk/dv kernel's tile tables (the plan keeps such calls off key
     lists) and the row statistics the dq kernel wrote."""
+    query, key, value, mask, bias = ops.query, ops.key, ops.value, ops.mask, ops.bias
+    cfg, band, scale, softcap = p.configs.dkdv, p.band, opts.scale, opts.softcap
     b, lq, h, d = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     g = h // hkv
@@ -480,12 +540,12 @@ def _launch_dbias_bcast(
     else:
         n_head, head_mul = h, 0
     attention_bwd_dbias_kernel[(nq, bb * hb)](
-        query, key, value, grad_out, mask, bias, seqused_k, stats,
+        query, key, value, grad_out, mask, bias, ops.seqused_k, stats,
         tables.active if tables else None, dbias, *strides,
         tables.stride_b if tables else 0, nq,
         h, g, hb, lq, lk, d, dv, nq, nk, n_batch, batch_mul, n_head, head_mul,
         head_div(mask, h, hkv), head_div(bias, h, hkv), float(scale), float(softcap),
-        *band.args(), HAS_MASK=operand_kind(mask), HAS_SEQUSED=seqused_k is not None,
+        *band.args(), HAS_MASK=operand_kind(mask), HAS_SEQUSED=ops.seqused_k is not None,
         HAS_SOFTCAP=softcap > 0, **_meta(cfg, d, dv, band, query.dtype),
     )  # fmt: skip
 
@@ -558,53 +618,68 @@ def _meta(cfg: Config, d: int, dv: int, band: Band, dtype: torch.dtype) -> dict:
     )  # fmt: skip
 
 
+class Grads(NamedTuple):
+    """The buffers the backward kernels write: dq, dk, dv in their inputs' layouts, and the
+    bias gradient as column sums (dbias_cols: float32 (B, H, Lk), or the gradient (B, Hkv, 1,
+    Lk) itself with the plan's "group" mode; packed: (H, total_k)) or per entry
+    (dbias_direct), or neither."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dbias_cols: torch.Tensor | None = None
+    dbias_direct: torch.Tensor | None = None
+
+    def col_strides(self, varlen: bool) -> tuple[int, int]:
+        """dbias_cols' (batch, head) strides; its keys are unit-strided."""
+        cols = self.dbias_cols
+        if cols is None:
+            return (0, 0)
+        return (0, cols.stride(0)) if varlen else (cols.stride(0), cols.stride(1))
+
+
 def _launch_backward(
-    query, key, value, grad_out, mask, bias, seqused_k, cu_q, cu_k, rows: RowStats,
-    dq, dk, dv, dbias_cols, dbias_direct, b, lq, lk, span_q, span_k, lse_strides, col_strides,
-    tables, dq_tables, lists, dkdv_lists, cfgs, scale, band, softcap, group_cols=False,
-    on_hopper=False, pack_heads=1, split=None,
+    ops: Operands, grad_out, rows: RowStats, grads: Grads, tables, dq_tables, lists,
+    dkdv_lists, p: plan.Plan, opts: Options,
 ):  # fmt: skip
     """The dq kernel, which also writes rows.stats, then the dk/dv kernels that read them, over
-    4-D views as in _launch_forward, with their own tile configs (cfgs: BackwardConfigs). The
-    grids cover span_q queries and span_k keys per batch
-    (Lq, Lk; varlen: the longest sequences). dkdv_lists is lists, or None where the mask is per
-    query head under GQA (one key list per KV group is needed). group_cols: dbias_cols is the
-    bias gradient (B, Hkv, 1, Lk) itself, summed over each KV group's heads by the kernels.
-    Key lists with packed rows (no DBIAS_DIRECT): the dq kernel reads those (PACKED); the
-    dk/dv kernels read key, value and bias through the lists, or (on_hopper) hopper.py's dK/dV
-    kernel reads the packed rows."""
+    `ops` as in _launch_forward, with the plan's backward configs (p.configs: BackwardConfigs).
+    dkdv_lists is lists, or None where the mask is per query head under GQA (one key list per
+    KV group is needed). The plan's "group" dbias mode: grads.dbias_cols is the bias gradient
+    (B, Hkv, 1, Lk) itself, summed over each KV group's heads by the kernels. Key lists with
+    packed rows (no DBIAS_DIRECT): the dq kernel reads those (PACKED); the dk/dv kernels read
+    key, value and bias through the lists, or (p.hopper) hopper.py's dK/dV kernel reads the
+    packed rows."""
+    query, mask, bias, cu_q = ops.query, ops.mask, ops.bias, ops.cu_q
+    b, lq, lk, span_q, span_k = ops.b, ops.lq, ops.lk, ops.span_q, ops.span_k
+    dq, dk, dv, dbias_cols, dbias_direct = grads
     h, d = query.shape[2], query.shape[3]
-    hkv, d_v = key.shape[2], value.shape[3]
-    kv, qc = cfgs.dkdv, cfgs.dq
-
-    def strides_with(key, value, bias):
-        return (
-            *batch_strides(query), *batch_strides(key), *batch_strides(value),
-            *batch_strides(grad_out),
-            *operand_strides(mask), *operand_strides(bias),
-        )  # fmt: skip
-
-    strides = strides_with(key, value, bias)
+    hkv, d_v = ops.key.shape[2], ops.value.shape[3]
+    kv, qc, band, pack_heads = p.configs.dkdv, p.configs.dq, p.band, p.heads
+    group_cols, on_hopper = p.dbias == "group", p.hopper
+    scale, softcap = float(opts.scale), float(opts.softcap)
+    lse_strides, col_strides = ops.lse_strides, grads.col_strides(ops.varlen)
     mask_div, bias_div = head_div(mask, h, hkv), head_div(bias, h, hkv)
     flags = dict(
-        HAS_BIAS=operand_kind(bias), HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0,
-        VARLEN=cu_q is not None,
+        HAS_BIAS=operand_kind(bias), HAS_SEQUSED=ops.seqused_k is not None,
+        HAS_SOFTCAP=softcap > 0, VARLEN=ops.varlen,
     )  # fmt: skip
     nq = cdiv(span_q, qc.block_m // pack_heads)
-    dq_key, dq_value, dq_bias, compact = _key_operands(key, value, bias, lists)
+    dq_key, dq_value, dq_bias, compact = _key_operands(ops.key, ops.value, bias, lists)
     attention_bwd_dq_kernel[(nq, b * h // pack_heads)](
         query, dq_key, dq_value, grad_out, scored_mask(mask, lists), dq_bias,
-        seqused_k, cu_q, cu_k, rows.stats, rows.out, rows.grad_lse, rows.lse, rows.lse_rem,
+        ops.seqused_k, cu_q, ops.cu_k, rows.stats, rows.out, rows.grad_lse, rows.lse,
+        rows.lse_rem,
         dq_tables.kv_num if dq_tables else None, dq_tables.kv_idx if dq_tables else None,
         dq_tables.kv_int if dq_tables else None,
         lists.keys if lists else None, lists.key_start if lists else None,
         lists.key_end if lists else None, dq, dbias_direct,
-        *strides_with(dq_key, dq_value, dq_bias), *batch_strides(rows.out),
+        *ops.strides(dq_key, dq_value, dq_bias, grad_out), *batch_strides(rows.out),
         *operand_strides(rows.grad_lse)[:3] if rows.grad_lse is not None else (0, 0, 0),
         dq_tables.stride_b if dq_tables else (lists.end_stride_b if lists else 0), nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
         h, h // hkv, lq, lk, d, d_v, cdiv(span_k, qc.block_n), mask_div,
-        head_div(dq_bias, h, hkv), float(scale), float(softcap), *band.args(),
+        head_div(dq_bias, h, hkv), scale, softcap, *band.args(),
         HAS_MASK=operand_kind(scored_mask(mask, lists)),
         DBIAS_DIRECT=dbias_direct is not None, COMPACT=compact,
         HAS_GRAD_LSE=rows.grad_lse is not None, PACK_G=pack_heads, **flags,
@@ -613,6 +688,7 @@ def _launch_backward(
 
     nk = hopper.dkdv_programs(lk) if on_hopper else cdiv(span_k, kv.block_n)
     g = h // hkv
+    split = p.split
     if cu_q is not None:
         split = 1  # packed sequences: one program per key tile and KV head
     elif split is not None:
@@ -642,18 +718,18 @@ def _launch_backward(
         )  # fmt: skip
     else:
         attention_bwd_dkdv_kernel[(nk, b * hkv * split)](
-            query, key, value, grad_out, scored_mask(mask, dkdv_lists), bias,
-            seqused_k, cu_q, cu_k, rows.stats,
+            query, ops.key, ops.value, grad_out, scored_mask(mask, dkdv_lists), bias,
+            ops.seqused_k, cu_q, ops.cu_k, rows.stats,
             tables.q_num if tables else None, tables.q_idx if tables else None,
             tables.q_lo if tables else None, tables.q_hi if tables else None,
             dkdv_lists.keys if dkdv_lists else None, dkdv_lists.key_count if dkdv_lists else None,
-            dk, dv, dbias_cols, part_dk, part_dv, part_db, *strides,
+            dk, dv, dbias_cols, part_dk, part_dv, part_db, *ops.strides(grad_out=grad_out),
             tables.stride_bt if tables else 0, nk,
             dkdv_lists.keys_stride_b if dkdv_lists else 0,
             dkdv_lists.keys_stride_h if dkdv_lists else 0,
             dkdv_lists.count_stride_b if dkdv_lists else 0, *lse_strides, *col_strides,
             h, hkv, g, lq, lk, d, d_v, cdiv(span_q, kv.block_m), mask_div, bias_div,
-            float(scale), float(softcap), split, *band.args(),
+            scale, softcap, split, *band.args(),
             HAS_MASK=operand_kind(scored_mask(mask, dkdv_lists)),
             DBIAS_COLS=dbias_cols is not None, GROUP_COLS=group_cols,
             COMPACT=dkdv_lists is not None, ZERO_UNLISTED=zero_unlisted, PARTIAL=split > 1,
@@ -735,31 +811,24 @@ def _varlen_empty(total_q, h, dv, query):
 def _varlen_forward(problem: Problem, opts: Options, p: plan.Plan):
     """out (total_q, H, Dv), lse and lse_rem float32 (H, total_q) of packed sequences. Rows of
     out and lse outside every sequence are 0 and -inf."""
-    query, key, value = problem.query, problem.key, problem.value
-    mask, bias, cu_q, cu_k = problem.mask, problem.bias, problem.cu_seqlens_q, problem.cu_seqlens_k
+    query, value = problem.query, problem.value
+    mask, cu_q, cu_k = problem.mask, problem.cu_seqlens_q, problem.cu_seqlens_k
     if p.route == PYTORCH:
         return chunked.varlen_forward(problem, opts)
     total_q, h, _ = query.shape
-    total_k, dv = key.shape[0], value.shape[2]
+    dv = value.shape[2]
     # Written in full: rows outside every sequence are never visited by a kernel.
     out, lse, lse_rem = _varlen_empty(total_q, h, dv, query)
     if p.route == EMPTY:
         return out, lse, lse_rem
-    b = problem.batch
-    max_q = min(problem.max_seqlen_q, total_q)
-    cfg = p.config
-    nq = cdiv(max_q, cfg.block_m)
+    ops = Operands.packed(problem)
     lists = None
     if mask is not None:
+        nq = cdiv(ops.span_q, p.config.block_m)
         lists = build_varlen_key_lists(
-            mask, cu_q, cu_k, total_q, nq, p.band, cfg.block_m,
-            min(problem.max_seqlen_k, total_k),
-        )  # fmt: skip
-    _launch_forward(
-        query[None], key[None], value[None], _varlen_operand(mask), _varlen_operand(bias),
-        None, cu_q, cu_k, out[None], lse, lse_rem, b, total_q, total_k, nq, (0, total_q),
-        None, lists, cfg, opts.scale, p.band, opts.softcap,
-    )  # fmt: skip
+            mask, cu_q, cu_k, total_q, nq, p.band, p.config.block_m, ops.span_k
+        )
+    _launch_forward(ops, Saved(out[None], lse, lse_rem), None, lists, p, opts)
     return out, lse, lse_rem
 
 
@@ -793,27 +862,23 @@ def _varlen_backward(
     if compute_dbias:
         dbias_cols = torch.zeros((h, total_k), dtype=torch.float32, device=device)
     if p.route != EMPTY:
-        b = problem.batch
-        max_q = min(problem.max_seqlen_q, total_q)
-        max_k = min(problem.max_seqlen_k, total_k)
-        cfgs, band = p.configs, p.band
+        ops = Operands.packed(problem)
         lists = None
         if mask is not None:
-            block_m = cfgs.dq.block_m
-            nq = cdiv(max_q, block_m)
-            lists = build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, band, block_m, max_k)
-        dkdv_lists = lists if compactable(_varlen_operand(mask), h, hkv) else None
+            block_m = p.configs.dq.block_m
+            nq = cdiv(ops.span_q, block_m)
+            lists = build_varlen_key_lists(
+                mask, cu_q, cu_k, total_q, nq, p.band, block_m, ops.span_k
+            )
+        dkdv_lists = lists if compactable(ops.mask, h, hkv) else None
         # Rows outside every sequence are never written nor read.
         stats = empty((h, total_q, 4), dtype=torch.float32, device=device)
         rows = RowStats(
             stats, out[None], None if grad_lse is None else grad_lse[None], lse, lse_rem
         )
         _launch_backward(
-            query[None], key[None], value[None], grad_out[None], _varlen_operand(mask),
-            _varlen_operand(bias), None, cu_q, cu_k, rows,
-            dq, dk, dvv, dbias_cols, None, b, total_q, total_k, max_q, max_k,
-            (0, total_q), (0, total_k), None, None, lists, dkdv_lists, cfgs, opts.scale, band,
-            opts.softcap,
+            ops, grad_out[None], rows, Grads(dq, dk, dvv, dbias_cols), None, None, lists,
+            dkdv_lists, p, opts,
         )  # fmt: skip
     if not compute_dbias:
         return Gradients(dq, dk, dvv, torch.empty((0,), dtype=query.dtype, device=device), no_sinks)

@@ -426,6 +426,36 @@ def plan(
     return made
 
 
+_FUSED: dict = {}
+_UNDECIDED = object()
+
+
+def fused_kernel(problem: Problem, opts: Options, both: bool) -> str | None:
+    """The fused kernel (sdpa.CUDNN or sdpa.FLASH) where the plan puts this dense call's
+    forward, and with `both` its backward on the same kernel; None where it puts either
+    elsewhere. The eager fast path (api._fused_eager) reads this one cached answer, keyed as the
+    plans are, instead of looking up both plans."""
+    signature = problem.signature()
+    key = None
+    if signature is not None:
+        key = (signature, opts, both, options.tuning(opts.kernel), _globals())
+        found = _FUSED.get(key, _UNDECIDED)
+        if found is not _UNDECIDED:
+            return found
+    forward = plan(problem, opts)
+    fused = (sdpa.CUDNN, sdpa.FLASH)
+    found = forward.fused if forward.route == SDPA and forward.fused in fused else None
+    if found is not None and both:
+        backward = plan(problem, opts, BACKWARD)
+        if backward.route != SDPA or backward.fused != found:
+            found = None
+    if key is not None:
+        if len(_FUSED) >= _CACHE_SIZE:
+            _FUSED.clear()
+        _FUSED[key] = found
+    return found
+
+
 def explain(
     problem: Problem, opts: Options, direction: str, *, grad_lse=False, compute_dbias=False
 ) -> dict:

@@ -145,22 +145,28 @@ def check_call(call: dict, fn: str, values: bool = True) -> Problem:
     returns its problem."""
     problem = problem_of(call)
     check_window(call.get("window_size", (-1, -1)), fn)
-    q, k, v = problem.query, problem.key, problem.value
-    mask, bias, scale, softcap = problem.mask, problem.bias, call.get("scale"), call.get("softcap")
+    scale, softcap = call.get("scale"), call.get("softcap")
     if problem.varlen:
-        cu_q, cu_k = problem.cu_seqlens_q, problem.cu_seqlens_k
-        max_q, max_k = problem.max_seqlen_q, problem.max_seqlen_k
-        check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, scale, softcap, fn=fn)
+        check_varlen_inputs(problem, scale, softcap, fn)
         if values:
-            check_cu_seqlens_values(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k, fn)
+            check_cu_seqlens_values(
+                problem.cu_seqlens_q, problem.cu_seqlens_k, problem.lq, problem.lk,
+                problem.max_seqlen_q, problem.max_seqlen_k, fn,
+            )  # fmt: skip
     else:
-        check_inputs(q, k, v, mask, bias, problem.seqused_k, scale, softcap, fn=fn)
-        check_sinks(problem.sinks, q, fn)
+        check_inputs(problem, scale, softcap, fn)
+        check_sinks(problem.sinks, problem.query, fn)
         if values:
-            check_seqused_k_values(problem.seqused_k, k.shape[1], fn)
-            check_sinks_values(problem.sinks, fn)
+            check_values(problem, fn)
     options.decode(call.get("kernel_options"), fn)
     return problem
+
+
+def check_values(problem: Problem, fn: str) -> None:
+    """The checks of a dense or seqused_k call that read tensor values (seqused_k's range, the
+    sinks'), which fake tensors do not have."""
+    check_seqused_k_values(problem.seqused_k, problem.lk, fn)
+    check_sinks_values(problem.sinks, fn)
 
 
 # Backend kernels.
@@ -375,6 +381,7 @@ class Spec:
     max_seqlen_k: int = 0
     direct: bool = False
     kept: launch.KeptLists | None = field(default=None, compare=False)
+    checked: bool = field(default=False, compare=False)  # validated by the caller (attend)
 
     def problem(self, tensors: dict) -> Problem:
         return Problem(*(tensors[name] for name in INPUTS), self.max_seqlen_q, self.max_seqlen_k)
@@ -388,14 +395,14 @@ class AttentionFunction(torch.autograd.Function):
     def forward(*args):
         spec = args[-1]
         problem = spec.problem(dict(zip(INPUTS, args)))
-        call = values_of(problem, spec.options)
         if spec.direct:
             # What the forward op's CPU/CUDA kernel does (forward_kernel), without the
             # dispatcher's hops on the way there.
-            check_call(call, spec.ops.fn)
+            if not spec.checked:
+                check_call(values_of(problem, spec.options), spec.ops.fn)
             return tuple(launch.forward(problem, spec.options, spec.kept))
         op = spec.ops.forward
-        return op(*unbind(op, call))
+        return op(*unbind(op, values_of(problem, spec.options)))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -541,22 +548,53 @@ def _differentiable_kernel(ops: Op, public: bool):
         call = bind(op, args, kwargs)
         tensors = [call.get(name) for name in INPUTS]
         direct = plain_eager(tensors)
-        if _needs_grad(call["query"], call["key"], call["value"], call["bias"], call.get("sinks")):
-            check_window(call["window_size"], ops.fn)
-            opts = options_of(call)
-            kept = launch.KeptLists() if direct and not saved_tensor_hooks_active() else None
-            spec = Spec(
-                opts, ops, call.get("max_seqlen_q", 0), call.get("max_seqlen_k", 0), direct, kept
-            )
-            result = _apply(AttentionFunction, *tensors, spec)
-            return result[0] if public else result
         if direct:
-            saved = launch.forward(check_call(call, ops.fn), options_of(call))
-            return saved.out if public else tuple(saved)
+            problem = check_call(call, ops.fn)
+            return _run(ops, problem, options_of(call), public, True, checked=True)
+        if _needs_grad(*_differentiable(tensors)):
+            check_window(call["window_size"], ops.fn)
+            return _run(ops, problem_of(call), options_of(call), public, False, checked=False)
         with below_autograd():
             return op.redispatch(keyset & AFTER_AUTOGRAD_KEYSET, *args, **kwargs)
 
     return kernel
+
+
+def _differentiable(tensors: list) -> tuple:
+    """query, key, value, bias and sinks of an INPUTS-ordered list."""
+    return tensors[0], tensors[1], tensors[2], tensors[4], tensors[5]
+
+
+def _run(ops: Op, problem: Problem, opts: Options, public: bool, direct: bool, checked: bool):
+    """The Autograd kernels' work for a call that wants a gradient or is plain eager (direct):
+    AttentionFunction where a gradient is wanted, else (direct calls only) the forward's
+    kernels. checked: the call was validated by the caller, and AttentionFunction's forward
+    validates it again where not (it runs the forward op, which validates, unless direct)."""
+    tensors = (
+        problem.query, problem.key, problem.value, problem.mask, problem.bias, problem.sinks,
+        problem.seqused_k, problem.cu_seqlens_q, problem.cu_seqlens_k,
+    )  # fmt: skip
+    if _needs_grad(*_differentiable(tensors)):
+        kept = launch.KeptLists() if direct and not saved_tensor_hooks_active() else None
+        spec = Spec(opts, ops, problem.max_seqlen_q, problem.max_seqlen_k, direct, kept, checked)
+        result = _apply(AttentionFunction, *tensors, spec)
+        return result[0] if public else result
+    saved = launch.forward(problem, opts)
+    return saved.out if public else tuple(saved)
+
+
+def attend(problem: Problem, opts: Options, public: bool):
+    """A plain eager (plain_eager) dense or seqused_k call that api.attention has validated
+    (shapes, window, sinks' shape, kernel options) as dmattn::attention (public) or
+    dmattn::attention_forward would run it: their Autograd kernel's work without the
+    dispatcher's hop to it and without validating the call again; the checks that read values
+    run here. Under torch.profiler the call is recorded under the op's name."""
+    check_values(problem, DENSE_OPS.fn)
+    if not torch.autograd._profiler_enabled():
+        return _run(DENSE_OPS, problem, opts, public, True, checked=True)
+    name = DENSE_OPS.public.name() if public else DENSE_OPS.forward.name()
+    with torch.profiler.record_function(name):
+        return _run(DENSE_OPS, problem, opts, public, True, checked=True)
 
 
 def _backward_autograd(ops: Op):
