@@ -551,18 +551,13 @@ def _differentiable_kernel(ops: Op, public: bool):
         if direct:
             problem = check_call(call, ops.fn)
             return _run(ops, problem, options_of(call), public, True, checked=True)
-        if _needs_grad(*_differentiable(tensors)):
+        if _needs_grad(call["query"], call["key"], call["value"], call["bias"], call.get("sinks")):
             check_window(call["window_size"], ops.fn)
             return _run(ops, problem_of(call), options_of(call), public, False, checked=False)
         with below_autograd():
             return op.redispatch(keyset & AFTER_AUTOGRAD_KEYSET, *args, **kwargs)
 
     return kernel
-
-
-def _differentiable(tensors: list) -> tuple:
-    """query, key, value, bias and sinks of an INPUTS-ordered list."""
-    return tensors[0], tensors[1], tensors[2], tensors[4], tensors[5]
 
 
 def _run(ops: Op, problem: Problem, opts: Options, public: bool, direct: bool, checked: bool):
@@ -574,7 +569,7 @@ def _run(ops: Op, problem: Problem, opts: Options, public: bool, direct: bool, c
         problem.query, problem.key, problem.value, problem.mask, problem.bias, problem.sinks,
         problem.seqused_k, problem.cu_seqlens_q, problem.cu_seqlens_k,
     )  # fmt: skip
-    if _needs_grad(*_differentiable(tensors)):
+    if _needs_grad(problem.query, problem.key, problem.value, problem.bias, problem.sinks):
         kept = launch.KeptLists() if direct and not saved_tensor_hooks_active() else None
         spec = Spec(opts, ops, problem.max_seqlen_q, problem.max_seqlen_k, direct, kept, checked)
         result = _apply(AttentionFunction, *tensors, spec)
