@@ -69,10 +69,10 @@ def _fused_eager(query, key, value, scale, is_causal: bool, deterministic: bool)
     problem = Problem(query, key, value)
     opts = Options(scale, is_causal, deterministic=deterministic)
     grads = query.requires_grad or key.requires_grad or value.requires_grad
-    fused = plan.fused_kernel(problem, opts, both=grads and torch.is_grad_enabled())
+    fused, native = plan.fused_kernel(problem, opts, both=grads and torch.is_grad_enabled())
     if fused is None:
         return None
-    return sdpa.attention(query, key, value, scale, is_causal, fused)
+    return sdpa.attention(query, key, value, scale, is_causal, fused, native)
 
 
 def attention(

@@ -207,13 +207,15 @@ def test_lse_gradient_and_deterministic_take_our_backward(dispatch_on, sinks):
 
 @pytest.fixture
 def eager_calls(monkeypatch):
-    """The kernels the eager fast path (api._fused_eager) ran, one entry per call."""
+    """The kernels the eager fast path (api._fused_eager) ran, one entry per call: "cudnn" or
+    "flash" where it went through scaled_dot_product_attention itself (the kernel SDPA picks),
+    "cudnn (aten)" or "flash (aten)" where it called the aten op."""
     calls = []
     real = sdpa.attention
 
-    def spy(*args):
-        calls.append(args[-1])
-        return real(*args)
+    def spy(query, key, value, scale, is_causal, which, native):
+        calls.append(which if native else f"{which} (aten)")
+        return real(query, key, value, scale, is_causal, which, native)
 
     monkeypatch.setattr(sdpa, "attention", spy)
     return calls
@@ -232,7 +234,8 @@ def test_plain_eager_dense_calls_run_the_aten_op_under_pytorchs_autograd(
     dispatch_on, eager_calls, c, is_causal, which
 ):
     """Where the plan puts both passes on a fused kernel, a plain eager call runs that aten op
-    under PyTorch's own autograd (no ops, no Python autograd node): the oracle's values."""
+    under PyTorch's own autograd (no ops, no Python autograd node): the oracle's values. With
+    SDPA held to that kernel (sdpa_kernel), SDPA's own call reaches it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if is_causal and c.lq != c.lk:

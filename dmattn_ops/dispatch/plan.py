@@ -430,11 +430,12 @@ _FUSED: dict = {}
 _UNDECIDED = object()
 
 
-def fused_kernel(problem: Problem, opts: Options, both: bool) -> str | None:
-    """The fused kernel (sdpa.CUDNN or sdpa.FLASH) where the plan puts this dense call's
-    forward, and with `both` its backward on the same kernel; None where it puts either
-    elsewhere. The eager fast path (api._fused_eager) reads this one cached answer, keyed as the
-    plans are, instead of looking up both plans."""
+def fused_kernel(problem: Problem, opts: Options, both: bool) -> tuple[str | None, bool]:
+    """(kernel, native): the fused kernel (sdpa.CUDNN or sdpa.FLASH) where the plan puts this
+    dense call's forward, and with `both` its backward on the same kernel, None where it puts
+    either elsewhere; native: that kernel is the one scaled_dot_product_attention itself picks
+    (sdpa.picks). The eager fast path (api._fused_eager) reads this one cached answer, keyed as
+    the plans are, instead of looking up both plans."""
     signature = problem.signature()
     key = None
     if signature is not None:
@@ -449,6 +450,10 @@ def fused_kernel(problem: Problem, opts: Options, both: bool) -> str | None:
         backward = plan(problem, opts, BACKWARD)
         if backward.route != SDPA or backward.fused != found:
             found = None
+    native = found is not None and sdpa.picks(
+        problem.query, problem.key, problem.value, opts.is_causal, found
+    )
+    found = (found, native)
     if key is not None:
         if len(_FUSED) >= _CACHE_SIZE:
             _FUSED.clear()

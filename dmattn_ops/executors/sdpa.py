@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from dmattn_ops.core._compat import fused_sdp_choice, is_fake
 from dmattn_ops.core.band import UNBOUNDED, Band
@@ -71,7 +72,9 @@ window_merge_kernel = LazyKernel(_kernels, "window_merge_kernel")
 DTYPES = (torch.float16, torch.bfloat16)
 FLASH, CUDNN = "flash", "cudnn"
 GRAPHS = "cudnn-graphs"  # a window on cuDNN's own graphs (cudnn_graphs.py), chosen by `route`
-_CUDNN_CHOICE = 3  # torch.nn.attention.SDPBackend.CUDNN_ATTENTION, as _fused_sdp_choice returns it
+# torch.nn.attention.SDPBackend's FLASH_ATTENTION and CUDNN_ATTENTION, as _fused_sdp_choice
+# returns them
+_FLASH_CHOICE, _CUDNN_CHOICE = 1, 3
 _CUDNN_MAX_HEAD_DIM = 128  # cuDNN's backward on Hopper; larger head dims go to flash
 
 
@@ -274,15 +277,33 @@ def _fused(query, key, value, scale, is_causal, which):
     return out.transpose(1, 2), lse
 
 
-def attention(query, key, value, scale, is_causal, which):
+def attention(query, key, value, scale, is_causal, which, native=False):
     """out (B, Lq, H, D) of a dense call through the kernel `which`, as a differentiable call of
     the aten op: PyTorch's own autograd formula (a C++ node) runs its backward kernel, the one
     `backward` calls. The eager fast path (api.py) takes this where the plan puts both passes
     of a plain eager call here, for the same kernels without the ops' Python autograd node: on
-    two H200 hosts our dense forward+backward's host time went from 2.7x SDPA's to 1.2-1.5x."""
+    two H200 hosts our dense forward+backward's host time went from 2.7x SDPA's to 1.2-1.5x.
+    native: `which` is the kernel scaled_dot_product_attention itself picks for these tensors
+    (picks), whose one C++ call then reaches that aten op with less host time than a Python
+    call of the op does."""
+    if native:
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+            is_causal=bool(is_causal), scale=float(scale),
+            enable_gqa=query.shape[2] != key.shape[2],
+        ).transpose(1, 2)  # fmt: skip
+    else:
+        out = _fused(query, key, value, scale, is_causal, which)[0]
     # Both kernels write (B, Lq, H, D) rows: the transposed view is contiguous, as the ops'
     # outputs are (contiguous() adds no copy and no autograd node then).
-    return _fused(query, key, value, scale, is_causal, which)[0].contiguous()
+    return out.contiguous()
+
+
+def picks(query, key, value, is_causal: bool, which: str) -> bool:
+    """Whether scaled_dot_product_attention itself runs the kernel `which` for these real (B, L,
+    H, D) tensors (the plan may pick flash where SDPA would pick cuDNN: head dims above 128)."""
+    choice = _choice_of(query, key, value, bool(is_causal))
+    return choice == (_CUDNN_CHOICE if which == CUDNN else _FLASH_CHOICE)
 
 
 def _backward(grad_out, query, key, value, out, lse, scale, is_causal, which):
