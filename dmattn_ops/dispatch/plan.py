@@ -33,6 +33,7 @@ what the backward changes (the fused route's conditions, packing, dbias, its ker
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -201,8 +202,21 @@ class _Pass:
     deterministic: bool = False
 
 
-def _sdpa(problem: Problem, opts: Options, tuning, p: _Pass):
-    """(fused kernel, chunk, tail, reasons) of the SDPA route for this pass."""
+class _Fused(NamedTuple):
+    """The SDPA route's decisions for one pass (Plan.fused, chunk, tail), or why it cannot take
+    the pass (reasons)."""
+
+    kernel: str | None
+    chunk: int | None
+    tail: int
+    reasons: list
+
+
+_NOT_FUSED = _Fused(None, None, 0, [])
+
+
+def _sdpa(problem: Problem, opts: Options, tuning, p: _Pass) -> _Fused:
+    """The SDPA route for this pass (_Fused)."""
     found = []
     if problem.varlen:
         found.append("packed sequences (cu_seqlens)")
@@ -211,7 +225,7 @@ def _sdpa(problem: Problem, opts: Options, tuning, p: _Pass):
     if p.direction == BACKWARD and p.deterministic:
         found.append("deterministic: the fused backwards accumulate dq with atomics")
     if found:
-        return None, None, 0, found
+        return _Fused(None, None, 0, found)
     query, key, value = problem.query, problem.key, problem.value
     band = opts.band
     graphs, chunk, found = sdpa.window_route(
@@ -219,18 +233,18 @@ def _sdpa(problem: Problem, opts: Options, tuning, p: _Pass):
         tuning.graph_window_min_keys,
     )  # fmt: skip
     if found:
-        return None, None, 0, found
+        return _Fused(None, None, 0, found)
     which, found = sdpa.choose(problem, opts, tuning.fused_sdpa)
     if which is None or not band.has_window:
-        return which, None, 0, found
+        return _Fused(which, None, 0, found)
     backward = p.direction == BACKWARD
     if graphs and sdpa.graphs_take(
         query, key, value, band, which, backward, tuning.graph_window_min_keys
     ):
-        return sdpa.GRAPHS, None, 0, []
+        return _Fused(sdpa.GRAPHS, None, 0, [])
     if chunk is None:
-        return None, None, 0, ["cuDNN's graphs do not build this window"]
-    return which, chunk, query.shape[1] % chunk, []
+        return _Fused(None, None, 0, ["cuDNN's graphs do not build this window"])
+    return _Fused(which, chunk, query.shape[1] % chunk, [])
 
 
 def _decode_reasons(problem: Problem, p: _Pass) -> list[str]:
@@ -278,7 +292,7 @@ def _mask_reasons(route: str, problem: Problem, p: _Pass) -> list[str]:
 def reasons(route: str, problem: Problem, opts: Options, tuning, p: _Pass) -> list[str]:
     """Why `route` cannot compute this pass; empty when it can."""
     if route == SDPA:
-        return _sdpa(problem, opts, tuning, p)[3]
+        return _sdpa(problem, opts, tuning, p).reasons
     if route == PYTORCH:
         return []
     found = _triton_reasons(problem.query)
@@ -307,12 +321,12 @@ def _key_reads(route: str, pack: bool) -> str | None:
     return "packed" if pack else "listed"
 
 
-def _choose(problem: Problem, opts: Options, tuning, p: _Pass, first=None) -> tuple[str, tuple]:
-    """(route, SDPA's (fused, chunk, tail)): the forced route, or the first that applies,
+def _choose(problem: Problem, opts: Options, tuning, p: _Pass, first=None) -> tuple[str, _Fused]:
+    """(route, the SDPA route's _Fused): the forced route, or the first that applies,
     trying `first` (the forward's route, for a backward) before the others: a route ahead of it
     that refused the forward refuses the backward too."""
     if problem.empty:
-        return EMPTY, (None, None, 0)
+        return EMPTY, _NOT_FUSED
     forced = tuning.route
     if forced == DECODE and p.direction == BACKWARD:
         forced = None  # the decode kernel is forward only: its backward plans as without it
@@ -320,11 +334,11 @@ def _choose(problem: Problem, opts: Options, tuning, p: _Pass, first=None) -> tu
     for route in (forced,) if forced else order:
         if route == SDPA:
             fused = _sdpa(problem, opts, tuning, p)
-            found = fused[3]
+            found = fused.reasons
         else:
-            fused, found = (None, None, 0, []), reasons(route, problem, opts, tuning, p)
+            fused, found = _NOT_FUSED, reasons(route, problem, opts, tuning, p)
         if not found:
-            return route, fused[:3]
+            return route, fused
         if forced:
             raise ValueError(
                 f"dmattn: kernel option route={forced!r} cannot compute this call's "
@@ -335,7 +349,7 @@ def _choose(problem: Problem, opts: Options, tuning, p: _Pass, first=None) -> tu
 
 def _plan(problem: Problem, opts: Options, tuning, p: _Pass, first: str | None) -> Plan:
     band = opts.band
-    route, (fused, chunk, tail) = _choose(problem, opts, tuning, p, first)
+    route, (fused, chunk, tail, _) = _choose(problem, opts, tuning, p, first)
     if route in (EMPTY, PYTORCH, SDPA, DECODE, VARLEN):
         plan = Plan(route, band, p.direction, fused, chunk, tail, tuning=tuning)
         if route == DECODE:
@@ -415,7 +429,7 @@ def plan(
             return found
     first = None
     if direction == BACKWARD and key is not None:
-        forward = _CACHE.get((signature, opts, tuning, _Pass(FORWARD), key[4]))
+        forward = _CACHE.get((signature, opts, tuning, _Pass(FORWARD), key[-1]))
         first = forward.route if forward is not None else None
     calls["decided"] += 1
     made = _plan(problem, opts, tuning, p, first)

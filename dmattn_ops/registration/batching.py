@@ -137,12 +137,16 @@ def _backward_vmap(info, in_dims, *args, **kwargs):
 class _VarlenFold:
     """The folded operands of one vmapped varlen call."""
 
-    def __init__(self, n: int, query, key, cu_q, cu_k, max_q, max_k, dims):
-        """dims: the vmapped dims of query, key, cu_q and cu_k."""
+    def __init__(self, n: int, call: dict, dims: dict):
+        """call: the bound call; dims: its arguments' vmapped dims, by name."""
+        query, key = call["query"], call["key"]
+        cu_q, cu_k = call["cu_seqlens_q"], call["cu_seqlens_k"]
+        max_q, max_k = call["max_seqlen_q"], call["max_seqlen_k"]
         self.n = n
-        self.tq, self.tk = _per_sample_rows(query, dims[0]), _per_sample_rows(key, dims[1])
-        self.cu_q = self._offsets(cu_q, dims[2], self.tq)
-        self.cu_k = self._offsets(cu_k, dims[3], self.tk)
+        self.tq = _per_sample_rows(query, dims["query"])
+        self.tk = _per_sample_rows(key, dims["key"])
+        self.cu_q = self._offsets(cu_q, dims["cu_seqlens_q"], self.tq)
+        self.cu_k = self._offsets(cu_k, dims["cu_seqlens_k"], self.tk)
         ends_k = self.cu_k.view(n, -1)[:, -1] - torch.arange(n, device=key.device) * self.tk
         key_pos = torch.arange(self.tk, device=key.device)
         self.in_sequence = (key_pos[None, :] < ends_k[:, None]).reshape(1, n * self.tk)
@@ -186,11 +190,7 @@ def _per_sample_rows(t, dim) -> int:
 def _fold_varlen(info, op, in_dims, args, kwargs, rows=(), columns=()):
     """(folded call, fold) of a varlen op's call: its N samples as one packed batch."""
     call, dims = _bound(op, in_dims, args, kwargs)
-    names = ("query", "key", "cu_seqlens_q", "cu_seqlens_k")
-    f = _VarlenFold(
-        info.batch_size, call["query"], call["key"], call["cu_seqlens_q"], call["cu_seqlens_k"],
-        call["max_seqlen_q"], call["max_seqlen_k"], tuple(dims[name] for name in names),
-    )  # fmt: skip
+    f = _VarlenFold(info.batch_size, call, dims)
     folded = dict(
         call, cu_seqlens_q=f.cu_q, cu_seqlens_k=f.cu_k, max_seqlen_q=f.max_q,
         max_seqlen_k=f.max_k, mask=f.mask(call["mask"], dims["mask"]),
