@@ -181,6 +181,24 @@ def test_dispatch_modes_see_the_forward_and_backward_ops():
     torch.testing.assert_close(out, plain[0].detach(), rtol=0, atol=0)
 
 
+def test_the_profiler_sees_the_op_of_a_plain_eager_call():
+    """A plain eager dmattn_ops.attention call runs the op's work without the dispatcher's hop
+    (ops.attend); torch.profiler still records it under the op's name, with and without a
+    gradient, and the lower op's where lse is returned."""
+    _, (q, k, v, mask, bias), kw = SAMPLES[2]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, bias)]
+    calls = {
+        "dmattn::attention": lambda: dmattn_ops.attention(*leaves[:3], mask, leaves[3], **kw),
+        "dmattn::attention_forward": lambda: dmattn_ops.attention(
+            q, k, v, mask, bias, return_lse=True, **kw
+        ),
+    }
+    for name, call in calls.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            call()
+        assert name in {e.name for e in prof.events()}, name
+
+
 # torch.compile
 
 
