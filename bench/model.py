@@ -33,7 +33,8 @@ is host time the GPU waited for).
 
 ``host``: the host time to issue one call (20 calls without synchronising, queued behind a
 sleep kernel so that the GPU never waits on them: wall time / 20; the min and the median of 9
-such rounds, as one round varies up to 2x on a shared host) beside its GPU time, for
+such rounds, as one round varies up to 2x on a shared host, the rounds of all kinds
+alternating so that their ratios hold as the host drifts) beside its GPU time, for
 PyTorch's SDPA and for our op with dense, bias-only, mask-only and DMA operands, forward and
 forward+backward. When host time exceeds GPU time the GPU idles, and a compiled model in the
 default mode (no CUDA graphs) pays it on every call.
@@ -389,38 +390,59 @@ def _sleep_cycles(ms: float) -> int:
     return int(ms * clock_khz)
 
 
-def host_ms(fn, calls=20, rounds=ROUNDS) -> tuple[float, float, bool]:
-    """(min, median, waited) of the host ms per call over `rounds` rounds of `calls` calls, each
-    round queued behind a sleep kernel: the calls' wall time is then host time alone, and a
-    call that waited for the GPU (a hidden synchronisation) would take the sleep's length."""
-    for _ in range(3):
+def _host_round(fn, calls: int) -> tuple[float, bool]:
+    """(host ms per call, waited) of one round of `calls` calls of fn queued behind a sleep
+    kernel: the calls' wall time is then host time alone, and a call that waited for the GPU
+    (a hidden synchronisation) would take the sleep's length."""
+    torch.cuda._sleep(_sleep_cycles(SLEEP_MS))
+    t0 = time.perf_counter()
+    for _ in range(calls):
         fn()
+    wall_ms = (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize()
-    per_call, waited = [], False
-    for _ in range(rounds):
-        torch.cuda._sleep(_sleep_cycles(SLEEP_MS))
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    return wall_ms / calls, wall_ms > SLEEP_MS / 2
+
+
+def host_ms(fns, calls=20, rounds=ROUNDS) -> list[tuple[float, float, bool]]:
+    """(min, median, waited) of the host ms per call of each of `fns` over `rounds` rounds of
+    `calls` calls (_host_round). The rounds of the callables alternate (round r of every fn,
+    then round r + 1), so a host that slows down or speeds up during the run moves them all
+    alike: ratios between them hold better than between separate runs (NOTES 142)."""
+    for fn in fns:
+        for _ in range(3):
             fn()
-        wall_ms = (time.perf_counter() - t0) * 1e3
-        torch.cuda.synchronize()
-        per_call.append(wall_ms / calls)
-        waited = waited or wall_ms > SLEEP_MS / 2
-    per_call.sort()
-    return per_call[0], per_call[len(per_call) // 2], waited
+    torch.cuda.synchronize()
+    per_call = [[] for _ in fns]
+    waited = [False] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            ms, late = _host_round(fn, calls)
+            per_call[i].append(ms)
+            waited[i] = waited[i] or late
+    found = []
+    for times, late in zip(per_call, waited):
+        times.sort()
+        found.append((times[0], times[len(times) // 2], late))
+    return found
 
 
 def run_host(kinds, log, calls=20) -> list[dict]:
-    """Host ms per call (min and median of ROUNDS rounds, host_ms) beside the GPU ms."""
+    """Host ms per call (min and median of ROUNDS rounds, every kind's rounds alternating:
+    host_ms) beside the GPU ms."""
+    named = [
+        (kind, name, fn)
+        for kind in kinds
+        for name, fn in zip(("fwd", "fwd+bwd"), host_calls(kind))
+    ]  # fmt: skip
     rows = []
-    for kind in kinds:
-        for name, fn in zip(("fwd", "fwd+bwd"), host_calls(kind)):
-            best, median, waited = host_ms(fn, calls)
-            gpu_ms = bench_ms(fn)
-            rows.append(dict(kind=kind, pass_=name, host_ms=best, host_median=median,
-                             gpu_ms=gpu_ms, waited=waited))  # fmt: skip
-            log(f"  host {kind} {name}: host {best:.3f} ms (median {median:.3f}), "
-                f"gpu {gpu_ms:.3f} ms" + (" (WAITED for the GPU)" if waited else ""))  # fmt: skip
+    for (kind, name, fn), (best, median, waited) in zip(
+        named, host_ms([fn for _, _, fn in named], calls)
+    ):
+        gpu_ms = bench_ms(fn)
+        rows.append(dict(kind=kind, pass_=name, host_ms=best, host_median=median,
+                         gpu_ms=gpu_ms, waited=waited))  # fmt: skip
+        log(f"  host {kind} {name}: host {best:.3f} ms (median {median:.3f}), "
+            f"gpu {gpu_ms:.3f} ms" + (" (WAITED for the GPU)" if waited else ""))  # fmt: skip
     return rows
 
 
