@@ -192,40 +192,37 @@ def attention(
             extra = (window, sinks)
         if tuned is not None:
             extra = (window, sinks, tuned)  # only the lower op carries kernel options
+        resolved = default_scale(query) if scale is None else scale
         dense = mask is None and bias is None and seqused_k is None and not softcap
         if dense and not (extra or return_lse):
-            resolved = default_scale(query) if scale is None else scale
             out = _fused_eager(query, key, value, resolved, is_causal, deterministic)
             if out is not None:
                 return out
         lower = return_lse or tuned is not None  # only the lower op returns lse
-        eager = not torch.compiler.is_compiling()
-        if eager and plain_eager((query, key, value, mask, bias, seqused_k, sinks)):
+        if not torch.compiler.is_compiling() and plain_eager(
+            (query, key, value, mask, bias, seqused_k, sinks)
+        ):
             # Validated above: the op's Autograd kernel's work, without a second validation.
-            resolved = default_scale(query) if scale is None else scale
             cap = 0.0 if softcap is None else softcap
             opts = Options(resolved, bool(is_causal), cap, bool(deterministic), window, tuned)
             result = ops.attend(problem, opts, public=not lower)
-            if not lower:
-                return result
-            out, lse, _ = result
-            if not return_lse:
-                return out
-            return out, (lse if _internal_lse else lse.float())
-        if lower:
-            scale = default_scale(query) if scale is None else scale
-            out, lse, _ = torch.ops.dmattn.attention_forward(
+        elif lower:
+            result = torch.ops.dmattn.attention_forward(
+                query, key, value, mask, bias, resolved, is_causal, softcap, seqused_k,
+                deterministic, *extra,
+            )  # fmt: skip
+        else:
+            result = torch.ops.dmattn.attention(
                 query, key, value, mask, bias, scale, is_causal, softcap, seqused_k,
                 deterministic, *extra,
             )  # fmt: skip
-            if not return_lse:
-                return out
-            # float64 inputs keep a float64 lse inside the ops
-            return out, (lse if _internal_lse else lse.float())
-        return torch.ops.dmattn.attention(
-            query, key, value, mask, bias, scale, is_causal, softcap, seqused_k, deterministic,
-            *extra,
-        )  # fmt: skip
+        if not lower:
+            return result
+        out, lse, _ = result
+        if not return_lse:
+            return out
+        # float64 inputs keep a float64 lse inside the ops
+        return out, (lse if _internal_lse else lse.float())
 
 
 def attention_varlen(
