@@ -277,6 +277,25 @@ def test_vmap_over_seqused_k_alone(backend):
     assert_close(torch.func.vmap(fn)(seqused), torch.stack([fn(s) for s in seqused]), 0.0, "vmap")
 
 
+def test_the_environment_reads_as_os_environ_does(monkeypatch):
+    """switches.getenv reads os.environ's own dict: every write through os.environ (set,
+    change, delete), non-ASCII values, and a replaced os.environ read as os.environ.get does."""
+    import os
+
+    from dmattn_ops.core.switches import getenv
+
+    name = "DMATTN_TEST_GETENV"
+    monkeypatch.delenv(name, raising=False)
+    assert getenv(name) is None
+    for value in ("1", "", " off ", "vä lue"):
+        monkeypatch.setenv(name, value)
+        assert getenv(name) == os.environ.get(name) == value
+    monkeypatch.delenv(name)
+    assert getenv(name) is None
+    monkeypatch.setattr(os, "environ", {name: "replaced"})
+    assert getenv(name) == "replaced"
+
+
 def test_unclear_inputs_of_issue_48_get_clear_answers(monkeypatch):
     from dmattn_ops.core.switches import switch
 

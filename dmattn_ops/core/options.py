@@ -20,12 +20,11 @@ They reach a call three ways, later ones winning:
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, replace
 from typing import TypedDict
 
 from dmattn_ops.core.configs import Config
-from dmattn_ops.core.switches import switch
+from dmattn_ops.core.switches import getenv, switch
 
 ROUTES = ("pytorch", "sdpa", "decode", "key_lists", "tile_tables", "dense", "varlen")
 CONFIG_KINDS = ("fwd", "dq", "dkdv", "decode")
@@ -272,7 +271,7 @@ _TUNINGS: dict = {}
 def tuning(encoded: str | None = None) -> Tuning:
     """The options a call runs with: environment switches, then the active kernel_options
     blocks, then the call's own (encoded)."""
-    get = os.environ.get
+    get = getenv
     key = (get(_SWITCHES[0]), get(_SWITCHES[1]), get(_SWITCHES[2]), encoded, *map(id, _ACTIVE))
     found = _TUNINGS.get(key)
     if found is None:

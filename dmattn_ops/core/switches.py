@@ -4,6 +4,11 @@ A switch is on for "1", "true", "on", "yes" and off for "0", "false", "off", "no
 surrounding spaces ignored); unset or empty leaves its default; anything else raises, so that a
 typo never leaves a path silently on. Each is read when the code that needs it runs, so a test or
 a benchmark may set it for one call.
+
+`getenv` reads the environment as `os.environ.get` does, from the dict behind `os.environ`
+where CPython keeps one (POSIX: bytes keys and values, which `os.environ`'s own writes keep up
+to date): an eager call reads some 25 variables, and `os.environ.get` costs about 0.5 us on a
+laptop core (1.5 us on a GPU's host, bench/NOTES.md 103) against 0.03 us for the dict lookup.
 """
 
 from __future__ import annotations
@@ -13,10 +18,35 @@ import os
 ON = frozenset({"1", "true", "on", "yes"})
 OFF = frozenset({"0", "false", "off", "no"})
 
+_ENVIRON = os.environ
+_DATA = getattr(os.environ, "_data", None)
+_FAST = os.name == "posix" and isinstance(_DATA, dict)
+_KEYS: dict[str, bytes] = {}
+_VALUES: dict[bytes, str] = {}
+
+
+def getenv(name: str) -> str | None:
+    """os.environ.get(name), read from os.environ's own dict where it keeps one (module
+    docstring); through os.environ.get where it does not, or where os.environ was replaced."""
+    if not _FAST or os.environ is not _ENVIRON:
+        return os.environ.get(name)
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = os.fsencode(name)
+    raw = _DATA.get(key)
+    if raw is None:
+        return None
+    value = _VALUES.get(raw)
+    if value is None:
+        if len(_VALUES) > 256:
+            _VALUES.clear()
+        value = _VALUES[raw] = os.fsdecode(raw)
+    return value
+
 
 def switch(name: str, default: bool) -> bool:
     """The boolean value of environment variable `name` (see the module docstring)."""
-    raw = os.environ.get(name)
+    raw = getenv(name)
     if raw is None or not raw.strip():
         return default
     value = raw.strip().lower()

@@ -19,14 +19,13 @@ import contextlib
 import functools
 import importlib.util
 import operator
-import os
 import threading
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
-from dmattn_ops.core.switches import switch
+from dmattn_ops.core.switches import getenv, switch
 
 # Found once, at import, without importing it. A module constant rather than a cached function:
 # torch.compile traces the public functions that ask, and warns about every functools.cache
@@ -41,7 +40,7 @@ def available() -> bool:
 
 def interpreter_on() -> bool:
     """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET=1): CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return getenv("TRITON_INTERPRET") == "1"
 
 
 def torch_wrap_triton(fn):
