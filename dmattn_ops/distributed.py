@@ -457,8 +457,7 @@ def _ring_forward(
     ring = _ring_of(ring)
     docs = None
     try:
-        _check_local(query, key, value, mask, bias, ring.scale, ring.softcap, ring.is_causal,
-                     ring.deterministic, ring.layout, ring.rank, ring.world, fn)  # fmt: skip
+        _check_local(Problem(query, key, value, mask, bias), ring, fn)
         check_sinks(sinks, query, fn)
         docs = _check_docs(cu_seqlens, query, ring, fn)
         error = None
@@ -605,12 +604,13 @@ def _ring_grads(ctx, grad_out, _grad_lse, _grad_rem):
 _ring_forward.register_autograd(_ring_grads, setup_context=_ring_setup)
 
 
-def _check_local(
-    query, key, value, mask, bias, scale, softcap, is_causal, deterministic, layout, rank, world, fn
-) -> None:
-    check_flags(fn, is_causal=is_causal, deterministic=deterministic)
-    check_inputs(Problem(query, key, value, mask, bias), scale, softcap, fn)
-    for name, t in (("mask", mask), ("bias", bias)):
+def _check_local(problem: Problem, ring: _Ring, fn: str) -> None:
+    """This rank's shard of a ring call, checked as a call of its own, and what the ring needs
+    besides: per-key masks and biases, as many query rows as key rows, whole layout chunks."""
+    check_flags(fn, is_causal=ring.is_causal, deterministic=ring.deterministic)
+    check_inputs(problem, ring.scale, ring.softcap, fn)
+    query, key, layout = problem.query, problem.key, ring.layout
+    for name, t in (("mask", problem.mask), ("bias", problem.bias)):
         if t is not None and t.shape[2] != 1:
             raise ValueError(
                 f"{fn}: {name} must be per key, (B|1, H|Hkv|1, 1, L/R), shared by all queries "
@@ -622,7 +622,7 @@ def _check_local(
             f"{fn}: each rank holds the same rows of queries and keys; got {query.shape[1]} "
             f"query rows and {key.shape[1]} key rows"
         )
-    if query.shape[1] % len(_chunk_ids(layout, rank, world)):
+    if query.shape[1] % len(_chunk_ids(layout, ring.rank, ring.world)):
         raise ValueError(f"{fn}: the {layout} layout needs an even number of rows per rank")
 
 
