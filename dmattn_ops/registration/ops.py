@@ -393,8 +393,8 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(*args):
-        spec = args[-1]
-        problem = spec.problem(dict(zip(INPUTS, args)))
+        *tensors, spec = args  # INPUTS, then the Spec
+        problem = spec.problem(dict(zip(INPUTS, tensors)))
         if spec.direct:
             # What the forward op's CPU/CUDA kernel does (forward_kernel), without the
             # dispatcher's hops on the way there.
@@ -407,14 +407,15 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         out, lse, lse_rem = output
-        saved = (*inputs[:-1], out, lse, lse_rem)
+        *tensors, spec = inputs
+        saved = (*tensors, out, lse, lse_rem)
         ctx.save_for_backward(*saved)
         if fwad._current_level >= 0 or transforms_active():
             # jvp runs now or never (forward-mode AD is computed during the forward, inside a
             # dual level or a torch.func transform), so the forward's copy is kept only then.
             ctx.save_for_forward(*saved)
         ctx.mark_non_differentiable(lse_rem)
-        ctx.spec = inputs[-1]
+        ctx.spec = spec
         ctx.set_materialize_grads(False)
 
     @staticmethod
