@@ -174,3 +174,19 @@ def test_overlap_counts_transfer_time_under_compute():
     # Compute covering everything, and compute between the transfers only.
     assert overlap([(1, 2), (3, 4)], [(0, 10)]) == (2, 2)
     assert overlap([(0, 1), (5, 6)], [(1, 5)]) == (2, 0)
+
+
+def test_host_cpu_times_the_python_of_an_eager_call():
+    """bench.host_cpu (our Python's host time with the launches stubbed) runs anywhere and
+    prints its line."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run(
+        [sys.executable, "-m", "bench.host_cpu", "dma", "--rounds", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "dma forward+backward, launches stubbed: host" in res.stdout, res.stdout

@@ -1,0 +1,86 @@
+"""The Python host time of one eager call with every kernel launch stubbed, on any machine:
+``python -m bench.host_cpu [dma|dense] [--profile tottime|cumtime] [--rounds N]``.
+
+What our own Python costs per call (validation, planning, allocation, launch arguments, the
+autograd Function), without the GPU or Triton's launchers: the kernels run in Triton's
+interpreter mode with each launch replaced by a no-op, so nothing is computed. B4 L2048 H16/4
+D128 bf16, causal; "dma" adds a per-key bias (B, Hkv, 1, L) and its top-512 mask. Prints the
+min and median over rounds of 50 forward+backward calls, and with --profile the functions by
+own or cumulative time. A GPU's host runs this Python about 4x slower than a laptop core
+(bench/NOTES.md 134), and a Python op's floor there (a trivial autograd.Function) is about
+0.2 ms (NOTES 103): compare A/B on one machine, alternating, not across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import time
+
+B, L, H, HKV, D = 4, 2048, 16, 4, 128
+CALLS = 50
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.host_cpu", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("kind", nargs="?", default="dma", choices=("dma", "dense"))
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--profile", choices=("tottime", "cumtime"), default=None)
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args(argv)
+    # Before the package imports Triton: the interpreter's launch path, then stubbed.
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("DMATTN_DENSE_SDPA", "0")
+    import torch
+
+    import dmattn_ops
+    from dmattn_ops.executors import _triton
+    from dmattn_ops.masks import topk_mask
+
+    _triton.LazyKernel.__getitem__ = lambda self, grid: lambda *a, **k: None
+    dt = torch.bfloat16
+    q = torch.randn(B, L, H, D, dtype=dt, requires_grad=True)
+    k = torch.randn(B, L, HKV, D, dtype=dt, requires_grad=True)
+    v = torch.randn(B, L, HKV, D, dtype=dt, requires_grad=True)
+    bias = torch.randn(B, HKV, 1, L, dtype=dt, requires_grad=True)
+    mask = topk_mask(bias.detach(), 512)
+    grad = torch.randn(B, L, H, D, dtype=dt)
+
+    def step():
+        for t in (q, k, v, bias):
+            t.grad = None
+        if args.kind == "dma":
+            out = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True)
+        else:
+            out = dmattn_ops.attention(q, k, v, is_causal=True)
+        out.backward(grad)
+
+    for _ in range(5):
+        step()
+    per_call = []
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        for _ in range(CALLS):
+            step()
+        per_call.append((time.perf_counter() - t0) / CALLS * 1e3)
+    per_call.sort()
+    print(
+        f"{args.kind} forward+backward, launches stubbed: host {per_call[0]:.4f} ms min, "
+        f"{per_call[len(per_call) // 2]:.4f} median ({args.rounds} rounds of {CALLS} calls)"
+    )
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(CALLS):
+            step()
+        profile.disable()
+        pstats.Stats(profile).sort_stats(args.profile).print_stats(args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
