@@ -179,14 +179,8 @@ def test_overlap_counts_transfer_time_under_compute():
 def test_host_cpu_times_the_python_of_an_eager_call():
     """bench.host_cpu (our Python's host time with the launches stubbed) runs anywhere and
     prints its line."""
+    cmd = [sys.executable, "-m", "bench.host_cpu", "dma", "--rounds", "1"]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run(
-        [sys.executable, "-m", "bench.host_cpu", "dma", "--rounds", "1"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "dma forward+backward, launches stubbed: host" in res.stdout, res.stdout
