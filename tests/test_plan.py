@@ -295,6 +295,26 @@ def test_an_eager_differentiable_call_is_validated_once(monkeypatch, entry):
     assert all(t.grad is not None for t in (q, k, v, bias))
 
 
+def test_sdpas_priority_order_is_part_of_the_plans_key():
+    """The fused route runs the kernel SDPA itself would pick; sdpa_kernel(...,
+    set_priority=True) changes that pick without switching a backend off, so a call planned
+    under it is planned anew, not read from the plan made outside."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = qkv(lq=37, lk=37)  # shapes no other test plans
+    before = plan.calls["decided"]
+    forward(q, k, v)
+    forward(q, k, v)
+    assert plan.calls["decided"] - before == 1
+    every = [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION,
+             SDPBackend.CUDNN_ATTENTION]  # fmt: skip
+    with sdpa_kernel(every, set_priority=True):
+        forward(q, k, v)
+    assert plan.calls["decided"] - before == 2
+    forward(q, k, v)
+    assert plan.calls["decided"] - before == 2
+
+
 @needs_triton
 def test_forced_routes_and_their_refusals():
     q, k, v = qkv()

@@ -18,7 +18,9 @@ Tested on torch 2.11 (GPU), 2.13.0 and 2.14.1 (CI).
 * `below_autograd()` and `AFTER_AUTOGRAD_KEYSET`: the redispatch below Autograd that an Autograd
   kernel registered by hand does when nothing needs a gradient (as torch's own custom ops do).
 * `without_autocast(device_type)`: leaves the Autocast key of a device for the ops below.
-* `fused_sdp_choice`: which fused kernel `scaled_dot_product_attention` would pick.
+* `fused_sdp_choice`: which fused kernel `scaled_dot_product_attention` would pick;
+  `sdp_priority_order()`: the order it tries them in (`sdpa_kernel(..., set_priority=True)`
+  changes it; () where torch has no such order).
 * `plain_eager(tensors)`: no torch.func transform, no dispatch or function mode (fake tensors,
   a compiled graph's trace, opcheck, FlopCounterMode) and no tensor subclass: an Autograd
   kernel may then run the kernel below it itself. `saved_tensor_hooks_active()`: activation
@@ -38,6 +40,11 @@ transforms_active = torch._C._are_functorch_transforms_active
 below_autograd = torch._C._AutoDispatchBelowAutograd
 AFTER_AUTOGRAD_KEYSET = torch._C._after_autograd_keyset
 fused_sdp_choice = torch._fused_sdp_choice
+
+
+def sdp_priority_order() -> tuple:
+    order = getattr(torch._C, "_get_sdp_priority_order", None)
+    return () if order is None else tuple(order())
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -74,6 +81,7 @@ __all__ = [
     "is_fake",
     "plain_eager",
     "saved_tensor_hooks_active",
+    "sdp_priority_order",
     "transforms_active",
     "unwrap_dead_wrappers",
     "without_autocast",

@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from dmattn_ops.core import configs, options
+from dmattn_ops.core._compat import sdp_priority_order
 from dmattn_ops.core.band import Band
 from dmattn_ops.core.configs import Config
 from dmattn_ops.core.operands import PER_ENTRY, compactable, is_limit, operand_kind
@@ -390,12 +391,13 @@ calls = {"decided": 0}  # plans made (not taken from the cache): tests count the
 
 
 def _globals() -> tuple:
-    """PyTorch's switches the routes read: SDPA's backends, deterministic algorithms."""
+    """PyTorch's switches the routes read: SDPA's backends and the order SDPA tries them in
+    (the fused kernel is the one SDPA would pick), deterministic algorithms."""
     backends = torch.backends.cuda
     return (
         backends.flash_sdp_enabled(), backends.cudnn_sdp_enabled(),
         backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled(),
-        torch.are_deterministic_algorithms_enabled(), interpreter_on(),
+        sdp_priority_order(), torch.are_deterministic_algorithms_enabled(), interpreter_on(),
     )  # fmt: skip
 
 

@@ -49,7 +49,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from dmattn_ops.core._compat import fused_sdp_choice, is_fake
+from dmattn_ops.core._compat import fused_sdp_choice, is_fake, sdp_priority_order
 from dmattn_ops.core.band import UNBOUNDED, Band
 from dmattn_ops.core.device import cdiv, next_power_of_2
 from dmattn_ops.core.options import WINDOW_MIN_KEYS
@@ -149,6 +149,7 @@ def _sdpa_choice(query, key, value, is_causal: bool) -> int:
         torch.backends.cuda.flash_sdp_enabled(),
         torch.backends.cuda.mem_efficient_sdp_enabled(),
         torch.backends.cuda.math_sdp_enabled(),
+        sdp_priority_order(),
     )
     return _traced_choice(metas, query.dtype, query.device, is_causal, flags)
 
