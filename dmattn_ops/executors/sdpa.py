@@ -301,9 +301,10 @@ def attention(query, key, value, scale, is_causal, which, native=False):
 
 
 def picks(query, key, value, is_causal: bool, which: str) -> bool:
-    """Whether scaled_dot_product_attention itself runs the kernel `which` for these real (B, L,
-    H, D) tensors (the plan may pick flash where SDPA would pick cuDNN: head dims above 128)."""
-    choice = _choice_of(query, key, value, bool(is_causal))
+    """Whether scaled_dot_product_attention itself runs the kernel `which` for these (B, L, H, D)
+    tensors, asked as the plan asks (_sdpa_choice); the plan may pick flash where SDPA would
+    pick cuDNN (head dims above 128)."""
+    choice = _sdpa_choice(query, key, value, bool(is_causal))
     return choice == (_CUDNN_CHOICE if which == CUDNN else _FLASH_CHOICE)
 
 
