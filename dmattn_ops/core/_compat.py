@@ -43,6 +43,8 @@ fused_sdp_choice = torch._fused_sdp_choice
 
 
 def sdp_priority_order() -> tuple:
+    """The order in which scaled_dot_product_attention tries its backends (SDPBackend values),
+    as `sdpa_kernel(..., set_priority=True)` sets it; () on a torch without such an order."""
     order = getattr(torch._C, "_get_sdp_priority_order", None)
     return () if order is None else tuple(order())
 
