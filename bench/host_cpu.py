@@ -1,5 +1,6 @@
 """The Python host time of one eager call with every kernel launch stubbed, on any machine:
-``python -m bench.host_cpu [dma|dense] [--profile tottime|cumtime] [--rounds N]``.
+``python -m bench.host_cpu [dma|dense] [--launch-cache] [--profile tottime|cumtime]
+[--rounds N]``.
 
 What our own Python costs per call (validation, planning, allocation, launch arguments, the
 autograd Function), without the GPU or Triton's launchers: the kernels run in Triton's
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import os
 import pstats
 import time
@@ -31,6 +33,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--profile", choices=("tottime", "cumtime"), default=None)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument(
+        "--launch-cache", action="store_true",
+        help="launch through LaunchCache and Prepared's kept kernels as on a GPU",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     # Before the package imports Triton: the interpreter's launch path, then stubbed.
     os.environ["TRITON_INTERPRET"] = "1"
@@ -41,7 +47,7 @@ def main(argv=None) -> int:
     from dmattn_ops.executors import _triton
     from dmattn_ops.masks import topk_mask
 
-    _triton.LazyKernel.__getitem__ = lambda self, grid: lambda *a, **k: None
+    _stub_kernels(_triton, args.launch_cache)
     dt = torch.bfloat16
     q = torch.randn(B, L, H, D, dtype=dt, requires_grad=True)
     k = torch.randn(B, L, HKV, D, dtype=dt, requires_grad=True)
@@ -80,6 +86,53 @@ def main(argv=None) -> int:
         profile.disable()
         pstats.Stats(profile).sort_stats(args.profile).print_stats(args.top)
     return 0
+
+
+class _Compiled:
+    """A compiled kernel's stand-in: LaunchCache keeps it (one source signature entry per
+    parameter, a `run`), and its launches do nothing."""
+
+    def __init__(self, n_params: int):
+        self.src = type("Src", (), {"signature": dict.fromkeys(range(n_params))})()
+
+    def run(self, *args):
+        pass
+
+    def __getitem__(self, grid):
+        return self.run
+
+
+class _Jit:
+    """A @triton.jit function's stand-in with the real kernel's signature: `fn[grid](...)`
+    returns a _Compiled and computes nothing."""
+
+    def __init__(self, real):
+        self.signature = inspect.signature(real.fn)
+        self.pre_run_hooks = []
+        self.compiled = _Compiled(len(self.signature.parameters))
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.compiled
+
+
+def _stub_kernels(_triton, launch_cache: bool) -> None:
+    """Every kernel a stand-in whose launches do nothing, whichever launch path reaches it;
+    with `launch_cache`, eager launches go through LaunchCache and Prepared's kept kernels as
+    they do on a GPU (the compiled kernels' own C launchers are what is then left out)."""
+    load = _triton.LazyKernel.fn.func  # the cached_property's loader
+    stubs: dict = {}
+
+    def fn(self):
+        if self._name not in stubs:
+            stubs[self._name] = _Jit(load(self))
+        return stubs[self._name]
+
+    _triton.LazyKernel.fn = property(fn)
+    if launch_cache:
+        import torch
+
+        _triton.launch_cache_on = lambda: True
+        torch.cuda.current_device = lambda: 0
 
 
 if __name__ == "__main__":

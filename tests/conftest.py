@@ -18,6 +18,9 @@ if not torch.cuda.is_available():
 # Dense calls on CUDA would run PyTorch's flash kernels (dmattn_ops/executors/sdpa.py); the suite tests our
 # Triton kernels, and tests/test_sdpa.py turns the dispatch back on where it tests it.
 os.environ["DMATTN_DENSE_SDPA"] = "0"
+# Launch arguments made once per plan (dmattn_ops/executors/_triton.py prepared) are made again
+# at every later launch and compared: a plan that does not fix what a launch site claims fails.
+os.environ["DMATTN_CHECK_PREPARED"] = "1"
 
 from dmattn_ops.executors import _alloc  # noqa: E402
 

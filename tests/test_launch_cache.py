@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 import torch
+from helpers import DEVICE
 
 import dmattn_ops
 from dmattn_ops.dispatch import launch
@@ -118,6 +119,80 @@ def test_the_oldest_entry_goes_first(monkeypatch):
     cache.launch(fn, (1,), (torch.zeros(4), 4, 1.0), {"BLOCK": 16}, 0)  # kept
     cache.launch(fn, (1,), (torch.zeros(4), 0, 1.0), {"BLOCK": 16}, 0)  # evicted
     assert len(fn.compiles) == 6
+
+
+def test_a_prepared_launch_keeps_its_kernel_by_the_tensors_alignment(monkeypatch):
+    """LazyKernel.run: the first launch of a Prepared goes through Triton's path (and LaunchCache);
+    later ones call the kept kernel with the tensors, the scalars and the trailing parameters
+    in signature order; a misaligned tensor, or one of another dtype, gets its own kernel."""
+    monkeypatch.setattr(_triton, "launch_cache_on", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fn = _Jit()
+    kernel = _triton.LazyKernel(lambda: (), "kernel")
+    kernel.fn = fn  # the cached_property's slot
+    args = _triton.Prepared((3, 2), (5, 0.25), {"BLOCK": 16})
+    x = torch.zeros(8)
+    assert kernel.run(args, (x,)) is fn.compiled
+    assert len(fn.compiles) == 1 and fn.compiled.launched == []
+    kernel.run(args, (torch.ones(8),))
+    (grid, launched), = fn.compiled.launched  # fmt: skip
+    assert grid == (3, 2, 1) and launched[1:] == (5, 0.25, 16, True)
+    kernel.run(args, (x[1:],))  # 4 bytes past alignment
+    kernel.run(args, (x.double(),))
+    assert len(fn.compiles) == 3 and len(args.compiled) == 3
+
+
+def test_prepared_arguments_are_checked_against_a_fresh_build(monkeypatch):
+    """prepared(): made once per store and key; under DMATTN_CHECK_PREPARED=1 (the suite's
+    setting) a later build that differs, even by a scalar's type only, raises."""
+    store, builds = {}, []
+
+    def build(value):
+        builds.append(value)
+        return _triton.Prepared((1,), (value,), {"BLOCK": 16})
+
+    monkeypatch.setenv("DMATTN_CHECK_PREPARED", "0")
+    first = _triton.prepared(store, ("site",), lambda: build(1))
+    assert _triton.prepared(store, ("site",), lambda: build(2)) is first and builds == [1]
+    monkeypatch.setenv("DMATTN_CHECK_PREPARED", "1")
+    assert _triton.prepared(store, ("site",), lambda: build(1)) is first
+    for changed in (2, 1.0):
+        with pytest.raises(AssertionError, match="changed under one plan"):
+            _triton.prepared(store, ("site",), lambda c=changed: build(c))
+
+
+def test_launch_arguments_are_made_once_per_plan(monkeypatch):
+    """Repeated DMA calls of one signature make the forward's, the backward's and the key lists'
+    launch arguments once (their plan keeps them); a gradient of another layout makes the
+    backward's again, and computes what the contiguous one does."""
+    monkeypatch.setenv("DMATTN_CHECK_PREPARED", "0")
+    made = []
+    for name in ("_forward_args", "_dq_args", "_dkdv_args"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, _r=real, _n=name: made.append(_n) or _r(*a))
+    b, n, h, hkv, d = 1, 64, 4, 2, 16
+    q = torch.randn(b, n, h, d, device=DEVICE)
+    k, v = (torch.randn(b, n, hkv, d, device=DEVICE) for _ in "kv")
+    bias = torch.randn(b, hkv, 1, n, device=DEVICE)
+    mask = bias >= bias.topk(16, dim=-1).values[..., -1:]
+    grad = torch.randn(b, n, h, d, device=DEVICE)
+
+    def step(grad):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out = dmattn_ops.attention(*leaves[:3], mask, leaves[3], is_causal=True, backend="triton")
+        out.backward(grad)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    first = step(grad)
+    once = sorted(made)
+    assert once == ["_dkdv_args", "_dq_args", "_forward_args"]
+    step(grad)
+    assert sorted(made) == once
+    strided = torch.empty(b, h, n, d, device=DEVICE).transpose(1, 2).copy_(grad)
+    again = step(strided)
+    assert sorted(made) == sorted([*once, "_dq_args", "_dkdv_args"])
+    for f, a in zip(first, again):
+        torch.testing.assert_close(a, f, rtol=0, atol=0)
 
 
 def test_off_under_the_interpreter_and_the_switch(monkeypatch):

@@ -43,7 +43,7 @@ from dmattn_ops.dispatch.plan import (
 )
 from dmattn_ops.executors import chunked, hopper, sdpa
 from dmattn_ops.executors._alloc import empties, empty
-from dmattn_ops.executors._triton import LazyKernel, interpreter_on
+from dmattn_ops.executors._triton import LazyKernel, Prepared, interpreter_on, prepared
 from dmattn_ops.executors.chunked import stats_dtype
 from dmattn_ops.executors.tiles import (
     KeyLists,
@@ -247,14 +247,17 @@ class KeptLists:
         return None if found is None else found[1]
 
 
-def _key_lists(kept, inputs: Problem, problem: Problem, band, block_m, pack, keep=False):
-    """build_key_lists of the (collapsed) problem, or the forward's lists of this call (whose
-    tensors as received are `inputs`) from `kept` (KeptLists); with `keep`, the lists built are
-    kept there for the backward."""
+def _key_lists(kept, inputs: Problem, problem: Problem, p: plan.Plan, block_m, pack, keep=False):
+    """build_key_lists of the (collapsed) problem under plan p, or the forward's lists of this
+    call (whose tensors as received are `inputs`) from `kept` (KeptLists); with `keep`, the
+    lists built are kept there for the backward."""
+    band = p.band
     lists = kept.take(inputs, band, block_m, pack) if kept is not None and not keep else None
     if lists is None:
         b, lq, lk = problem.batch, problem.lq, problem.lk
-        lists = build_key_lists(problem.mask, problem.seqused_k, b, lq, lk, band, block_m, pack)
+        lists = build_key_lists(
+            problem.mask, problem.seqused_k, b, lq, lk, band, block_m, pack, p.launches
+        )
         if keep and kept is not None:
             kept.put(inputs, band, block_m, pack, lists)
     return lists
@@ -307,7 +310,7 @@ def forward(problem: Problem, opts: Options, kept: KeptLists | None = None) -> S
     tables = lists = None
     if p.route == KEY_LISTS:
         lists = _key_lists(
-            kept, inputs, problem, band, hopper.BLOCK_M if p.hopper else positions,
+            kept, inputs, problem, p, hopper.BLOCK_M if p.hopper else positions,
             PackFrom(key, value, bias, h, zero_tail=p.hopper) if p.pack else None, keep=True,
         )  # fmt: skip
     elif p.route == TILE_TABLES:
@@ -351,34 +354,67 @@ def _launch_forward(ops: Operands, saved: Saved, tables, lists, p: plan.Plan, op
     """attention_fwd_kernel over `ops` into saved's (out, lse, lse_rem), out (B, Lq, H, Dv)
     (packed: its (1, total, H, Dv) view), by the plan's config, band and heads per program,
     reading the tile tables or the key lists if any. Key lists with packed rows: the kernel
-    reads those instead of K, V and bias (PACKED)."""
-    query, mask, lse_strides = ops.query, ops.mask, ops.lse_strides
-    out, lse, lse_rem = saved
-    h, d = query.shape[2], query.shape[3]
+    reads those instead of K, V and bias (PACKED). The arguments besides the tensors are made
+    once per plan (_forward_args)."""
+    key, value, bias, compact = _key_operands(ops.key, ops.value, ops.bias, lists)
+    scored = scored_mask(ops.mask, lists)
+    tensors = (
+        ops.query, key, value, scored, bias, ops.seqused_k, ops.cu_q, ops.cu_k,
+        *_table_rows(tables), *_list_rows(lists), *saved, ops.sinks,
+    )  # fmt: skip
+    site = ("fwd", compact, tables is None, lists is None)
+    args = prepared(
+        p.launches, site,
+        lambda: _forward_args(ops, saved, key, value, bias, scored, tables, lists, compact, p,
+                              opts),
+    )  # fmt: skip
+    attention_fwd_kernel.run(args, tensors)
+
+
+def _query_tile_args(ops: Operands, tables, lists, bias, nq, key_tiles, p, opts) -> tuple:
+    """The scalar arguments the forward and dq kernels (one program per query tile) share after
+    their strides: the tables' or lists' batch strides, the grid's query tiles, lse's strides,
+    the sizes, the head divisors, scale, softcap and the band."""
+    h, d = ops.query.shape[2], ops.query.shape[3]
     hkv, dv = ops.key.shape[2], ops.value.shape[3]
+    return (
+        tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
+        lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0,
+        *ops.lse_strides, h, h // hkv, ops.lq, ops.lk, d, dv, key_tiles,
+        head_div(ops.mask, h, hkv), head_div(bias, h, hkv), float(opts.scale),
+        float(opts.softcap), *p.band.args(),
+    )  # fmt: skip
+
+
+def _table_rows(tables) -> tuple:
+    """The forward and dq kernels' tile-table operands (kv_num, kv_idx, kv_int), or Nones."""
+    return (None, None, None) if tables is None else (tables.kv_num, tables.kv_idx, tables.kv_int)
+
+
+def _list_rows(lists) -> tuple:
+    """The forward and dq kernels' key-list operands (keys, key_start, key_end), or Nones."""
+    return (None, None, None) if lists is None else (lists.keys, lists.key_start, lists.key_end)
+
+
+def _forward_args(ops: Operands, saved, key, value, bias, scored, tables, lists, compact, p, opts):
+    """attention_fwd_kernel's grid and arguments after its tensors (Prepared)."""
+    query = ops.query
+    h, d, dv = query.shape[2], query.shape[3], ops.value.shape[3]
     cfg, band, pack_heads = p.config, p.band, p.heads
     nq = cdiv(ops.span_q, cfg.block_m // pack_heads)
-    key, value, bias, compact = _key_operands(ops.key, ops.value, ops.bias, lists)
-    scored = scored_mask(mask, lists)
-    attention_fwd_kernel[(nq, ops.b * h // pack_heads)](
-        query, key, value, scored, bias, ops.seqused_k, ops.cu_q, ops.cu_k,
-        tables.kv_num if tables else None, tables.kv_idx if tables else None,
-        tables.kv_int if tables else None,
-        lists.keys if lists else None, lists.key_start if lists else None,
-        lists.key_end if lists else None, out, lse, lse_rem, ops.sinks,
-        *ops.strides(key, value, bias), *batch_strides(out),
-        tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
-        lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
-        h, h // hkv, ops.lq, ops.lk, d, dv, cdiv(ops.lk, cfg.block_n),
-        head_div(mask, h, hkv), head_div(bias, h, hkv), float(opts.scale), float(opts.softcap),
-        *band.args(), **band.flags(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+    scalars = (
+        *ops.strides(key, value, bias), *batch_strides(saved.out),
+        *_query_tile_args(ops, tables, lists, bias, nq, cdiv(ops.lk, cfg.block_n), p, opts),
+    )  # fmt: skip
+    meta = dict(
+        **band.flags(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_head_blocks(d, dv), DOT_PRECISION=_dot_precision(query.dtype),
         HAS_MASK=operand_kind(scored), HAS_BIAS=operand_kind(bias),
         HAS_SEQUSED=ops.seqused_k is not None, HAS_SOFTCAP=opts.softcap > 0, COMPACT=compact,
         VARLEN=ops.varlen, HAS_SINKS=ops.sinks is not None, PACK_G=pack_heads,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    return Prepared((nq, ops.b * h // pack_heads), scalars, meta)
 
 
 def _sum_to_bias(cols: torch.Tensor, bias: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -469,7 +505,7 @@ def backward(
     tables = dq_tables = lists = None
     if p.route == KEY_LISTS:
         lists = _key_lists(
-            kept, inputs, problem, band, cfgs.dq.block_m // p.heads,
+            kept, inputs, problem, p, cfgs.dq.block_m // p.heads,
             PackFrom(key, value, bias, h) if p.pack else None,
         )  # fmt: skip
     elif p.route == TILE_TABLES:
@@ -649,106 +685,174 @@ def _launch_backward(
     (B, Hkv, 1, Lk) itself, summed over each KV group's heads by the kernels. Key lists with
     packed rows (no DBIAS_DIRECT): the dq kernel reads those (PACKED); the dk/dv kernels read
     key, value and bias through the lists, or (p.hopper) hopper.py's dK/dV kernel reads the
-    packed rows."""
-    query, mask, bias, cu_q = ops.query, ops.mask, ops.bias, ops.cu_q
-    b, lq, lk, span_q, span_k = ops.b, ops.lq, ops.lk, ops.span_q, ops.span_k
+    packed rows. The arguments besides the tensors are made once per plan and layout of the
+    tensors the plan does not fix (grad_out, grad_lse, out): _dq_args, _dkdv_args."""
     dq, dk, dv, dbias_cols, dbias_direct = grads
-    h, d = query.shape[2], query.shape[3]
-    hkv, d_v = ops.key.shape[2], ops.value.shape[3]
-    kv, qc, band, pack_heads = p.configs.dkdv, p.configs.dq, p.band, p.heads
-    group_cols, on_hopper = p.dbias == "group", p.hopper
-    scale, softcap = float(opts.scale), float(opts.softcap)
-    lse_strides, col_strides = ops.lse_strides, grads.col_strides(ops.varlen)
-    mask_div, bias_div = head_div(mask, h, hkv), head_div(bias, h, hkv)
-    flags = dict(
-        HAS_BIAS=operand_kind(bias), HAS_SEQUSED=ops.seqused_k is not None,
-        HAS_SOFTCAP=softcap > 0, VARLEN=ops.varlen,
+    # What the plan does not fix: the caller's gradient and output tensors' layouts, and which
+    # of the optional buffers this call has.
+    layout = (
+        grad_out.stride(), None if rows.grad_lse is None else rows.grad_lse.stride(),
+        rows.out.stride(), dbias_cols is None, dbias_direct is None, tables is None,
+        lists is None, dkdv_lists is None,
     )  # fmt: skip
-    nq = cdiv(span_q, qc.block_m // pack_heads)
-    dq_key, dq_value, dq_bias, compact = _key_operands(ops.key, ops.value, bias, lists)
-    attention_bwd_dq_kernel[(nq, b * h // pack_heads)](
-        query, dq_key, dq_value, grad_out, scored_mask(mask, lists), dq_bias,
-        ops.seqused_k, cu_q, ops.cu_k, rows.stats, rows.out, rows.grad_lse, rows.lse,
-        rows.lse_rem,
-        dq_tables.kv_num if dq_tables else None, dq_tables.kv_idx if dq_tables else None,
-        dq_tables.kv_int if dq_tables else None,
-        lists.keys if lists else None, lists.key_start if lists else None,
-        lists.key_end if lists else None, dq, dbias_direct,
-        *ops.strides(dq_key, dq_value, dq_bias, grad_out), *batch_strides(rows.out),
-        *operand_strides(rows.grad_lse)[:3] if rows.grad_lse is not None else (0, 0, 0),
-        dq_tables.stride_b if dq_tables else (lists.end_stride_b if lists else 0), nq,
-        lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0, *lse_strides,
-        h, h // hkv, lq, lk, d, d_v, cdiv(span_k, qc.block_n), mask_div,
-        head_div(dq_bias, h, hkv), scale, softcap, *band.args(),
-        HAS_MASK=operand_kind(scored_mask(mask, lists)),
-        DBIAS_DIRECT=dbias_direct is not None, COMPACT=compact,
-        HAS_GRAD_LSE=rows.grad_lse is not None, PACK_G=pack_heads, **flags,
-        **_meta(qc, d, d_v, band, query.dtype),
+    launches = p.launches
+    dq_key, dq_value, dq_bias, compact = _key_operands(ops.key, ops.value, ops.bias, lists)
+    scored = scored_mask(ops.mask, lists)
+    args = prepared(
+        launches, ("dq", *layout),
+        lambda: _dq_args(ops, grad_out, rows, grads, dq_tables, lists, dq_bias, compact, p, opts),
     )  # fmt: skip
+    attention_bwd_dq_kernel.run(args, (
+        ops.query, dq_key, dq_value, grad_out, scored, dq_bias, ops.seqused_k, ops.cu_q, ops.cu_k,
+        rows.stats, rows.out, rows.grad_lse, rows.lse, rows.lse_rem, *_table_rows(dq_tables),
+        *_list_rows(lists), dq, dbias_direct,
+    ))  # fmt: skip
 
-    nk = hopper.dkdv_programs(lk) if on_hopper else cdiv(span_k, kv.block_n)
-    g = h // hkv
-    split = p.split
-    if cu_q is not None:
-        split = 1  # packed sequences: one program per key tile and KV head
-    elif split is not None:
-        if g % split:
-            raise ValueError(f"dmattn: kernel option dkdv_split={split} must divide G={g}")
-    else:
-        split = configs.dkdv_split(
-            g, nk * b * hkv, sm_count(query.device), b * hkv * lk * (d + d_v) * 4,
-            query.numel() * query.element_size(), listed=dkdv_lists is not None,
-            query_tiles=cdiv(span_q, hopper.DKDV_BLOCK_M if on_hopper else kv.block_m),
-        )  # fmt: skip
+    split = prepared(launches, ("split", *layout), lambda: _dkdv_split(ops, p, dkdv_lists))
     part_dk = part_dv = part_db = None
     if split > 1:
         f32 = torch.float32
+        b, hkv, lk = ops.b, ops.key.shape[2], ops.lk
         part_dk, part_dv, part_db = empties(
-            [((split, b * hkv, lk, d), f32), ((split, b * hkv, lk, d_v), f32),
-             ((split, b * hkv, lk), f32) if group_cols else None],
-            device=query.device,
+            [((split, b * hkv, lk, ops.query.shape[3]), f32),
+             ((split, b * hkv, lk, ops.value.shape[3]), f32),
+             ((split, b * hkv, lk), f32) if p.dbias == "group" else None],
+            device=ops.query.device,
         )  # fmt: skip
-    # Batched key lists are permutations of the keys (tiles.KeyLists): the dk/dv kernels write
-    # zeros at the keys no list holds.
-    zero_unlisted = dkdv_lists is not None and cu_q is None
-    if on_hopper:
+    listed = (None, None) if dkdv_lists is None else (dkdv_lists.keys, dkdv_lists.key_count)
+    if p.hopper:
         hopper.dkdv(
-            query, grad_out, rows.stats, dkdv_lists, dk, dv, None if split > 1 else dbias_cols,
-            (part_dk, part_dv, part_db), scale, band.is_causal, mask_div, split,
+            ops.query, grad_out, rows.stats, dkdv_lists, dk, dv,
+            None if split > 1 else dbias_cols, (part_dk, part_dv, part_db), opts.scale,
+            p.band.is_causal, head_div(ops.mask, ops.query.shape[2], ops.key.shape[2]), split,
         )  # fmt: skip
     else:
-        attention_bwd_dkdv_kernel[(nk, b * hkv * split)](
-            query, ops.key, ops.value, grad_out, scored_mask(mask, dkdv_lists), bias,
-            ops.seqused_k, cu_q, ops.cu_k, rows.stats,
-            tables.q_num if tables else None, tables.q_idx if tables else None,
-            tables.q_lo if tables else None, tables.q_hi if tables else None,
-            dkdv_lists.keys if dkdv_lists else None, dkdv_lists.key_count if dkdv_lists else None,
-            dk, dv, dbias_cols, part_dk, part_dv, part_db, *ops.strides(grad_out=grad_out),
-            tables.stride_bt if tables else 0, nk,
-            dkdv_lists.keys_stride_b if dkdv_lists else 0,
-            dkdv_lists.keys_stride_h if dkdv_lists else 0,
-            dkdv_lists.count_stride_b if dkdv_lists else 0, *lse_strides, *col_strides,
-            h, hkv, g, lq, lk, d, d_v, cdiv(span_q, kv.block_m), mask_div, bias_div,
-            scale, softcap, split, *band.args(),
-            HAS_MASK=operand_kind(scored_mask(mask, dkdv_lists)),
-            DBIAS_COLS=dbias_cols is not None, GROUP_COLS=group_cols,
-            COMPACT=dkdv_lists is not None, ZERO_UNLISTED=zero_unlisted, PARTIAL=split > 1,
-            **flags, **_meta(kv, d, d_v, band, query.dtype),
+        dkdv_scored = scored_mask(ops.mask, dkdv_lists)
+        args = prepared(
+            launches, ("dkdv", *layout),
+            lambda: _dkdv_args(ops, grad_out, grads, tables, dkdv_lists, dkdv_scored, split, p,
+                               opts),
         )  # fmt: skip
+        q_tiles = (None,) * 4 if tables is None else (
+            tables.q_num, tables.q_idx, tables.q_lo, tables.q_hi)  # fmt: skip
+        attention_bwd_dkdv_kernel.run(args, (
+            ops.query, ops.key, ops.value, grad_out, dkdv_scored, ops.bias, ops.seqused_k,
+            ops.cu_q, ops.cu_k, rows.stats, *q_tiles, *listed, dk, dv, dbias_cols, part_dk,
+            part_dv, part_db,
+        ))  # fmt: skip
     if split > 1:
-        block_r = 16 if interpreter_on() else 64
-        attention_bwd_dkdv_reduce_kernel[(cdiv(lk, block_r), b * hkv)](
-            part_dk, part_dv, part_db, dkdv_lists.keys if dkdv_lists else None,
-            dkdv_lists.key_count if dkdv_lists else None, dk, dv,
-            dbias_cols if group_cols else None,
-            dkdv_lists.keys_stride_b if dkdv_lists else 0,
-            dkdv_lists.keys_stride_h if dkdv_lists else 0,
-            dkdv_lists.count_stride_b if dkdv_lists else 0, *col_strides,
-            hkv, g, lk, d, d_v, mask_div, split,
-            BLOCK_R=block_r, **_head_blocks(d, d_v), COMPACT=dkdv_lists is not None,
-            GROUP_COLS=group_cols,
-            num_warps=1 if interpreter_on() else 4,
-        )  # fmt: skip
+        args = prepared(
+            launches, ("reduce", *layout), lambda: _reduce_args(ops, grads, dkdv_lists, split, p)
+        )
+        attention_bwd_dkdv_reduce_kernel.run(args, (
+            part_dk, part_dv, part_db, *listed, dk, dv,
+            dbias_cols if p.dbias == "group" else None,
+        ))  # fmt: skip
+
+
+def _dq_args(ops: Operands, grad_out, rows: RowStats, grads: Grads, dq_tables, lists, dq_bias,
+             compact, p: plan.Plan, opts: Options) -> Prepared:  # fmt: skip
+    """attention_bwd_dq_kernel's grid and arguments after its tensors (Prepared)."""
+    query = ops.query
+    h, d, d_v = query.shape[2], query.shape[3], ops.value.shape[3]
+    qc, band, pack_heads = p.configs.dq, p.band, p.heads
+    dq_key, dq_value = _key_operands(ops.key, ops.value, ops.bias, lists)[:2]
+    nq = cdiv(ops.span_q, qc.block_m // pack_heads)
+    key_tiles = cdiv(ops.span_k, qc.block_n)
+    scalars = (
+        *ops.strides(dq_key, dq_value, dq_bias, grad_out), *batch_strides(rows.out),
+        *(operand_strides(rows.grad_lse)[:3] if rows.grad_lse is not None else (0, 0, 0)),
+        *_query_tile_args(ops, dq_tables, lists, dq_bias, nq, key_tiles, p, opts),
+    )  # fmt: skip
+    meta = dict(
+        HAS_MASK=operand_kind(scored_mask(ops.mask, lists)),
+        DBIAS_DIRECT=grads.dbias_direct is not None, COMPACT=compact,
+        HAS_GRAD_LSE=rows.grad_lse is not None, PACK_G=pack_heads, **_backward_flags(ops, opts),
+        **_meta(qc, d, d_v, band, query.dtype),
+    )  # fmt: skip
+    return Prepared((nq, ops.b * h // pack_heads), scalars, meta)
+
+
+def _backward_flags(ops: Operands, opts: Options) -> dict:
+    """The constexpr flags the dq and dk/dv kernels share."""
+    return dict(
+        HAS_BIAS=operand_kind(ops.bias), HAS_SEQUSED=ops.seqused_k is not None,
+        HAS_SOFTCAP=opts.softcap > 0, VARLEN=ops.varlen,
+    )  # fmt: skip
+
+
+def _dkdv_split(ops: Operands, p: plan.Plan, dkdv_lists) -> int:
+    """How many programs share each key tile's query heads in the dk/dv pass (their float32
+    parts then summed by attention_bwd_dkdv_reduce_kernel): the kernel option's, or
+    configs.dkdv_split's; 1 for packed sequences."""
+    query = ops.query
+    h, hkv = query.shape[2], ops.key.shape[2]
+    g = h // hkv
+    if ops.cu_q is not None:
+        return 1  # packed sequences: one program per key tile and KV head
+    if p.split is not None:
+        if g % p.split:
+            raise ValueError(f"dmattn: kernel option dkdv_split={p.split} must divide G={g}")
+        return p.split
+    nk = _dkdv_tiles(ops, p)
+    return configs.dkdv_split(
+        g, nk * ops.b * hkv, sm_count(query.device),
+        ops.b * hkv * ops.lk * (query.shape[3] + ops.value.shape[3]) * 4,
+        query.numel() * query.element_size(), listed=dkdv_lists is not None,
+        query_tiles=cdiv(ops.span_q, hopper.DKDV_BLOCK_M if p.hopper else p.configs.dkdv.block_m),
+    )  # fmt: skip
+
+
+def _dkdv_tiles(ops: Operands, p: plan.Plan) -> int:
+    """Key tiles of the dk/dv grid per (batch, KV head)."""
+    return hopper.dkdv_programs(ops.lk) if p.hopper else cdiv(ops.span_k, p.configs.dkdv.block_n)
+
+
+def _dkdv_args(ops: Operands, grad_out, grads: Grads, tables, dkdv_lists, scored, split,
+               p: plan.Plan, opts: Options) -> Prepared:  # fmt: skip
+    """attention_bwd_dkdv_kernel's grid and arguments after its tensors (Prepared)."""
+    query = ops.query
+    h, d = query.shape[2], query.shape[3]
+    hkv, d_v = ops.key.shape[2], ops.value.shape[3]
+    kv, band = p.configs.dkdv, p.band
+    nk = _dkdv_tiles(ops, p)
+    group_cols = p.dbias == "group"
+    scalars = (
+        *ops.strides(grad_out=grad_out), tables.stride_bt if tables else 0, nk,
+        dkdv_lists.keys_stride_b if dkdv_lists else 0,
+        dkdv_lists.keys_stride_h if dkdv_lists else 0,
+        dkdv_lists.count_stride_b if dkdv_lists else 0, *ops.lse_strides,
+        *grads.col_strides(ops.varlen), h, hkv, h // hkv, ops.lq, ops.lk, d, d_v,
+        cdiv(ops.span_q, kv.block_m), head_div(ops.mask, h, hkv), head_div(ops.bias, h, hkv),
+        float(opts.scale), float(opts.softcap), split, *band.args(),
+    )  # fmt: skip
+    meta = dict(
+        HAS_MASK=operand_kind(scored), DBIAS_COLS=grads.dbias_cols is not None,
+        GROUP_COLS=group_cols, COMPACT=dkdv_lists is not None,
+        # Batched key lists are permutations of the keys (tiles.KeyLists): the dk/dv kernels
+        # write zeros at the keys no list holds.
+        ZERO_UNLISTED=dkdv_lists is not None and ops.cu_q is None, PARTIAL=split > 1,
+        **_backward_flags(ops, opts), **_meta(kv, d, d_v, band, query.dtype),
+    )  # fmt: skip
+    return Prepared((nk, ops.b * hkv * split), scalars, meta)
+
+
+def _reduce_args(ops: Operands, grads: Grads, dkdv_lists, split, p: plan.Plan) -> Prepared:
+    """attention_bwd_dkdv_reduce_kernel's grid and arguments after its tensors (Prepared)."""
+    h, hkv = ops.query.shape[2], ops.key.shape[2]
+    d, d_v = ops.query.shape[3], ops.value.shape[3]
+    block_r = 16 if interpreter_on() else 64
+    scalars = (
+        dkdv_lists.keys_stride_b if dkdv_lists else 0,
+        dkdv_lists.keys_stride_h if dkdv_lists else 0,
+        dkdv_lists.count_stride_b if dkdv_lists else 0, *grads.col_strides(ops.varlen),
+        hkv, h // hkv, ops.lk, d, d_v, head_div(ops.mask, h, hkv), split,
+    )  # fmt: skip
+    meta = dict(
+        BLOCK_R=block_r, **_head_blocks(d, d_v), COMPACT=dkdv_lists is not None,
+        GROUP_COLS=p.dbias == "group", num_warps=1 if interpreter_on() else 4,
+    )  # fmt: skip
+    return Prepared((cdiv(ops.lk, block_r), ops.b * hkv), scalars, meta)
 
 
 # A chunked window call (sdpa.py) whose length is not a multiple of its chunk: the whole chunks

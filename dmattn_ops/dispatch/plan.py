@@ -32,7 +32,7 @@ what the backward changes (the fused route's conditions, packing, dbias, its ker
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -131,7 +131,8 @@ class Plan:
     the forward (or decode) kernel's tiles; configs: the backward kernels'. heads: query heads
     per forward / dq program (_pack_heads). dbias: how the backward writes dbias (DBIAS_MODES)
     or None. split: the dk/dv split the options force, or None (the launcher sizes it).
-    tuning: the resolved kernel options.
+    tuning: the resolved kernel options. launches: the launch arguments made for this plan, by
+    launch site (launch.py `_prepared`); not part of the plan's value.
     """
 
     route: str
@@ -148,6 +149,7 @@ class Plan:
     dbias: str | None = None
     split: int | None = None
     tuning: options.Tuning | None = None
+    launches: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
 
 # Packed key-list calls with more queries than this take a KV group's query heads per program

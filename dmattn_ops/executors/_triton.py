@@ -11,6 +11,10 @@ specialises every argument on every launch (42-88 us for our 75-87-argument
 kernels on the H100's hosts, 105-127 us inside an eager call, where its C launcher alone takes
 9-14 us). The first launch with a given specialisation goes through it and keeps the compiled
 kernel it returns; later launches with the same key call that kernel directly.
+
+The attention launchers go further (Prepared): a plan (dispatch/plan.py) fixes every argument
+of its kernels but the tensors, so those are made once per plan and launch site, and the
+compiled kernel is kept beside them, found again by the tensors' alignment alone.
 """
 
 from __future__ import annotations
@@ -180,6 +184,58 @@ def _grid3(grid) -> tuple:
     return grid + (1,) * (3 - len(grid))
 
 
+class Prepared:
+    """One launch site's arguments other than its tensors, made once per plan (launch.py
+    `_prepared`): the grid, the scalar positional arguments that follow the tensors, and the
+    keyword ones (constexprs, num_warps, num_stages). LazyKernel.run launches it with the call's
+    tensors. Eager launches on the GPU keep here, by the tensors' dtypes and 16-byte alignment
+    (all Triton specialises a tensor on; everything else is fixed), the compiled kernel and the
+    values of its trailing parameters (LaunchCache._tail), so that a repeated launch builds no
+    LaunchCache key and goes straight to the compiled kernel's launcher."""
+
+    __slots__ = ("compiled", "grid", "meta", "scalars")
+
+    def __init__(self, grid: tuple, scalars: tuple, meta: dict):
+        self.grid, self.scalars, self.meta = grid, scalars, meta
+        self.compiled: dict = {}
+
+    def __eq__(self, other) -> bool:
+        """The same grid and arguments, each scalar of the same type (Triton specialises an int
+        and a float of one value differently): the check of DMATTN_CHECK_PREPARED."""
+        if not isinstance(other, Prepared):
+            return NotImplemented
+        return (self.grid, self.scalars, self.meta) == (other.grid, other.scalars, other.meta) and [
+            type(v) for v in self.scalars
+        ] == [type(v) for v in other.scalars]
+
+    __hash__ = None  # mutable (its compiled kernels)
+
+    def __repr__(self) -> str:
+        return f"Prepared(grid={self.grid}, scalars={self.scalars}, meta={self.meta})"
+
+
+def prepared(store: dict, key: tuple, build: Callable[[], Prepared]) -> Prepared:
+    """The Prepared arguments of launch site `key` in `store` (a plan's `launches`), made by
+    `build()` the first time (or any other value a plan fixes, and tuples of them). With
+    DMATTN_CHECK_PREPARED=1 (the tests set it) every later use makes them again and raises
+    where they differ: a plan then did not fix what the site's key claimed it does."""
+    found = store.get(key)
+    if found is None:
+        found = store[key] = build()
+    elif switch("DMATTN_CHECK_PREPARED", False):
+        fresh = build()
+        if fresh != found:
+            raise AssertionError(f"launch arguments of {key} changed under one plan: kept "
+                                 f"{found}, now {fresh}")  # fmt: skip
+    return found
+
+
+def _alignment(tensors: tuple) -> tuple:
+    """What Triton specialises each tensor argument on (dtype, 16-byte alignment), None for
+    None."""
+    return tuple([None if t is None else (t.dtype, t.data_ptr() & 15 == 0) for t in tensors])
+
+
 _TRACING = 0  # > 0 while dmattn_ops/registration/inductor.py traces a launcher for a compiled graph
 
 
@@ -233,6 +289,29 @@ class LazyKernel:
         if callable(grid) or not launch_cache_on():
             return fn[grid]
         return functools.partial(self._launch, fn, grid)
+
+    def run(self, prepared: Prepared, tensors: tuple):
+        """The launch `kernel[prepared.grid](*tensors, *prepared.scalars, **prepared.meta)`;
+        eagerly on the GPU, through the compiled kernel kept in `prepared` (Prepared)."""
+        fn = self.fn
+        args = (*tensors, *prepared.scalars)
+        if tracing_on():
+            return torch_wrap_triton(fn)[prepared.grid](*args, **prepared.meta)
+        if not launch_cache_on():
+            return fn[prepared.grid](*args, **prepared.meta)
+        key = (torch.cuda.current_device(), _alignment(tensors))
+        entry = prepared.compiled.get(key)
+        if entry is not None:
+            compiled, tail = entry
+            compiled[_grid3(prepared.grid)](*args, *tail)
+            return compiled
+        compiled = self.launches.launch(fn, prepared.grid, args, prepared.meta, key[0])
+        tail = LaunchCache._tail(fn, compiled, args, prepared.meta)
+        if tail is not None:
+            if len(prepared.compiled) >= 8:  # alignments seen: a handful at most
+                prepared.compiled.clear()
+            prepared.compiled[key] = (compiled, tail)
+        return compiled
 
     def _launch(self, fn, grid, *args, **kwargs):
         return self.launches.launch(fn, grid, args, kwargs, torch.cuda.current_device())

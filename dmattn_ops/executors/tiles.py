@@ -15,7 +15,7 @@ from dmattn_ops.core.band import Band
 from dmattn_ops.core.device import cdiv, head_block
 from dmattn_ops.core.operands import batch_strides, head_div, operand_strides
 from dmattn_ops.executors._alloc import empties, empty
-from dmattn_ops.executors._triton import LazyKernel, interpreter_on
+from dmattn_ops.executors._triton import LazyKernel, Prepared, interpreter_on, prepared
 
 
 def _kernels() -> tuple:
@@ -172,21 +172,54 @@ class KeyLists:
 
 
 def build_key_lists(
-    mask, seqused_k, b, lq, lk, band: Band, block_m, pack: PackFrom | None = None
+    mask, seqused_k, b, lq, lk, band: Band, block_m, pack: PackFrom | None = None, launches=None
 ) -> KeyLists:
     """KeyLists of a compactable mask and, with `pack`, its packed K, V and per-key bias rows
     (KeyLists.packed): one launch of kernels/key_lists.py key_lists_kernel, whose programs each
-    take a chunk of keys, no host sync."""
+    take a chunk of keys, no host sync. launches: the plan's store of launch arguments (plan.Plan
+    .launches), where the buffers' shapes and the launch's arguments are made once."""
+    site = ("key_lists", block_m, pack is None, pack is not None and pack.zero_tail)
+    layout = prepared(
+        {} if launches is None else launches, site,
+        lambda: _key_lists_layout(mask, seqused_k, b, lq, lk, band, block_m, pack),
+    )  # fmt: skip
+    # The lists, their ends and counts and the packed rows live as long as each other (the
+    # backward keeps them); the prefix sums are the kernel's scratch, small beside the lists:
+    # one allocation a dtype.
+    keys, key_end, key_start, key_count, prefix, *packs = empties(
+        layout.buffers, device=mask.device
+    )
+    packed = None if pack is None else Packed(*packs)
+    key, value, bias = (None,) * 3 if pack is None else pack[:3]
+    key_lists_kernel.run(layout.launch, (
+        mask, seqused_k, prefix, keys, key_start, key_end, key_count, key, value, bias, *packs,
+    ))  # fmt: skip
+    keys_stride_b, end_stride_b, count_stride_b = layout.strides
+    return KeyLists(
+        keys=keys, key_end=key_end, key_count=key_count, keys_stride_b=keys_stride_b,
+        keys_stride_h=lk, end_stride_b=end_stride_b, count_stride_b=count_stride_b,
+        key_start=key_start, packed=packed,
+    )  # fmt: skip
+
+
+class _ListsLayout(NamedTuple):
+    """What build_key_lists makes once per plan: its buffers (empties' specs), the launch of
+    key_lists_kernel (Prepared) and the lists' (keys batch, end batch, count batch) strides."""
+
+    buffers: list
+    launch: Prepared
+    strides: tuple[int, int, int]
+
+
+def _key_lists_layout(mask, seqused_k, b, lq, lk, band: Band, block_m, pack) -> _ListsLayout:
     bm, hm = mask.shape[0], mask.shape[1]
-    device = mask.device
     bt = b if seqused_k is not None else bm
     nq = cdiv(lq, block_m)
     i32 = torch.int32
-    packed = None
     if pack is None:
         # One program row per (table batch, mask head): K, V and the bias are not read.
         rows, groups, g, mask_div, bias_div, bias_heads = bt, hm, 1, 1, 1, 0
-        key = value = bias = None
+        bias = None
         key_strides = value_strides = (0, 0, 0, 0)
         d = dv = 16
         packs = [None] * 3
@@ -201,41 +234,33 @@ def build_key_lists(
             ((b, lk, groups, d), key.dtype), ((b, lk, groups, dv), value.dtype),
             None if bias is None else ((b, groups * bias_heads, 1, lk), bias.dtype),
         ]  # fmt: skip
-    # The lists, their ends and counts and the packed rows live as long as each other (the
-    # backward keeps them); the prefix sums are the kernel's scratch, small beside the lists:
-    # one allocation a dtype.
-    keys, key_end, key_start, key_count, prefix, *packs = empties(
-        [((bm, hm, lk), i32), ((bt, hm, nq), i32), ((bt, hm, nq), i32) if band.has_window else None,
-         ((bt, hm), i32), ((rows * groups, lk), i32), *packs],
-        device=device,
-    )  # fmt: skip
-    if pack is not None:
-        packed = Packed(*packs)
+    buffers = [
+        ((bm, hm, lk), i32), ((bt, hm, nq), i32), ((bt, hm, nq), i32) if band.has_window else None,
+        ((bt, hm), i32), ((rows * groups, lk), i32), *packs,
+    ]  # fmt: skip
     keys_stride_b = hm * lk if bm > 1 else 0
     end_stride_b, count_stride_b = (hm * nq, hm) if bt > 1 else (0, 0)
     block_d = head_block(max(d, dv))
     sb, sh, _, sn = operand_strides(bias)
+    mb, mh, _, mn = operand_strides(mask)
     interpreted = interpreter_on()
     # Short chunks: a program's work is one dependent chain of loads (its chunk, the rows it
     # packs), so more programs, not longer ones, hide the latency.
     chunk = 64
-    key_lists_kernel[(cdiv(lk, chunk), rows * groups)](
-        mask, seqused_k, prefix, keys, key_start, key_end, key_count,
-        key, value, bias, *((packed.key, packed.value, packed.bias) if packed else (None,) * 3),
-        *operand_strides(mask)[:2], operand_strides(mask)[3], *key_strides, *value_strides,
-        sb, sh, sn, keys_stride_b, lk, end_stride_b, count_stride_b,
-        groups, g, lq, lk, nq, d, dv, mask_div, bias_div, bias_heads, *band.args(),
+    scalars = (
+        mb, mh, mn, *key_strides, *value_strides, sb, sh, sn, keys_stride_b, lk, end_stride_b,
+        count_stride_b, groups, g, lq, lk, nq, d, dv, mask_div, bias_div, bias_heads,
+        *band.args(),
+    )  # fmt: skip
+    meta = dict(
         HAS_SEQUSED=seqused_k is not None, **band.flags(), PACK=pack is not None,
         ZERO_TAIL=pack is not None and pack.zero_tail, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, CHUNK=chunk,
         SCAN=256 if interpreted else 4096, BLOCK_T=64 if interpreted else 512,
         BLOCK_D=block_d, BLOCK_DV=block_d, num_warps=1 if interpreted else 4,
     )  # fmt: skip
-    return KeyLists(
-        keys=keys, key_end=key_end, key_count=key_count, keys_stride_b=keys_stride_b,
-        keys_stride_h=lk, end_stride_b=end_stride_b, count_stride_b=count_stride_b,
-        key_start=key_start, packed=packed,
-    )  # fmt: skip
+    launch = Prepared((cdiv(lk, chunk), rows * groups), scalars, meta)
+    return _ListsLayout(buffers, launch, (keys_stride_b, end_stride_b, count_stride_b))
 
 
 def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, band: Band, block_m, max_k) -> KeyLists:
