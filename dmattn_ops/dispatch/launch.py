@@ -42,7 +42,7 @@ from dmattn_ops.dispatch.plan import (
     BackwardConfigs,
 )
 from dmattn_ops.executors import chunked, hopper, sdpa
-from dmattn_ops.executors._alloc import empties, empty
+from dmattn_ops.executors._alloc import Carving, carve, empties, empty
 from dmattn_ops.executors._triton import LazyKernel, Prepared, interpreter_on, prepared
 from dmattn_ops.executors.chunked import stats_dtype
 from dmattn_ops.executors.tiles import (
@@ -708,17 +708,10 @@ def _launch_backward(
         *_list_rows(lists), dq, dbias_direct,
     ))  # fmt: skip
 
-    split = prepared(launches, ("split", *layout), lambda: _dkdv_split(ops, p, dkdv_lists))
+    split, parts = prepared(launches, ("split", *layout), lambda: _dkdv_split(ops, p, dkdv_lists))
     part_dk = part_dv = part_db = None
     if split > 1:
-        f32 = torch.float32
-        b, hkv, lk = ops.b, ops.key.shape[2], ops.lk
-        part_dk, part_dv, part_db = empties(
-            [((split, b * hkv, lk, ops.query.shape[3]), f32),
-             ((split, b * hkv, lk, ops.value.shape[3]), f32),
-             ((split, b * hkv, lk), f32) if p.dbias == "group" else None],
-            device=ops.query.device,
-        )  # fmt: skip
+        part_dk, part_dv, part_db = empties(parts, device=ops.query.device)
     listed = (None, None) if dkdv_lists is None else (dkdv_lists.keys, dkdv_lists.key_count)
     if p.hopper:
         hopper.dkdv(
@@ -781,10 +774,24 @@ def _backward_flags(ops: Operands, opts: Options) -> dict:
     )  # fmt: skip
 
 
-def _dkdv_split(ops: Operands, p: plan.Plan, dkdv_lists) -> int:
-    """How many programs share each key tile's query heads in the dk/dv pass (their float32
-    parts then summed by attention_bwd_dkdv_reduce_kernel): the kernel option's, or
-    configs.dkdv_split's; 1 for packed sequences."""
+def _dkdv_split(ops: Operands, p: plan.Plan, dkdv_lists) -> tuple[int, Carving | None]:
+    """(split, parts): how many programs share each key tile's query heads in the dk/dv pass,
+    and with split > 1 the Carving of their float32 dK, dV (and "group" dbias) parts, which
+    attention_bwd_dkdv_reduce_kernel then sums."""
+    split = _split(ops, p, dkdv_lists)
+    if split == 1:
+        return 1, None
+    f32, rows = torch.float32, ops.b * ops.key.shape[2]
+    return split, carve([
+        ((split, rows, ops.lk, ops.query.shape[3]), f32),
+        ((split, rows, ops.lk, ops.value.shape[3]), f32),
+        ((split, rows, ops.lk), f32) if p.dbias == "group" else None,
+    ])  # fmt: skip
+
+
+def _split(ops: Operands, p: plan.Plan, dkdv_lists) -> int:
+    """The dk/dv pass's split: the kernel option's, or configs.dkdv_split's; 1 for packed
+    sequences."""
     query = ops.query
     h, hkv = query.shape[2], ops.key.shape[2]
     g = h // hkv

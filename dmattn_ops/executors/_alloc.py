@@ -12,6 +12,7 @@ forward+backward.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -33,26 +34,55 @@ def empty(shape, dtype: torch.dtype, *, device) -> torch.Tensor:
     return t
 
 
+class Carving(NamedTuple):
+    """How `empties` carves its buffers, made once per list of specs (`carve`): per dtype, the
+    one allocation's length and each buffer's (index, shape, strides, offset) in it."""
+
+    specs: tuple
+    pools: tuple  # ((dtype, total, ((index, shape, strides, offset), ...)), ...)
+
+
+def carve(specs) -> Carving:
+    """The Carving of these (shape, dtype) pairs (None for None): the buffers of one dtype
+    contiguous in one allocation, each starting ALIGN_BYTES-aligned."""
+    specs = tuple(specs)
+    pools = []
+    for dtype in dict.fromkeys(spec[1] for spec in specs if spec is not None):
+        step = max(1, ALIGN_BYTES // dtype.itemsize)
+        total, views = 0, []
+        for i, spec in enumerate(specs):
+            if spec is None or spec[1] != dtype:
+                continue
+            shape = tuple(spec[0])
+            views.append((i, shape, _contiguous_strides(shape), total))
+            total += -(-math.prod(shape) // step) * step
+        pools.append((dtype, max(total, 1), tuple(views)))
+    return Carving(specs, tuple(pools))
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def empties(specs, *, device) -> list[torch.Tensor | None]:
-    """Contiguous buffers for these (shape, dtype) pairs (None for None), the buffers of one
-    dtype views of one allocation, each starting ALIGN_BYTES-aligned. Buffers of one storage
-    are for scratch and for buffers that live and die together, never for an op's separate
-    outputs (which must not alias)."""
+    """Contiguous buffers for these (shape, dtype) pairs (None for None), or for a Carving of
+    them (`carve`, made once where the specs repeat), the buffers of one dtype views of one
+    allocation, each starting ALIGN_BYTES-aligned. Buffers of one storage are for scratch and
+    for buffers that live and die together, never for an op's separate outputs (which must
+    not alias)."""
+    carving = specs if isinstance(specs, Carving) else carve(specs)
     if tracing_on():
         # Traced into a compiled graph, Inductor allocates the buffers (no host cost to save),
         # and views of one base, mutated by user kernels, are functionalized as one tensor:
         # a Hopper key-list call compiled that way read out of bounds on the H200.
-        return [None if spec is None else empty(*spec, device=device) for spec in specs]
-    out: list[torch.Tensor | None] = [None] * len(specs)
-    for dtype in dict.fromkeys(spec[1] for spec in specs if spec is not None):
-        mine = [i for i, spec in enumerate(specs) if spec is not None and spec[1] == dtype]
-        step = max(1, ALIGN_BYTES // dtype.itemsize)
-        sizes = [math.prod(specs[i][0]) for i in mine]
-        starts, total = [], 0
-        for n in sizes:
-            starts.append(total)
-            total += -(-n // step) * step
-        flat = empty((max(total, 1),), dtype=dtype, device=device)
-        for i, a, n in zip(mine, starts, sizes):
-            out[i] = flat[a : a + n].view(specs[i][0])
+        return [None if spec is None else empty(*spec, device=device) for spec in carving.specs]
+    out: list[torch.Tensor | None] = [None] * len(carving.specs)
+    for dtype, total, views in carving.pools:
+        flat = empty((total,), dtype=dtype, device=device)
+        for i, shape, strides, offset in views:
+            out[i] = flat.as_strided(shape, strides, offset)
     return out

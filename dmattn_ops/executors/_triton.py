@@ -218,8 +218,12 @@ def prepared(store: dict, key: tuple, build: Callable[[], Prepared]) -> Prepared
     """The Prepared arguments of launch site `key` in `store` (a plan's `launches`), made by
     `build()` the first time (or any other value a plan fixes, and tuples of them). With
     DMATTN_CHECK_PREPARED=1 (the tests set it) every later use makes them again and raises
-    where they differ: a plan then did not fix what the site's key claimed it does."""
-    found = store.get(key)
+    where they differ: a plan then did not fix what the site's key claimed it does. A key with
+    a symbolic size (a trace with dynamic shapes) keeps nothing."""
+    try:
+        found = store.get(key)
+    except TypeError:  # a symbolic size or stride (torch.SymInt does not hash): made each time
+        return build()
     if found is None:
         found = store[key] = build()
     elif switch("DMATTN_CHECK_PREPARED", False):

@@ -14,7 +14,7 @@ import torch
 from dmattn_ops.core.band import Band
 from dmattn_ops.core.device import cdiv, head_block
 from dmattn_ops.core.operands import batch_strides, head_div, operand_strides
-from dmattn_ops.executors._alloc import empties, empty
+from dmattn_ops.executors._alloc import Carving, carve, empties, empty
 from dmattn_ops.executors._triton import LazyKernel, Prepared, interpreter_on, prepared
 
 
@@ -203,10 +203,10 @@ def build_key_lists(
 
 
 class _ListsLayout(NamedTuple):
-    """What build_key_lists makes once per plan: its buffers (empties' specs), the launch of
+    """What build_key_lists makes once per plan: its buffers (_alloc.Carving), the launch of
     key_lists_kernel (Prepared) and the lists' (keys batch, end batch, count batch) strides."""
 
-    buffers: list
+    buffers: Carving
     launch: Prepared
     strides: tuple[int, int, int]
 
@@ -260,7 +260,7 @@ def _key_lists_layout(mask, seqused_k, b, lq, lk, band: Band, block_m, pack) -> 
         BLOCK_D=block_d, BLOCK_DV=block_d, num_warps=1 if interpreted else 4,
     )  # fmt: skip
     launch = Prepared((cdiv(lk, chunk), rows * groups), scalars, meta)
-    return _ListsLayout(buffers, launch, (keys_stride_b, end_stride_b, count_stride_b))
+    return _ListsLayout(carve(buffers), launch, (keys_stride_b, end_stride_b, count_stride_b))
 
 
 def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, band: Band, block_m, max_k) -> KeyLists:
