@@ -1,15 +1,18 @@
 """The Python host time of one eager call with every kernel launch stubbed, on any machine:
-``python -m bench.host_cpu [dma|dense] [--launch-cache] [--profile tottime|cumtime]
+``python -m bench.host_cpu [dma|dense|decode] [--launch-cache] [--profile tottime|cumtime]
 [--rounds N]``.
 
 What our own Python costs per call (validation, planning, allocation, launch arguments, the
 autograd Function), without the GPU or Triton's launchers: the kernels run in Triton's
 interpreter mode with each launch replaced by a no-op, so nothing is computed. B4 L2048 H16/4
-D128 bf16, causal; "dma" adds a per-key bias (B, Hkv, 1, L) and its top-512 mask. Prints the
-min and median over rounds of 50 forward+backward calls, and with --profile the functions by
-own or cumulative time. A GPU's host runs this Python about 4x slower than a laptop core
-(bench/NOTES.md 134), and a Python op's floor there (a trivial autograd.Function) is about
-0.2 ms (NOTES 103): compare A/B on one machine, alternating, not across machines.
+D128 bf16, causal; "dma" adds a per-key bias (B, Hkv, 1, L) and its top-512 mask; "decode" is
+one query row a sequence against that cache, mask and bias (a forward without gradients, as a
+serving loop's step). Prints the min and median over rounds of 50 calls, and with --profile
+the functions by own or cumulative time. --launch-cache: launches through LaunchCache and the
+kernels kept per plan, as on a GPU. A GPU's host runs this Python about 4x slower than a
+laptop core (bench/NOTES.md 134), and a Python op's floor there (a trivial
+autograd.Function) is about 0.2 ms (NOTES 103): compare A/B on one machine, alternating, not
+across machines.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.host_cpu", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("kind", nargs="?", default="dma", choices=("dma", "dense"))
+    parser.add_argument("kind", nargs="?", default="dma", choices=("dma", "dense", "decode"))
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--profile", choices=("tottime", "cumtime"), default=None)
     parser.add_argument("--top", type=int, default=30)
@@ -56,7 +59,13 @@ def main(argv=None) -> int:
     mask = topk_mask(bias.detach(), 512)
     grad = torch.randn(B, L, H, D, dtype=dt)
 
+    step_q = q.detach()[:, -1:]
+
     def step():
+        if args.kind == "decode":
+            with torch.no_grad():
+                dmattn_ops.attention(step_q, k, v, mask, bias)
+            return
         for t in (q, k, v, bias):
             t.grad = None
         if args.kind == "dma":
@@ -74,8 +83,9 @@ def main(argv=None) -> int:
             step()
         per_call.append((time.perf_counter() - t0) / CALLS * 1e3)
     per_call.sort()
+    what = "one decode step" if args.kind == "decode" else "forward+backward"
     print(
-        f"{args.kind} forward+backward, launches stubbed: host {per_call[0]:.4f} ms min, "
+        f"{args.kind} {what}, launches stubbed: host {per_call[0]:.4f} ms min, "
         f"{per_call[len(per_call) // 2]:.4f} median ({args.rounds} rounds of {CALLS} calls)"
     )
     if args.profile:

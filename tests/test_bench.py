@@ -178,9 +178,12 @@ def test_overlap_counts_transfer_time_under_compute():
 
 def test_host_cpu_times_the_python_of_an_eager_call():
     """bench.host_cpu (our Python's host time with the launches stubbed) runs anywhere and
-    prints its line."""
-    cmd = [sys.executable, "-m", "bench.host_cpu", "dma", "--rounds", "1"]
+    prints its line, through Triton's launch path and through the kept kernels'."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "dma forward+backward, launches stubbed: host" in res.stdout, res.stdout
+    for kind, flags, line in [
+        ("dma", [], "dma forward+backward"), ("decode", ["--launch-cache"], "decode one decode step"),
+    ]:  # fmt: skip
+        cmd = [sys.executable, "-m", "bench.host_cpu", kind, "--rounds", "1", *flags]
+        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"{line}, launches stubbed: host" in res.stdout, res.stdout

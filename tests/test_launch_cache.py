@@ -9,7 +9,7 @@ import torch
 from helpers import DEVICE
 
 import dmattn_ops
-from dmattn_ops.dispatch import launch
+from dmattn_ops.dispatch import launch, plan
 from dmattn_ops.executors import _triton, tiles
 from dmattn_ops.executors._triton import LaunchCache
 
@@ -193,6 +193,32 @@ def test_launch_arguments_are_made_once_per_plan(monkeypatch):
     assert sorted(made) == sorted([*once, "_dq_args", "_dkdv_args"])
     for f, a in zip(first, again):
         torch.testing.assert_close(a, f, rtol=0, atol=0)
+
+
+def test_a_decode_step_makes_its_launches_once(monkeypatch):
+    """Decode steps of one cache shape (the serving loop) make the decode kernel's, the merge's
+    and the key lists' arguments once, and compute what a fresh plan computes."""
+    monkeypatch.setenv("DMATTN_CHECK_PREPARED", "0")
+    made = []
+    real = launch._decode_layout
+    monkeypatch.setattr(launch, "_decode_layout", lambda *a: made.append(1) or real(*a))
+    b, lk, h, hkv, d = 2, 200, 4, 2, 32
+    q = torch.randn(b, 1, h, d, device=DEVICE)
+    k, v = (torch.randn(b, lk, hkv, d, device=DEVICE) for _ in "kv")
+    bias = torch.randn(b, hkv, 1, lk, device=DEVICE)
+    mask = bias >= bias.topk(48, dim=-1).values[..., -1:]
+    sinks = torch.randn(h, device=DEVICE)
+
+    def step():
+        return dmattn_ops.attention(q, k, v, mask, bias, sinks=sinks, backend="triton")
+
+    first = step()
+    assert made == [1]
+    for _ in range(2):
+        assert torch.equal(step(), first)
+    assert made == [1]
+    plan._CACHE.clear()  # a fresh plan makes them again, to the same result
+    assert torch.equal(step(), first) and made == [1, 1]
 
 
 def test_off_under_the_interpreter_and_the_switch(monkeypatch):

@@ -42,7 +42,7 @@ from dmattn_ops.dispatch.plan import (
     BackwardConfigs,
 )
 from dmattn_ops.executors import chunked, hopper, sdpa
-from dmattn_ops.executors._alloc import Carving, carve, empties, empty
+from dmattn_ops.executors._alloc import Carving, carve, contiguous_strides, empties, empty
 from dmattn_ops.executors._triton import LazyKernel, Prepared, interpreter_on, prepared
 from dmattn_ops.executors.chunked import stats_dtype
 from dmattn_ops.executors.tiles import (
@@ -1004,14 +1004,48 @@ DECODE_WAVES = 8  # programs per SM to aim for (measured fastest on an H100)
 def decode_forward(problem: Problem, opts: Options, p: plan.Plan):
     """out, lse, lse_rem as `forward`, through attention_decode_kernel and its merge, which
     joins the sinks (H,) if any. Under a window the splits cover the band (at most left + Lq +
-    right keys, from the first query's lower bound), not the cache."""
+    right keys, from the first query's lower bound), not the cache. The launches' arguments
+    and the buffers' shapes are made once per plan (_decode_layout): a decode step's host time
+    is most of its time."""
     query, key, value = problem.query, problem.key, problem.value
     mask, bias, seqused_k, sinks = problem.mask, problem.bias, problem.seqused_k, problem.sinks
+    b, lq, lk, band = query.shape[0], query.shape[1], key.shape[1], p.band
+    device = query.device
+    lists = None
+    if mask is not None:
+        lists = build_key_lists(mask, seqused_k, b, lq, lk, band, lq, launches=p.launches)
+    layout = prepared(
+        p.launches, ("decode", lists is None), lambda: _decode_layout(problem, opts, p, lists)
+    )
+    acc, m, l_part = (empty(shape, dtype=torch.float32, device=device) for shape in layout.parts)
+    attention_decode_kernel.run(layout.decode, (
+        query, key, value, bias, seqused_k, *_list_rows(lists), acc, m, l_part,
+    ))  # fmt: skip
+    out = empty(layout.out, dtype=query.dtype, device=device)
+    lse = empty(layout.lse, dtype=torch.float32, device=device)
+    lse_rem = empty(layout.lse, dtype=torch.float32, device=device)
+    decode_combine_kernel.run(layout.combine, (acc, m, l_part, out, lse, lse_rem, sinks))
+    return out, lse, lse_rem
+
+
+class _DecodeLayout(NamedTuple):
+    """What decode_forward makes once per plan: the split parts' shapes (acc, m, l), out's and
+    lse's, and the two launches (Prepared)."""
+
+    parts: tuple
+    out: tuple
+    lse: tuple
+    decode: Prepared
+    combine: Prepared
+
+
+def _decode_layout(problem: Problem, opts: Options, p: plan.Plan, lists) -> _DecodeLayout:
+    query, key, value = problem.query, problem.key, problem.value
+    mask, bias, seqused_k = problem.mask, problem.bias, problem.seqused_k
     scale, softcap, band = opts.scale, opts.softcap, p.band
     b, lq, h, d = query.shape
     lk, hkv, dv = key.shape[1], key.shape[2], value.shape[3]
     g = h // hkv
-    device = query.device
     cfg = p.config
     block_n = cfg.block_n
     block_m = max(16, next_power_of_2(g * lq))
@@ -1019,35 +1053,38 @@ def decode_forward(problem: Problem, opts: Options, p: plan.Plan):
     if band.has_window and band.left < UNBOUNDED and band.right < UNBOUNDED:
         span = min(lk, band.left + lq + band.right + block_n)  # + a tile of alignment
     tiles = cdiv(span, block_n)
-    splits = max(1, min(tiles, cdiv(DECODE_WAVES * sm_count(device), b * hkv)))
+    splits = max(1, min(tiles, cdiv(DECODE_WAVES * sm_count(query.device), b * hkv)))
     tiles_per_split = cdiv(tiles, splits)
     splits = cdiv(tiles, tiles_per_split)
-    lists = build_key_lists(mask, seqused_k, b, lq, lk, band, lq) if mask is not None else None
     rows = b * h * lq
-    acc = empty((splits, rows, dv), dtype=torch.float32, device=device)
-    m = empty((splits, rows), dtype=torch.float32, device=device)
-    l_part = empty((splits, rows), dtype=torch.float32, device=device)
-    attention_decode_kernel[(splits, b * hkv)](
-        query, key, value, bias, seqused_k, lists.keys if lists else None,
-        lists.key_start if lists else None, lists.key_end if lists else None, acc, m, l_part,
-        *query.stride(), *key.stride(), *value.stride(), *operand_strides(bias),
-        lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0,
-        lists.end_stride_b if lists else 0, 1,
-        h, g, lq, lk, d, dv, rows, tiles_per_split * block_n,
-        head_div(mask, h, hkv), head_div(bias, h, hkv), float(scale), float(softcap),
-        *band.args(), **band.flags(), BLOCK_M=block_m, BLOCK_N=block_n, **_head_blocks(d, dv),
-        DOT_PRECISION=_dot_precision(query.dtype),
-        # Per-row bias pointers (the rows span the G heads of a group): PER_ENTRY loads.
-        HAS_BIAS=PER_ENTRY if bias is not None else 0,
-        HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0, COMPACT=LISTED if lists else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    decode = Prepared(
+        (splits, b * hkv),
+        (
+            *query.stride(), *key.stride(), *value.stride(), *operand_strides(bias),
+            lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0,
+            lists.end_stride_b if lists else 0, 1,
+            h, g, lq, lk, d, dv, rows, tiles_per_split * block_n,
+            head_div(mask, h, hkv), head_div(bias, h, hkv), float(scale), float(softcap),
+            *band.args(),
+        ),
+        dict(
+            **band.flags(), BLOCK_M=block_m, BLOCK_N=block_n, **_head_blocks(d, dv),
+            DOT_PRECISION=_dot_precision(query.dtype),
+            # Per-row bias pointers (the rows span the G heads of a group): PER_ENTRY loads.
+            HAS_BIAS=PER_ENTRY if bias is not None else 0,
+            HAS_SEQUSED=seqused_k is not None, HAS_SOFTCAP=softcap > 0,
+            COMPACT=LISTED if lists else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ),
     )  # fmt: skip
-    out = empty((b, lq, h, dv), dtype=query.dtype, device=device)
-    lse = empty((b, h, lq), dtype=torch.float32, device=device)
-    lse_rem = empty((b, h, lq), dtype=torch.float32, device=device)
-    decode_combine_kernel[(rows,)](
-        acc, m, l_part, out, lse, lse_rem, sinks, rows, splits, h, lq, dv, *out.stride(),
-        BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_DV=head_block(dv),
-        HAS_SINKS=sinks is not None, num_warps=1 if interpreter_on() else 4,
+    out = (b, lq, h, dv)
+    out_strides = contiguous_strides(out)  # `empty`'s
+    combine = Prepared(
+        (rows,),
+        (rows, splits, h, lq, dv, *out_strides),
+        dict(
+            BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_DV=head_block(dv),
+            HAS_SINKS=problem.sinks is not None, num_warps=1 if interpreter_on() else 4,
+        ),
     )  # fmt: skip
-    return out, lse, lse_rem
+    parts = ((splits, rows, dv), (splits, rows), (splits, rows))
+    return _DecodeLayout(parts, out, (b, h, lq), decode, combine)

@@ -54,13 +54,14 @@ def carve(specs) -> Carving:
             if spec is None or spec[1] != dtype:
                 continue
             shape = tuple(spec[0])
-            views.append((i, shape, _contiguous_strides(shape), total))
+            views.append((i, shape, contiguous_strides(shape), total))
             total += -(-math.prod(shape) // step) * step
         pools.append((dtype, max(total, 1), tuple(views)))
     return Carving(specs, tuple(pools))
 
 
-def _contiguous_strides(shape: tuple) -> tuple:
+def contiguous_strides(shape: tuple) -> tuple:
+    """The strides torch.empty(shape) has (a size-0 dim counts as 1)."""
     strides, n = [], 1
     for size in reversed(shape):
         strides.append(n)
