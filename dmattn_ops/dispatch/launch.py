@@ -937,7 +937,7 @@ def _varlen_forward(problem: Problem, opts: Options, p: plan.Plan):
     if mask is not None:
         nq = cdiv(ops.span_q, p.config.block_m)
         lists = build_varlen_key_lists(
-            mask, cu_q, cu_k, total_q, nq, p.band, p.config.block_m, ops.span_k
+            mask, cu_q, cu_k, total_q, nq, p.band, p.config.block_m, ops.span_k, p.launches
         )
     _launch_forward(ops, Saved(out[None], lse, lse_rem), None, lists, p, opts)
     return out, lse, lse_rem
@@ -979,7 +979,7 @@ def _varlen_backward(
             block_m = p.configs.dq.block_m
             nq = cdiv(ops.span_q, block_m)
             lists = build_varlen_key_lists(
-                mask, cu_q, cu_k, total_q, nq, p.band, block_m, ops.span_k
+                mask, cu_q, cu_k, total_q, nq, p.band, block_m, ops.span_k, p.launches
             )
         dkdv_lists = lists if compactable(ops.mask, h, hkv) else None
         # Rows outside every sequence are never written nor read.

@@ -263,12 +263,15 @@ def _key_lists_layout(mask, seqused_k, b, lq, lk, band: Band, block_m, pack) -> 
     return _ListsLayout(carve(buffers), launch, (keys_stride_b, end_stride_b, count_stride_b))
 
 
-def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, band: Band, block_m, max_k) -> KeyLists:
+def build_varlen_key_lists(
+    mask, cu_q, cu_k, total_q, nq, band: Band, block_m, max_k, launches=None
+) -> KeyLists:
     """Key lists of a varlen mask (Hm, total_k): per (mask head, sequence) the sequence's allowed
     keys in ascending order, as indices local to the sequence, stored where the sequence's keys
     are (keys (Hm, total_k), total_k elsewhere); key_end (B, Hm, NQ) and key_count (B, Hm) as in
     build_key_lists (kernels/key_lists.py varlen_key_lists_kernel). One kernel launch, no host
-    synchronisation; nothing is packed."""
+    synchronisation; nothing is packed. launches: the plan's store of launch arguments, as
+    build_key_lists'."""
     hm, total_k = mask.shape
     b = cu_q.shape[0] - 1
     device = mask.device
@@ -278,12 +281,19 @@ def build_varlen_key_lists(mask, cu_q, cu_k, total_q, nq, band: Band, block_m, m
     key_count = empty((b, hm), dtype=torch.int32, device=device)
     prefix = empty((b * hm, max(max_k, 1)), dtype=torch.int32, device=device)
     if b > 0:
-        varlen_key_lists_kernel[(b * hm,)](
-            mask, cu_q, cu_k, prefix, keys, key_start, key_end, key_count,
-            mask.stride(0), mask.stride(1), total_k, hm * nq, hm, hm, total_q, total_k, nq,
-            max(max_k, 1), *band.args(), **band.flags(), BLOCK_M=block_m, CHUNK=1024,
-            num_warps=1 if interpreter_on() else 4,
+        args = prepared(
+            {} if launches is None else launches, ("varlen_key_lists", block_m),
+            lambda: Prepared(
+                (b * hm,),
+                (mask.stride(0), mask.stride(1), total_k, hm * nq, hm, hm, total_q, total_k, nq,
+                 max(max_k, 1), *band.args()),
+                dict(**band.flags(), BLOCK_M=block_m, CHUNK=1024,
+                     num_warps=1 if interpreter_on() else 4),
+            ),
         )  # fmt: skip
+        varlen_key_lists_kernel.run(
+            args, (mask, cu_q, cu_k, prefix, keys, key_start, key_end, key_count)
+        )
     return KeyLists(
         keys=keys, key_end=key_end, key_count=key_count, keys_stride_b=0,
         keys_stride_h=total_k, end_stride_b=hm * nq, count_stride_b=hm, key_start=key_start,
