@@ -221,6 +221,32 @@ def test_a_decode_step_makes_its_launches_once(monkeypatch):
     assert torch.equal(step(), first) and made == [1, 1]
 
 
+def test_tile_tables_make_their_launches_once_per_plan(monkeypatch):
+    """A mask that varies over the queries (the tile tables' route): repeated calls of one
+    signature make the tables' buffers and launches once per grid, with the same results."""
+    monkeypatch.setenv("DMATTN_CHECK_PREPARED", "0")
+    made = []
+    real = tiles._tables_layout
+    monkeypatch.setattr(tiles, "_tables_layout", lambda *a: made.append(1) or real(*a))
+    b, n, h, d = 1, 80, 2, 16
+    q, k, v = (torch.randn(b, n, h, d, device=DEVICE) for _ in "qkv")
+    mask = torch.rand(b, h, n, n, device=DEVICE) > 0.3
+    grad = torch.randn(b, n, h, d, device=DEVICE)
+
+    def step():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = dmattn_ops.attention(*leaves, mask, is_causal=True, backend="triton")
+        out.backward(grad)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    first = step()
+    once = len(made)
+    assert once >= 2  # the forward's grid and the backward's
+    for got, want in zip(step(), first):
+        assert torch.equal(got, want)
+    assert len(made) == once
+
+
 def test_off_under_the_interpreter_and_the_switch(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not _triton.launch_cache_on()

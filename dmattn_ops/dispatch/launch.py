@@ -89,23 +89,27 @@ def _seen_buffer(mask, lk: int) -> torch.Tensor:
     return torch.zeros((*mask.shape[:2], lk), dtype=torch.int32, device=mask.device)
 
 
-def _backward_tables(mask, seqused_k, b, lq, lk, band: Band, cfgs: BackwardConfigs, seen=None):
+def _backward_tables(
+    mask, seqused_k, b, lq, lk, band: Band, cfgs: BackwardConfigs, seen=None, launches=None
+):
     """Tile tables of the dk/dv kernel and of the dq kernel, each on its own tile grid. When
     the grids share block_n and one block_m divides the other, the mask is read once and the
     coarser grid is pooled from the finer. The first pass over the mask fills `seen`."""
     kv, qc = cfgs.dkdv, cfgs.dq
     fine, coarse = sorted((kv.block_m, qc.block_m))
     if kv.block_n == qc.block_n and coarse % fine == 0:
-        any_fine = block_any(mask, lq, lk, fine, kv.block_n, seen)
+        any_fine = block_any(mask, lq, lk, fine, kv.block_n, seen, launches)
         any_coarse = _pool_queries(any_fine, coarse // fine)
         any_kv, any_q = (any_fine, any_coarse) if kv.block_m == fine else (any_coarse, any_fine)
     else:
         any_kv = any_q = None
     args = (mask, seqused_k, b, lq, lk, band)
-    tables = build_tables(*args, kv.block_m, kv.block_n, mask_any=any_kv, seen=seen)
+    tables = build_tables(
+        *args, kv.block_m, kv.block_n, mask_any=any_kv, seen=seen, launches=launches
+    )
     if qc == kv:
         return tables, tables
-    return tables, build_tables(*args, qc.block_m, qc.block_n, mask_any=any_q)
+    return tables, build_tables(*args, qc.block_m, qc.block_n, mask_any=any_q, launches=launches)
 
 
 def _head_blocks(d: int, dv: int) -> dict:
@@ -315,8 +319,10 @@ def forward(problem: Problem, opts: Options, kept: KeptLists | None = None) -> S
         )  # fmt: skip
     elif p.route == TILE_TABLES:
         seen = _seen_buffer(mask, lk)
-        tables = build_tables(mask, seqused_k, b, lq, lk, band, cfg.block_m, cfg.block_n,
-                              seen=seen)  # fmt: skip
+        tables = build_tables(
+            mask, seqused_k, b, lq, lk, band, cfg.block_m, cfg.block_n, seen=seen,
+            launches=p.launches,
+        )  # fmt: skip
         key, value = chunked.zero_keys(key, value, seen)
     saved = Saved(
         empty((b, lq, h, dv), dtype=query.dtype, device=query.device),
@@ -510,7 +516,9 @@ def backward(
         )  # fmt: skip
     elif p.route == TILE_TABLES:
         seen = _seen_buffer(mask, lk)
-        tables, dq_tables = _backward_tables(mask, seqused_k, b, lq, lk, band, cfgs, seen)
+        tables, dq_tables = _backward_tables(
+            mask, seqused_k, b, lq, lk, band, cfgs, seen, p.launches
+        )
         key, value = chunked.zero_keys(key, value, seen)
     stats = empty((b, h, lq, 4), dtype=torch.float32, device=device)
 

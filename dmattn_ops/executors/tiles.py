@@ -59,19 +59,23 @@ class Tables:
     stride_bt: int
 
 
-def block_any(mask, lq, lk, block_m, block_n, seen=None) -> torch.Tensor:
+def block_any(mask, lq, lk, block_m, block_n, seen=None, launches=None) -> torch.Tensor:
     """(Bm, Hm, NQ | 1, NK) int8: whether each (query tile, key tile) of the mask allows any
     entry. One pass over the mask; `seen`, a zeroed int32 (Bm, Hm, Lk) or None, gets 1 at the
-    keys some query allows, in the same pass."""
+    keys some query allows, in the same pass. launches: the plan's store of launch arguments
+    (build_key_lists)."""
     bm, hm, lqm, _ = mask.shape
     nq, nk = cdiv(lq, block_m), cdiv(lk, block_n)
     nqm = nq if lqm > 1 else 1
     mask_any = torch.empty((bm, hm, nqm, nk), dtype=torch.int8, device=mask.device)
-    sb, sh, sm, sn = operand_strides(mask)
-    mask_block_any_kernel[(nqm, nk, bm * hm)](
-        mask, mask_any, seen, sb, sh, sm, sn, hm, lqm, lk, nqm, nk,
-        BLOCK_M=block_m, BLOCK_N=block_n, HAS_SEEN=seen is not None,
+    args = prepared(
+        {} if launches is None else launches, ("block_any", block_m, block_n, seen is None),
+        lambda: Prepared(
+            (nqm, nk, bm * hm), (*operand_strides(mask), hm, lqm, lk, nqm, nk),
+            dict(BLOCK_M=block_m, BLOCK_N=block_n, HAS_SEEN=seen is not None),
+        ),
     )  # fmt: skip
+    mask_block_any_kernel.run(args, (mask, mask_any, seen))
     return mask_any
 
 
@@ -85,44 +89,68 @@ def _pool_queries(mask_any: torch.Tensor, ratio: int) -> torch.Tensor:
 
 
 def build_tables(
-    mask, seqused_k, b, lq, lk, band: Band, block_m, block_n, mask_any=None, seen=None
-) -> Tables:
+    mask, seqused_k, b, lq, lk, band: Band, block_m, block_n, mask_any=None, seen=None,
+    launches=None,
+) -> Tables:  # fmt: skip
     """Activity of every (query tile, key tile): the mask has an allowed entry there (mask_any,
     from block_any unless given, which then fills `seen` too) and the tile lies inside the
     causal / window / seqused_k bounds. Two kernel launches (rows, then columns) whatever the
-    shapes: the host cost stays flat."""
+    shapes: the host cost stays flat. The tables are views of one int32 allocation (they live
+    and die together); launches: the plan's store of launch arguments (build_key_lists)."""
     if mask_any is None:
-        mask_any = block_any(mask, lq, lk, block_m, block_n, seen)
+        mask_any = block_any(mask, lq, lk, block_m, block_n, seen, launches)
+    store = {} if launches is None else launches
+    layout = prepared(
+        store, ("tables", block_m, block_n, seqused_k is None),
+        lambda: _tables_layout(mask_any, seqused_k, b, lq, lk, band, block_m, block_n),
+    )  # fmt: skip
+    device = mask.device
+    active = empty(layout.active, dtype=torch.int8, device=device)
+    kv_num, kv_int, kv_idx, q_num, q_lo, q_hi, q_idx = empties(layout.buffers, device=device)
+    tile_rows_kernel.run(layout.rows, (mask_any, seqused_k, active, kv_num, kv_idx, kv_int))
+    tile_cols_kernel.run(layout.cols, (active, seqused_k, q_num, q_idx, q_lo, q_hi))
+    return Tables(
+        active, kv_num, kv_idx, kv_int, q_num, q_idx, q_lo, q_hi,
+        stride_b=layout.strides[0], stride_bt=layout.strides[1],
+    )  # fmt: skip
+
+
+class _TablesLayout(NamedTuple):
+    """What build_tables makes once per plan: `active`'s shape, the int32 tables' Carving
+    (kv_num, kv_int, kv_idx, q_num, q_lo, q_hi, q_idx), the two launches and the tables'
+    (stride_b, stride_bt)."""
+
+    active: tuple
+    buffers: Carving
+    rows: Prepared
+    cols: Prepared
+    strides: tuple[int, int]
+
+
+def _tables_layout(mask_any, seqused_k, b, lq, lk, band, block_m, block_n) -> _TablesLayout:
     bm, hm, _, nk = mask_any.shape
     nq = cdiv(lq, block_m)
     bt = b if seqused_k is not None else bm
-    device = mask.device
+    i32 = torch.int32
     shape = (bt, hm, nq)
-    active = empty((*shape, nk), dtype=torch.int8, device=device)
-    kv_num = empty(shape, dtype=torch.int32, device=device)
-    kv_int = empty(shape, dtype=torch.int32, device=device)
-    kv_idx = empty((*shape, nk), dtype=torch.int32, device=device)
-    q_num, q_lo, q_hi = (empty((bt, hm, nk), dtype=torch.int32, device=device) for _ in "abc")
-    q_idx = empty((bt, hm, nk, nq), dtype=torch.int32, device=device)
+    buffers = carve([
+        (shape, i32), (shape, i32), ((*shape, nk), i32), ((bt, hm, nk), i32), ((bt, hm, nk), i32),
+        ((bt, hm, nk), i32), ((bt, hm, nk, nq), i32),
+    ])  # fmt: skip
     sb, sh, sq, _ = operand_strides(mask_any)
     common = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, **band.flags(), num_warps=1 if interpreter_on() else 4,
+        HAS_SEQUSED=seqused_k is not None,
     )  # fmt: skip
-    tile_rows_kernel[(nq, bt * hm)](
-        mask_any, seqused_k, active, kv_num, kv_idx, kv_int, sb, sh, sq,
-        hm, lq, lk, nq, nk, *band.args(), HAS_SEQUSED=seqused_k is not None,
-        BLOCK_K=head_block(nk), **common,
+    rows = Prepared(
+        (nq, bt * hm), (sb, sh, sq, hm, lq, lk, nq, nk, *band.args()),
+        dict(BLOCK_K=head_block(nk), **common),
     )  # fmt: skip
-    tile_cols_kernel[(nk, bt * hm)](
-        active, seqused_k, q_num, q_idx, q_lo, q_hi,
-        hm, lq, lk, nq, nk, *band.args(), HAS_SEQUSED=seqused_k is not None,
-        BLOCK_Q=head_block(nq), **common,
-    )  # fmt: skip
-    return Tables(
-        active, kv_num, kv_idx, kv_int, q_num, q_idx, q_lo, q_hi,
-        stride_b=hm * nq if bt > 1 else 0,
-        stride_bt=hm * nk if bt > 1 else 0,
-    )  # fmt: skip
+    cols = Prepared(
+        (nk, bt * hm), (hm, lq, lk, nq, nk, *band.args()), dict(BLOCK_Q=head_block(nq), **common)
+    )
+    strides = (hm * nq if bt > 1 else 0, hm * nk if bt > 1 else 0)
+    return _TablesLayout((*shape, nk), buffers, rows, cols, strides)
 
 
 @dataclass(frozen=True)
