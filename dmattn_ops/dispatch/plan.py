@@ -132,7 +132,7 @@ class Plan:
     per forward / dq program (_pack_heads). dbias: how the backward writes dbias (DBIAS_MODES)
     or None. split: the dk/dv split the options force, or None (the launcher sizes it).
     tuning: the resolved kernel options. launches: the launch arguments made for this plan, by
-    launch site (launch.py `_prepared`); not part of the plan's value.
+    launch site (_triton.prepared); not part of the plan's value.
     """
 
     route: str

@@ -185,9 +185,10 @@ def _grid3(grid) -> tuple:
 
 
 class Prepared:
-    """One launch site's arguments other than its tensors, made once per plan (launch.py
-    `_prepared`): the grid, the scalar positional arguments that follow the tensors, and the
-    keyword ones (constexprs, num_warps, num_stages). LazyKernel.run launches it with the call's
+    """One launch site's arguments other than its tensors, made once per plan (`prepared`, from
+    the launchers of dispatch/launch.py and executors/tiles.py): the grid, the scalar
+    positional arguments that follow the tensors, and the keyword ones (constexprs, num_warps,
+    num_stages). LazyKernel.run launches it with the call's
     tensors. Eager launches on the GPU keep here, by the tensors' dtypes and 16-byte alignment
     (all Triton specialises a tensor on; everything else is fixed), the compiled kernel and the
     values of its trailing parameters (LaunchCache._tail), so that a repeated launch builds no
@@ -214,12 +215,15 @@ class Prepared:
         return f"Prepared(grid={self.grid}, scalars={self.scalars}, meta={self.meta})"
 
 
-def prepared(store: dict, key: tuple, build: Callable[[], Prepared]) -> Prepared:
-    """The Prepared arguments of launch site `key` in `store` (a plan's `launches`), made by
-    `build()` the first time (or any other value a plan fixes, and tuples of them). With
+def prepared(store: dict | None, key: tuple, build: Callable[[], Prepared]) -> Prepared:
+    """The Prepared arguments of launch site `key` in `store` (a plan's `launches`; None: a
+    caller without a plan, made each time), made by `build()` the first time (or any other
+    value a plan fixes, and tuples of them). With
     DMATTN_CHECK_PREPARED=1 (the tests set it) every later use makes them again and raises
     where they differ: a plan then did not fix what the site's key claimed it does. A key with
     a symbolic size (a trace with dynamic shapes) keeps nothing."""
+    if store is None:
+        return build()
     try:
         found = store.get(key)
     except TypeError:  # a symbolic size or stride (torch.SymInt does not hash): made each time

@@ -69,7 +69,7 @@ def block_any(mask, lq, lk, block_m, block_n, seen=None, launches=None) -> torch
     nqm = nq if lqm > 1 else 1
     mask_any = torch.empty((bm, hm, nqm, nk), dtype=torch.int8, device=mask.device)
     args = prepared(
-        {} if launches is None else launches, ("block_any", block_m, block_n, seen is None),
+        launches, ("block_any", block_m, block_n, seen is None),
         lambda: Prepared(
             (nqm, nk, bm * hm), (*operand_strides(mask), hm, lqm, lk, nqm, nk),
             dict(BLOCK_M=block_m, BLOCK_N=block_n, HAS_SEEN=seen is not None),
@@ -99,9 +99,8 @@ def build_tables(
     and die together); launches: the plan's store of launch arguments (build_key_lists)."""
     if mask_any is None:
         mask_any = block_any(mask, lq, lk, block_m, block_n, seen, launches)
-    store = {} if launches is None else launches
     layout = prepared(
-        store, ("tables", block_m, block_n, seqused_k is None),
+        launches, ("tables", block_m, block_n, seqused_k is None),
         lambda: _tables_layout(mask_any, seqused_k, b, lq, lk, band, block_m, block_n),
     )  # fmt: skip
     device = mask.device
@@ -208,7 +207,7 @@ def build_key_lists(
     .launches), where the buffers' shapes and the launch's arguments are made once."""
     site = ("key_lists", block_m, pack is None, pack is not None and pack.zero_tail)
     layout = prepared(
-        {} if launches is None else launches, site,
+        launches, site,
         lambda: _key_lists_layout(mask, seqused_k, b, lq, lk, band, block_m, pack),
     )  # fmt: skip
     # The lists, their ends and counts and the packed rows live as long as each other (the
@@ -310,7 +309,7 @@ def build_varlen_key_lists(
     prefix = empty((b * hm, max(max_k, 1)), dtype=torch.int32, device=device)
     if b > 0:
         args = prepared(
-            {} if launches is None else launches, ("varlen_key_lists", block_m),
+            launches, ("varlen_key_lists", block_m),
             lambda: Prepared(
                 (b * hm,),
                 (mask.stride(0), mask.stride(1), total_k, hm * nq, hm, hm, total_q, total_k, nq,
