@@ -233,3 +233,14 @@ def attention_varlen_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias,
         return_lse=True, _keep_lse_dtype=True, **kwargs,
     )  # fmt: skip
+
+
+def dt_bias(x, weight, bias, A):
+    """The DMA layer's learned bias (dmattn_ops.dt_bias): ``A * softplus(x @ weight.T + bias)``
+    laid out (B, Hkv, 1, L), computed in the wider of x's and weight's dtypes and returned in
+    x's."""
+    dtype_x, dtype = x.dtype, torch.promote_types(x.dtype, weight.dtype)
+    x, weight, bias, A = (t.to(dtype) for t in (x, weight, bias, A))
+    logits = torch.nn.functional.linear(x, weight, bias)
+    out = A * torch.nn.functional.softplus(logits)
+    return out.transpose(1, 2).unsqueeze(2).to(dtype_x)

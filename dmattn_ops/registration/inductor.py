@@ -122,7 +122,7 @@ def _rule(body, op, keeps_lists: bool):
         if any(not issubclass(t, known) for t in types):
             return NotImplemented
         call = bind(op, args, kwargs)
-        first = call["query"] if "query" in call else call["bias"]  # topk_select: its score
+        first = next(v for v in call.values() if isinstance(v, torch.Tensor))
         if not applies(first) or _symbolic(args):
             return mode.__torch_dispatch__(op_, types, args, kwargs)
         launch_statically()

@@ -1,0 +1,190 @@
+"""The DMA layer's learned bias as one op: ``bias = A * softplus(x @ W^T + c)``, per token and
+KV head, laid out (B, Hkv, 1, L) for the attention it feeds (nn.DynamicMaskAttention).
+
+Written in PyTorch, this is a product with Hkv (4) columns, a softplus, a scale, a transpose
+and a cast: under torch.compile Inductor fuses them into reductions that ran 5-10x below the
+memory bandwidth on an H200 (61 us forward+backward per layer at 8192 tokens, about 3% of the
+model benchmark's B16 L512 step), and as cuBLAS calls they cost more (NOTES 152). Here a
+forward kernel reads x once and writes the bias and the float32 logits the backward needs; a
+backward kernel reads x once more, writes dx and per-program parts of dW, dc and dA, which two
+sums finish (kernels/dt_bias.py).
+
+``dmattn::dt_bias`` and ``dmattn::dt_bias_backward`` are custom ops with fake kernels and an
+autograd formula; compiled graphs trace their launches (registration/inductor.py). Where
+Triton does not run (CPU without the interpreter, float64, inside torch.func transforms),
+`dt_bias` computes the same function in PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dmattn_ops.core.device import cdiv, next_power_of_2
+from dmattn_ops.dispatch import plan
+from dmattn_ops.executors._alloc import empties, empty
+from dmattn_ops.executors._triton import LazyKernel
+from dmattn_ops.registration import inductor
+
+
+def _kernels() -> tuple:
+    from dmattn_ops.kernels import dt_bias
+
+    return (dt_bias,)
+
+
+dt_bias_fwd_kernel = LazyKernel(_kernels, "dt_bias_fwd_kernel")
+dt_bias_bwd_kernel = LazyKernel(_kernels, "dt_bias_bwd_kernel")
+
+BLOCK_C = 64
+# Token rows of the backward's dW parts: at most this many programs along the tokens, so the
+# float32 parts stay small (64 x Hkv x C) beside x.
+MAX_GROUPS = 64
+
+
+def dt_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, A: torch.Tensor):
+    """``(A * softplus(x @ weight.T + bias)).transpose(1, 2).unsqueeze(2)`` in x's dtype,
+    computed in float32 (x's dtype where wider) and rounded once.
+
+    Args:
+        x: (B, L, C) floating, the tokens' features (the layer's value states).
+        weight: (Hkv, C), bias: (Hkv,), A: (Hkv,): the layer's dt_proj and A parameters.
+
+    Returns:
+        (B, Hkv, 1, L) in x's dtype. Differentiable in all four inputs.
+    """
+    if plan.use_triton(x) and x.dim() == 3 and not torch._C._are_functorch_transforms_active():
+        return torch.ops.dmattn.dt_bias(x, weight, bias, A)[0]
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    w, c, a = (t.to(dtype) for t in (weight, bias, A))
+    xf = x.to(dtype)
+    if torch.compiler.is_compiling():
+        # A sum of products (fused with the softplus) rather than a cuBLAS call for Hkv
+        # columns; eagerly it would materialise (B, L, Hkv, C).
+        logits = (xf[..., None, :] * w).sum(-1) + c
+    else:
+        logits = F.linear(xf, w, c)
+    return (a * F.softplus(logits)).transpose(1, 2).unsqueeze(2).to(x.dtype)
+
+
+def _blocks(h: int) -> tuple[int, int]:
+    """(BLOCK_H, BLOCK_T): the heads padded to a power of two, and tokens per step so that a
+    step's (BLOCK_T, BLOCK_H, BLOCK_C) float32 products stay at 8192 elements."""
+    block_h = next_power_of_2(h)
+    return block_h, max(1, min(64, 8192 // (block_h * BLOCK_C)))
+
+
+def _float32(*tensors):
+    return tuple(t.detach().to(torch.float32).contiguous() for t in tensors)
+
+
+def _forward(x, weight, bias, A):
+    b, length, ch = x.shape
+    h = weight.shape[0]
+    out = empty((b, h, 1, length), x.dtype, device=x.device)
+    logits = empty((b, length, h), torch.float32, device=x.device)
+    n = b * length
+    if n > 0:
+        w, c, a = _float32(weight, bias, A)
+        block_h, block_t = _blocks(h)
+        dt_bias_fwd_kernel[(cdiv(n, block_t),)](
+            x, w, c, a, out, logits, *x.stride(), length, n, ch, h,
+            BLOCK_T=block_t, BLOCK_C=BLOCK_C, BLOCK_H=block_h,
+        )  # fmt: skip
+    return out, logits
+
+
+def _backward(grad, x, weight, A, logits):
+    b, length, ch = x.shape
+    h = weight.shape[0]
+    n = b * length
+    dx = empty(x.shape, x.dtype, device=x.device)
+    if n == 0 or ch == 0:
+        zeros = (torch.zeros((h, ch), dtype=torch.float32, device=x.device),
+                 torch.zeros((2, h), dtype=torch.float32, device=x.device))  # fmt: skip
+        if n > 0:  # no channel: the logits are the bias's, dA still sums grad * softplus
+            g = grad.to(torch.float32).squeeze(2)  # (B, H, L)
+            dz = g * A.detach().float()[:, None] * torch.sigmoid(logits.transpose(1, 2))
+            sp = F.softplus(logits.transpose(1, 2))
+            zeros = (zeros[0], torch.stack((dz.sum((0, 2)), (g * sp).sum((0, 2)))))
+        return dx, *zeros
+    block_h, block_t = _blocks(h)
+    tokens = block_t * cdiv(n, block_t * MAX_GROUPS)
+    groups = cdiv(n, tokens)
+    part_w, part_ca = empties(
+        (((groups, h, ch), torch.float32), ((groups, 2, h), torch.float32)), device=x.device
+    )
+    w, a = _float32(weight, A)
+    dt_bias_bwd_kernel[(groups, cdiv(ch, BLOCK_C))](
+        grad, x, w, a, logits, dx, part_w, part_ca, *grad.stride()[:2], grad.stride(3),
+        *x.stride(), length, n, ch, h, tokens,
+        BLOCK_T=block_t, BLOCK_C=BLOCK_C, BLOCK_H=block_h,
+    )  # fmt: skip
+    return dx, part_w.sum(0), part_ca.sum(0)
+
+
+def _check(x, weight, bias, A):
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[1] != x.shape[2]:
+        raise ValueError(
+            f"dmattn.dt_bias: x must be (B, L, C) and weight (Hkv, C); got {tuple(x.shape)} "
+            f"and {tuple(weight.shape)}"
+        )
+    h = weight.shape[0]
+    if bias.shape != (h,) or A.shape != (h,):
+        raise ValueError(
+            f"dmattn.dt_bias: bias and A must be ({h},); got {tuple(bias.shape)} and "
+            f"{tuple(A.shape)}"
+        )
+
+
+@torch.library.custom_op("dmattn::dt_bias", mutates_args=())
+def _dt_bias_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, A: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bias (B, Hkv, 1, L) in x's dtype, logits (B, L, Hkv) float32, kept for the backward)."""
+    _check(x, weight, bias, A)
+    return _forward(x, weight, bias, A)
+
+
+@_dt_bias_op.register_fake
+def _(x, weight, bias, A):
+    _check(x, weight, bias, A)
+    b, length, _ = x.shape
+    h = weight.shape[0]
+    return x.new_empty((b, h, 1, length)), x.new_empty((b, length, h), dtype=torch.float32)
+
+
+@torch.library.custom_op("dmattn::dt_bias_backward", mutates_args=())
+def _dt_bias_backward_op(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor,
+    logits: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dx in x's dtype, dweight (Hkv, C) float32, and float32 (2, Hkv): dbias, dA)."""
+    return _backward(grad, x, weight, A, logits)
+
+
+@_dt_bias_backward_op.register_fake
+def _(grad, x, weight, A, logits):
+    h, ch = weight.shape
+    f32 = torch.float32
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return dx, x.new_empty((h, ch), dtype=f32), x.new_empty((2, h), dtype=f32)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, _, A = inputs
+    ctx.save_for_backward(x, weight, A, output[1])
+    ctx.dtypes = tuple(t.dtype for t in inputs)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _grads(ctx, grad, _grad_logits):
+    x, weight, A, logits = ctx.saved_tensors
+    dx, dw, dca = torch.ops.dmattn.dt_bias_backward(grad, x, weight, A, logits)
+    dc, da = dca.unbind(0)
+    return tuple(g.to(dtype) for g, dtype in zip((dx, dw, dc, da), ctx.dtypes))
+
+
+_dt_bias_op.register_autograd(_grads, setup_context=_setup)
+inductor.trace_into_graphs(torch.ops.dmattn.dt_bias.default, _forward)
+inductor.trace_into_graphs(torch.ops.dmattn.dt_bias_backward.default, _backward)

@@ -1,0 +1,153 @@
+"""dmattn_ops.dt_bias: the DMA layer's learned bias as one op (kernels/dt_bias.py), against
+the float64 oracle (reference.dt_bias) within PyTorch's own error in each precision."""
+
+import pytest
+import torch
+from helpers import DEVICE, TRITON, assert_close, low_precision_bound
+
+import dmattn_ops
+from dmattn_ops import reference
+from dmattn_ops.dt_bias import dt_bias
+
+pytestmark = pytest.mark.skipif(not TRITON, reason="the kernels need Triton (GPU or interpreter)")
+
+
+def _inputs(b, length, ch, h, dtype, logit_scale=1.0):
+    x = torch.randn(b, length, ch, device=DEVICE).to(dtype)
+    weight = torch.randn(h, ch, device=DEVICE) * logit_scale / ch**0.5
+    bias = torch.randn(h, device=DEVICE) * logit_scale
+    a = torch.rand(h, device=DEVICE) + 0.5
+    return x, weight, bias, a
+
+
+def _run(fn, inputs, grad):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad.to(out.dtype))
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _check(inputs, grad, dtype):
+    """Ours against the float64 oracle, within twice the error of the oracle's own formula
+    run in `dtype` (with float32 parameters, as the layer holds them)."""
+    got = _run(dt_bias, inputs, grad)
+    want = _run(reference.dt_bias, [t.double() for t in inputs], grad.double())
+    lowp = _run(reference.dt_bias, inputs, grad)
+    for name, g, w, e in zip(("out", "dx", "dweight", "dbias", "dA"), got, want, lowp):
+        assert g.dtype == e.dtype and g.shape == w.shape, name
+        assert_close(g.double(), w, low_precision_bound(w, e.double(), dtype), name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "b,length,ch,h",
+    [(2, 40, 32, 2), (1, 70, 130, 4), (3, 5, 8, 1), (2, 129, 64, 3), (1, 300, 96, 16)],
+)
+def test_matches_the_float64_oracle(b, length, ch, h, dtype):
+    inputs = _inputs(b, length, ch, h, dtype)
+    grad = torch.randn(b, h, 1, length, device=DEVICE)
+    _check(inputs, grad, dtype)
+
+
+def test_strided_inputs_and_gradient():
+    """x as a view with its own strides (the layer passes v.flatten(2) of a projection's view)
+    and a gradient that is not contiguous."""
+    x, weight, bias, a = _inputs(2, 33, 24, 4, torch.float32)
+    wide = torch.randn(2, 33, 2 * 24, device=DEVICE)
+    x = wide[..., ::2]
+    grad = torch.randn(2, 33, 4, device=DEVICE).transpose(1, 2).unsqueeze(2)
+    assert not x.is_contiguous() and not grad.is_contiguous()
+    _check((x, weight, bias, a), grad, torch.float32)
+
+
+def test_extreme_logits_stay_exact_and_finite():
+    """Logits far above softplus's threshold (20) and far below zero (softplus ~ exp(z), which
+    log(1 + exp(z)) would round to 0 in float32): the bias and gradients match the oracle,
+    with no NaN or Inf."""
+    x, weight, bias, a = _inputs(1, 64, 16, 4, torch.float32)
+    bias = torch.tensor([60.0, -40.0, 19.5, -90.0], device=DEVICE)
+    grad = torch.randn(1, 4, 1, 64, device=DEVICE)
+    _check((x, weight, bias, a), grad, torch.float32)
+    out = dt_bias(x, weight, bias, a)
+    assert torch.isfinite(out).all()
+    assert (out[:, 1] > 0).all() and (out[:, 3] > 0).all()  # exp(-40) * A, exp(-90) * A
+
+
+def test_no_token_and_no_channel():
+    x, weight, bias, a = (t.requires_grad_() for t in _inputs(2, 0, 8, 3, torch.float32))
+    out = dt_bias(x, weight, bias, a)
+    assert out.shape == (2, 3, 1, 0)
+    out.sum().backward()
+    assert (weight.grad == 0).all() and (bias.grad == 0).all() and (a.grad == 0).all()
+    inputs = _inputs(2, 7, 0, 3, torch.float32)
+    _check(inputs, torch.randn(2, 3, 1, 7, device=DEVICE), torch.float32)
+
+
+def test_bad_shapes_are_named():
+    x, weight, bias, a = _inputs(1, 8, 16, 2, torch.float32)
+    with pytest.raises(ValueError, match=r"weight \(Hkv, C\)"):
+        dt_bias(x, weight[:, :8], bias, a)
+    with pytest.raises(ValueError, match="bias and A must be"):
+        dt_bias(x, weight, bias[:1], a)
+
+
+def test_opcheck():
+    x, weight, bias, a = _inputs(2, 20, 16, 2, torch.bfloat16)
+    args = (x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), a.requires_grad_())
+    torch.library.opcheck(torch.ops.dmattn.dt_bias.default, args)
+    out, logits = torch.ops.dmattn.dt_bias(*args)
+    grad = torch.randn_like(out)
+    torch.library.opcheck(
+        torch.ops.dmattn.dt_bias_backward.default, (grad, x.detach(), weight.detach(),
+                                                    a.detach(), logits)
+    )  # fmt: skip
+
+
+def test_layer_uses_the_op_and_matches_its_torch_form():
+    """DynamicMaskAttention's bias goes through dmattn::dt_bias where Triton runs; under
+    torch.func (the PyTorch form) the same layer gives the same gradients."""
+    torch.manual_seed(0)
+    layer = dmattn_ops.nn.DynamicMaskAttention(32, 4, 2, window=8).to(DEVICE)
+    x = torch.randn(2, 24, 32, device=DEVICE)
+    v = layer.v_proj(x).view(2, 24, 2, 8)
+    with torch.profiler.profile() as prof:
+        mask, bias = layer.dynamic_mask(v)
+    assert any(e.name == "dmattn::dt_bias" for e in prof.events())
+    params = dict(layer.named_parameters())
+
+    def loss(params, x):
+        out = torch.func.functional_call(layer, params, (x,))
+        return (out * torch.cos(out)).sum()
+
+    via_func = torch.func.grad(loss)(params, x)
+    loss(params, x).backward()
+    for name, p in params.items():
+        # Two float32 computations of one function (summation orders differ).
+        bound = 1e-5 * max(1.0, via_func[name].abs().max().item())
+        assert_close(p.grad.double(), via_func[name].double(), bound, name)
+
+
+@pytest.mark.gpu
+def test_compiled_graph_launches_the_kernels():
+    """In a compiled training step the op's kernels are traced into the graph (one launch
+    each way), not run as an opaque op."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    inputs = [t.requires_grad_() for t in _inputs(2, 64, 32, 4, torch.bfloat16)]
+
+    def step(*inputs):
+        return dt_bias(*inputs).float().square().sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    _, codes = run_and_get_code(lambda: compiled(*inputs).backward())
+    code = "\n".join(codes)
+    assert "dt_bias_fwd_kernel" in code and "dt_bias_bwd_kernel" in code
+    assert "torch.ops.dmattn.dt_bias" not in code
+    grads = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    step(*inputs).backward()
+    for g, t in zip(grads, inputs):
+        # The same kernels; only the parts' final float32 sums may add in another order.
+        assert_close(g.double(), t.grad.double(), 1e-6 * t.grad.abs().max().item())
