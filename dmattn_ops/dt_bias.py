@@ -13,6 +13,15 @@ sums finish (kernels/dt_bias.py).
 autograd formula; compiled graphs trace their launches (registration/inductor.py). Where
 Triton does not run (CPU without the interpreter, float64, inside torch.func transforms),
 `dt_bias` computes the same function in PyTorch.
+
+Status: not yet what DynamicMaskAttention runs, and not imported with the package. The first
+version of the kernels (e0fe785) was right in Triton's interpreter and wrong on the H200
+(Triton 3.6: dx, the one sum over the heads' axis), and in a compiled graph whose
+FlexAttention score_mod captured its output Inductor read the traced buffer as unwritten
+(NaN), the topk_select case of inductor.py's docstring; its kernels were also no faster than
+Inductor's (72 against 61 us at 8192 tokens). These kernels sum over no such axis; the layer
+takes them once a GPU run shows them right and faster (NOTES 152), for backends other than
+flex (as masks.select_topk's `direct`).
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ def _kernels() -> tuple:
 dt_bias_fwd_kernel = LazyKernel(_kernels, "dt_bias_fwd_kernel")
 dt_bias_bwd_kernel = LazyKernel(_kernels, "dt_bias_bwd_kernel")
 
-BLOCK_C = 64
+BLOCK_T, BLOCK_C = 32, 64
 # Token rows of the backward's dW parts: at most this many programs along the tokens, so the
 # float32 parts stay small (64 x Hkv x C) beside x.
 MAX_GROUPS = 64
@@ -67,11 +76,10 @@ def dt_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, A: torch.
     return (a * F.softplus(logits)).transpose(1, 2).unsqueeze(2).to(x.dtype)
 
 
-def _blocks(h: int) -> tuple[int, int]:
-    """(BLOCK_H, BLOCK_T): the heads padded to a power of two, and tokens per step so that a
-    step's (BLOCK_T, BLOCK_H, BLOCK_C) float32 products stay at 8192 elements."""
-    block_h = next_power_of_2(h)
-    return block_h, max(1, min(64, 8192 // (block_h * BLOCK_C)))
+def _blocks(h: int) -> dict:
+    """The kernels' constexprs: the heads (unrolled) and their power-of-two block, and the
+    tokens and channels of one step's x tile."""
+    return dict(H=h, BLOCK_H=next_power_of_2(h), BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C)
 
 
 def _float32(*tensors):
@@ -86,11 +94,9 @@ def _forward(x, weight, bias, A):
     n = b * length
     if n > 0:
         w, c, a = _float32(weight, bias, A)
-        block_h, block_t = _blocks(h)
-        dt_bias_fwd_kernel[(cdiv(n, block_t),)](
-            x, w, c, a, out, logits, *x.stride(), length, n, ch, h,
-            BLOCK_T=block_t, BLOCK_C=BLOCK_C, BLOCK_H=block_h,
-        )  # fmt: skip
+        dt_bias_fwd_kernel[(cdiv(n, BLOCK_T),)](
+            x, w, c, a, out, logits, *x.stride(), length, n, ch, **_blocks(h)
+        )
     return out, logits
 
 
@@ -108,8 +114,7 @@ def _backward(grad, x, weight, A, logits):
             sp = F.softplus(logits.transpose(1, 2))
             zeros = (zeros[0], torch.stack((dz.sum((0, 2)), (g * sp).sum((0, 2)))))
         return dx, *zeros
-    block_h, block_t = _blocks(h)
-    tokens = block_t * cdiv(n, block_t * MAX_GROUPS)
+    tokens = BLOCK_T * cdiv(n, BLOCK_T * MAX_GROUPS)
     groups = cdiv(n, tokens)
     part_w, part_ca = empties(
         (((groups, h, ch), torch.float32), ((groups, 2, h), torch.float32)), device=x.device
@@ -117,8 +122,7 @@ def _backward(grad, x, weight, A, logits):
     w, a = _float32(weight, A)
     dt_bias_bwd_kernel[(groups, cdiv(ch, BLOCK_C))](
         grad, x, w, a, logits, dx, part_w, part_ca, *grad.stride()[:2], grad.stride(3),
-        *x.stride(), length, n, ch, h, tokens,
-        BLOCK_T=block_t, BLOCK_C=BLOCK_C, BLOCK_H=block_h,
+        *x.stride(), length, n, ch, tokens, **_blocks(h),
     )  # fmt: skip
     return dx, part_w.sum(0), part_ca.sum(0)
 
@@ -188,3 +192,4 @@ def _grads(ctx, grad, _grad_logits):
 _dt_bias_op.register_autograd(_grads, setup_context=_setup)
 inductor.trace_into_graphs(torch.ops.dmattn.dt_bias.default, _forward)
 inductor.trace_into_graphs(torch.ops.dmattn.dt_bias_backward.default, _backward)
+inductor.key_compiled_graphs_on_fingerprint()

@@ -35,16 +35,18 @@ def _sigmoid(z):
 def dt_bias_fwd_kernel(
     X, W, C, A, OUT, LOGITS,
     stride_xb, stride_xl, stride_xc,
-    L, N, CH, H,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+    L, N, CH,
+    H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_T tokens per program: out (B, H, 1, L) contiguous in its dtype, logits (N, H)
-    float32 (kept for the backward). W (H, CH), C and A (H,) are float32 and contiguous."""
+    float32 (kept for the backward). W (H, CH), C and A (H,) are float32 and contiguous.
+    x is read once; each head's products are reduced over the channels and land in its
+    column of the (BLOCK_T, BLOCK_H) accumulator by a select: no reduction runs over an
+    axis of H's few elements (Triton 3.6 summed such an axis wrongly on sm_90: NOTES 152)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.arange(0, BLOCK_H)
     c = tl.arange(0, BLOCK_C)
+    hh = tl.arange(0, BLOCK_H)
     row_ok = t < N
-    h_ok = h < H
     b = (t // L).to(tl.int64)
     pos = (t % L).to(tl.int64)
     x_rows = X + b * stride_xb + pos * stride_xl
@@ -54,14 +56,16 @@ def dt_bias_fwd_kernel(
         c_ok = cc < CH
         x = tl.load(x_rows[:, None] + cc[None, :] * stride_xc,
                     mask=row_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        w = tl.load(W + h[:, None] * CH + cc[None, :], mask=h_ok[:, None] & c_ok[None, :],
-                    other=0.0)  # fmt: skip
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    logits = acc + tl.load(C + h, mask=h_ok, other=0.0)[None, :]
-    out = tl.load(A + h, mask=h_ok, other=0.0)[None, :] * _softplus(logits)
+        for j in tl.static_range(H):
+            w = tl.load(W + j * CH + cc, mask=c_ok, other=0.0)
+            part = tl.sum(x * w[None, :], axis=1)
+            acc = tl.where(hh[None, :] == j, acc + part[:, None], acc)
+    h_ok = hh < H
+    logits = acc + tl.load(C + hh, mask=h_ok, other=0.0)[None, :]
+    out = tl.load(A + hh, mask=h_ok, other=0.0)[None, :] * _softplus(logits)
     ok = row_ok[:, None] & h_ok[None, :]
-    tl.store(LOGITS + t[:, None] * H + h[None, :], logits, mask=ok)
-    tl.store(OUT + (b[:, None] * H + h[None, :]) * L + pos[:, None],
+    tl.store(LOGITS + t[:, None] * H + hh[None, :], logits, mask=ok)
+    tl.store(OUT + (b[:, None] * H + hh[None, :]) * L + pos[:, None],
              out.to(OUT.dtype.element_ty), mask=ok)  # fmt: skip
 
 
@@ -70,22 +74,21 @@ def dt_bias_bwd_kernel(
     GRAD, X, W, A, LOGITS, DX, PART_W, PART_CA,
     stride_gb, stride_gh, stride_gl,
     stride_xb, stride_xl, stride_xc,
-    L, N, CH, H, TOKENS,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+    L, N, CH, TOKENS,
+    H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Program (g, j): tokens [g * TOKENS, (g + 1) * TOKENS) and channels [j * BLOCK_C, (j +
+    """Program (g, k): tokens [g * TOKENS, (g + 1) * TOKENS) and channels [k * BLOCK_C, (k +
     1) * BLOCK_C). With dz = grad * A * sigmoid(logits): dx = dz W, written (N, CH) contiguous
     in its dtype; the program's part of dW = dz^T x in PART_W (G, H, CH) float32; the
-    programs j = 0 write their parts of dc = sum dz and dA = sum grad * softplus(logits) in
-    PART_CA (G, 2, H). The caller sums the parts over G."""
+    programs k = 0 write their parts of dc = sum dz and dA = sum grad * softplus(logits) in
+    PART_CA (G, 2, H). The caller sums the parts over G. Heads are unrolled (H is a
+    constexpr), each a (BLOCK_T,) vector whose sums land in its row of the accumulators by a
+    select, as in the forward."""
     group = tl.program_id(0)
     chunk = tl.program_id(1)
-    h = tl.arange(0, BLOCK_H)
     cc = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
-    h_ok = h < H
+    hh = tl.arange(0, BLOCK_H)
     c_ok = cc < CH
-    w = tl.load(W + h[:, None] * CH + cc[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
-    a = tl.load(A + h, mask=h_ok, other=0.0)
     dw = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
     dc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     da = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -96,21 +99,25 @@ def dt_bias_bwd_kernel(
         row_ok = t < end
         b = (t // L).to(tl.int64)
         pos = (t % L).to(tl.int64)
-        ok = row_ok[:, None] & h_ok[None, :]
-        g = tl.load(GRAD + b[:, None] * stride_gb + h[None, :] * stride_gh
-                    + pos[:, None] * stride_gl, mask=ok, other=0.0).to(tl.float32)  # fmt: skip
-        z = tl.load(LOGITS + t[:, None] * H + h[None, :], mask=ok, other=0.0)
-        dz = g * a[None, :] * _sigmoid(z)
         x_ok = row_ok[:, None] & c_ok[None, :]
         x = tl.load(X + (b * stride_xb + pos * stride_xl)[:, None] + cc[None, :] * stride_xc,
                     mask=x_ok, other=0.0).to(tl.float32)  # fmt: skip
-        dx = tl.sum(dz[:, :, None] * w[None, :, :], axis=1)
+        dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+        for j in tl.static_range(H):
+            g = tl.load(GRAD + b * stride_gb + j * stride_gh + pos * stride_gl, mask=row_ok,
+                        other=0.0).to(tl.float32)  # fmt: skip
+            z = tl.load(LOGITS + t * H + j, mask=row_ok, other=0.0)
+            dz = g * tl.load(A + j) * _sigmoid(z)
+            w = tl.load(W + j * CH + cc, mask=c_ok, other=0.0)
+            dx += dz[:, None] * w[None, :]
+            row = hh == j
+            dw = tl.where(row[:, None], dw + tl.sum(dz[:, None] * x, axis=0)[None, :], dw)
+            dc = tl.where(row, dc + tl.sum(dz, axis=0), dc)
+            da = tl.where(row, da + tl.sum(g * _softplus(z), axis=0), da)
         tl.store(DX + t[:, None] * CH + cc[None, :], dx.to(DX.dtype.element_ty), mask=x_ok)
-        dw += tl.sum(dz[:, :, None] * x[:, None, :], axis=0)
-        dc += tl.sum(dz, axis=0)
-        da += tl.sum(g * _softplus(z), axis=0)
-    tl.store(PART_W + (group * H + h[:, None]) * CH + cc[None, :], dw,
+    h_ok = hh < H
+    tl.store(PART_W + (group * H + hh[:, None]) * CH + cc[None, :], dw,
              mask=h_ok[:, None] & c_ok[None, :])  # fmt: skip
     if chunk == 0:
-        tl.store(PART_CA + group * 2 * H + h, dc, mask=h_ok)
-        tl.store(PART_CA + (group * 2 + 1) * H + h, da, mask=h_ok)
+        tl.store(PART_CA + group * 2 * H + hh, dc, mask=h_ok)
+        tl.store(PART_CA + (group * 2 + 1) * H + hh, da, mask=h_ok)
