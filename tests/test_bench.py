@@ -49,7 +49,7 @@ def test_cpu_timings_and_help_without_a_gpu(tmp_path):
         assert float(cells[timing]) > 0, row
     assert float(cells["work"]) == 1.0  # case A is dense: its work is the causal call's
     entries = ("bench", "bench.model", "bench.masks", "bench.window", "bench.tune", "bench.cp",
-               "bench.profile")  # fmt: skip
+               "bench.profile", "bench.glue")  # fmt: skip
     for entry in entries:
         res = subprocess.run([sys.executable, "-m", entry, "--help"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=120)  # fmt: skip
