@@ -5,7 +5,7 @@
 
 Hkv (4 in Doge) is far below a tensor core's tile, so the products are broadcast sums in
 float32 registers: both kernels read x once and are bound by memory. (Inductor's kernels for
-the same sums, written as a reduction, ran 5-10x below the bandwidth on an H200: NOTES 152.)
+the same sums, written as a reduction, ran 5-10x below the bandwidth on an H200.)
 """
 
 import triton
@@ -42,7 +42,8 @@ def dt_bias_fwd_kernel(
     float32 (kept for the backward). W (H, CH), C and A (H,) are float32 and contiguous.
     x is read once; each head's products are reduced over the channels and land in its
     column of the (BLOCK_T, BLOCK_H) accumulator by a select: no reduction runs over an
-    axis of H's few elements (Triton 3.6 summed such an axis wrongly on sm_90: NOTES 152)."""
+    axis of H's few elements: the first version of these kernels summed the products over
+    that axis, and its dx, right in the interpreter, was wrong on the H200 (Triton 3.6)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.arange(0, BLOCK_C)
     hh = tl.arange(0, BLOCK_H)

@@ -8,7 +8,7 @@ a benchmark may set it for one call.
 `getenv` reads the environment as `os.environ.get` does, from the dict behind `os.environ`
 where CPython keeps one (POSIX: bytes keys and values, which `os.environ`'s own writes keep up
 to date): an eager call reads some 25 variables, and `os.environ.get` costs about 0.5 us on a
-laptop core (1.5 us on a GPU's host, bench/NOTES.md 103) against 0.03 us for the dict lookup.
+laptop core (1.5 us on an H100's host) against 0.03 us for the dict lookup.
 """
 
 from __future__ import annotations
