@@ -6,7 +6,9 @@ compiled fullgraph, forward+backward, with x's gradient also coming from another
 does from the attention). Forms: "pytorch" (the sum of products nn.py writes, fused by
 Inductor), "linear" (F.linear, cuBLAS), "op" (dmattn::dt_bias, kernels/dt_bias.py). Prints
 each form's kernels (profiler device time per step, largest first), their sum, and each
-gradient's largest error against float64 relative to its largest value. CUDA only.
+gradient's largest error against float64 relative to its largest value. ``--sweep``: the
+op's forward and backward kernels alone, eagerly, for candidate tiles (dt_bias.Tiles), each
+kernel's device time and its results' largest error against float64. CUDA only.
 """
 
 from __future__ import annotations
@@ -77,15 +79,68 @@ def run(form: str, tokens: int):
     return rows, errors
 
 
+FORWARD_CANDIDATES = [(32, 64, 4), (16, 128, 4), (16, 256, 4), (16, 512, 4), (32, 256, 8),
+                      (32, 512, 8), (64, 128, 8), (8, 512, 4), (64, 64, 4)]  # fmt: skip
+BACKWARD_CANDIDATES = [(32, 64, 4, 64), (32, 128, 4, 64), (64, 128, 8, 64), (32, 256, 8, 64),
+                       (64, 64, 4, 128), (32, 128, 4, 128), (128, 64, 8, 64),
+                       (16, 256, 4, 128), (64, 256, 8, 32)]  # fmt: skip
+
+
+def sweep(tokens: int) -> list[list]:
+    """Rows (tokens, kernel, tiles, us, largest relative error) of the op's kernels for each
+    candidate tile set."""
+    from dmattn_ops import dt_bias as op
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, tokens, WIDTH, device="cuda", generator=g).bfloat16()
+    w = torch.randn(HKV, WIDTH, device="cuda", generator=g) / WIDTH**0.5
+    c = torch.randn(HKV, device="cuda", generator=g)
+    a = torch.rand(HKV, device="cuda", generator=g) + 0.5
+    grad = torch.randn(1, HKV, 1, tokens, device="cuda", generator=g).bfloat16()
+    leaves = [t.double().requires_grad_() for t in (x, w, c, a)]
+    want = (leaves[3] * F.softplus(F.linear(*leaves[:3]))).transpose(1, 2).unsqueeze(2)
+    want.backward(grad.double())
+    rows = []
+
+    def error(got, ref):
+        return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+    logits = op._forward(x, w, c, a)[1]
+    for cand in FORWARD_CANDIDATES:
+        tiles = op.Tiles(*cand)
+        out = op._forward(x, w, c, a, tiles)[0]
+        us = _kernel_us(lambda t=tiles: op._forward(x, w, c, a, t), "dt_bias_fwd_kernel")
+        rows.append([tokens, "forward", str(cand), us, error(out, want.detach())])
+    for cand in BACKWARD_CANDIDATES:
+        tiles = op.Tiles(*cand)
+        dx, dw, dca = op._backward(grad, x, w, a, logits, tiles)
+        errors = [error(dx, leaves[0].grad), error(dw, leaves[1].grad),
+                  error(dca[0], leaves[2].grad), error(dca[1], leaves[3].grad)]  # fmt: skip
+        us = _kernel_us(lambda t=tiles: op._backward(grad, x, w, a, logits, t),
+                        "dt_bias_bwd_kernel")  # fmt: skip
+        rows.append([tokens, "backward", str(cand), us, max(errors)])
+    return rows
+
+
+def _kernel_us(fn, name: str) -> float:
+    return sum(ms for kernel, ms, _ in kernel_times(fn) if kernel == name) * 1e3
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.glue", description=__doc__)
     parser.add_argument("--tokens", default="8192,32768")
     parser.add_argument("--forms", default="pytorch,linear,op")
+    parser.add_argument("--sweep", action="store_true", help="the op's kernels per tile set")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.glue needs a CUDA device")
         return 1
     print(header())
+    if args.sweep:
+        rows = [row for tokens in map(int, args.tokens.split(",")) for row in sweep(tokens)]
+        headers = ["tokens", "kernel", "tiles", "us", "largest rel. error"]
+        print(markdown(headers, rows, ("", "", "", ".1f", ".1e")))
+        return 0
     table = []
     for tokens in map(int, args.tokens.split(",")):
         for form in args.forms.split(","):

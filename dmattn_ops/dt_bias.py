@@ -26,6 +26,8 @@ model step), for backends other than flex (as masks.select_topk's `direct`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -45,10 +47,20 @@ def _kernels() -> tuple:
 dt_bias_fwd_kernel = LazyKernel(_kernels, "dt_bias_fwd_kernel")
 dt_bias_bwd_kernel = LazyKernel(_kernels, "dt_bias_bwd_kernel")
 
-BLOCK_T, BLOCK_C = 32, 64
-# Token rows of the backward's dW parts: at most this many programs along the tokens, so the
-# float32 parts stay small (64 x Hkv x C) beside x.
-MAX_GROUPS = 64
+
+class Tiles(NamedTuple):
+    """A kernel's tiles: the tokens and channels of one step's x tile, its warps, and (the
+    backward) the most programs along the tokens, whose float32 dW parts (groups x Hkv x C)
+    the caller sums. `python -m bench.glue --sweep` times candidates."""
+
+    block_t: int
+    block_c: int
+    num_warps: int = 4
+    groups: int = 64
+
+
+FORWARD_TILES = Tiles(32, 64)
+BACKWARD_TILES = Tiles(32, 64)
 
 
 def dt_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, A: torch.Tensor):
@@ -76,17 +88,19 @@ def dt_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, A: torch.
     return (a * F.softplus(logits)).transpose(1, 2).unsqueeze(2).to(x.dtype)
 
 
-def _blocks(h: int) -> dict:
-    """The kernels' constexprs: the heads (unrolled) and their power-of-two block, and the
-    tokens and channels of one step's x tile."""
-    return dict(H=h, BLOCK_H=next_power_of_2(h), BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C)
+def _meta(h: int, ch: int, tiles: Tiles) -> dict:
+    """The kernels' constexprs and warps: the heads (unrolled) and their power-of-two block,
+    and the x tile (its channels no wider than C's power of two)."""
+    block_c = min(tiles.block_c, max(16, next_power_of_2(ch)))
+    return dict(H=h, BLOCK_H=next_power_of_2(h), BLOCK_T=tiles.block_t, BLOCK_C=block_c,
+                num_warps=tiles.num_warps)  # fmt: skip
 
 
 def _float32(*tensors):
     return tuple(t.detach().to(torch.float32).contiguous() for t in tensors)
 
 
-def _forward(x, weight, bias, A):
+def _forward(x, weight, bias, A, tiles: Tiles = FORWARD_TILES):
     b, length, ch = x.shape
     h = weight.shape[0]
     out = empty((b, h, 1, length), x.dtype, device=x.device)
@@ -94,13 +108,13 @@ def _forward(x, weight, bias, A):
     n = b * length
     if n > 0:
         w, c, a = _float32(weight, bias, A)
-        dt_bias_fwd_kernel[(cdiv(n, BLOCK_T),)](
-            x, w, c, a, out, logits, *x.stride(), length, n, ch, **_blocks(h)
+        dt_bias_fwd_kernel[(cdiv(n, tiles.block_t),)](
+            x, w, c, a, out, logits, *x.stride(), length, n, ch, **_meta(h, ch, tiles)
         )
     return out, logits
 
 
-def _backward(grad, x, weight, A, logits):
+def _backward(grad, x, weight, A, logits, tiles: Tiles = BACKWARD_TILES):
     b, length, ch = x.shape
     h = weight.shape[0]
     n = b * length
@@ -114,15 +128,16 @@ def _backward(grad, x, weight, A, logits):
             sp = F.softplus(logits.transpose(1, 2))
             zeros = (zeros[0], torch.stack((dz.sum((0, 2)), (g * sp).sum((0, 2)))))
         return dx, *zeros
-    tokens = BLOCK_T * cdiv(n, BLOCK_T * MAX_GROUPS)
+    meta = _meta(h, ch, tiles)
+    tokens = tiles.block_t * cdiv(n, tiles.block_t * tiles.groups)
     groups = cdiv(n, tokens)
     part_w, part_ca = empties(
         (((groups, h, ch), torch.float32), ((groups, 2, h), torch.float32)), device=x.device
     )
     w, a = _float32(weight, A)
-    dt_bias_bwd_kernel[(groups, cdiv(ch, BLOCK_C))](
+    dt_bias_bwd_kernel[(groups, cdiv(ch, meta["BLOCK_C"]))](
         grad, x, w, a, logits, dx, part_w, part_ca, *grad.stride()[:2], grad.stride(3),
-        *x.stride(), length, n, ch, tokens, **_blocks(h),
+        *x.stride(), length, n, ch, tokens, **meta,
     )  # fmt: skip
     return dx, part_w.sum(0), part_ca.sum(0)
 

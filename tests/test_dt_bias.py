@@ -6,7 +6,7 @@ import torch
 from helpers import DEVICE, TRITON, assert_close, low_precision_bound
 
 from dmattn_ops import reference
-from dmattn_ops.dt_bias import dt_bias
+from dmattn_ops.dt_bias import Tiles, _backward, _forward, dt_bias
 
 pytestmark = pytest.mark.skipif(not TRITON, reason="the kernels need Triton (GPU or interpreter)")
 
@@ -46,6 +46,23 @@ def test_matches_the_float64_oracle(b, length, ch, h, dtype):
     inputs = _inputs(b, length, ch, h, dtype)
     grad = torch.randn(b, h, 1, length, device=DEVICE)
     _check(inputs, grad, dtype)
+
+
+@pytest.mark.parametrize(
+    "tiles", [Tiles(8, 16), Tiles(64, 256, 8, 1), Tiles(16, 512, 4, 3), Tiles(32, 32, 2, 200)]
+)
+def test_any_tiles_give_the_same_function(tiles):
+    """The tiles bench.glue sweeps (tokens and channels per step, warps, dW parts) change how
+    the sums are split, never what they compute: each set against the float64 oracle."""
+    x, weight, bias, a = _inputs(2, 45, 40, 3, torch.bfloat16)
+    grad = torch.randn(2, 3, 1, 45, device=DEVICE).to(torch.bfloat16)
+    out, logits = _forward(x, weight, bias, a, tiles)
+    dx, dw, dca = _backward(grad, x, weight, a, logits, tiles)
+    got = (out, dx, dw, dca[0], dca[1])
+    want = _run(reference.dt_bias, [t.double() for t in (x, weight, bias, a)], grad.double())
+    lowp = _run(reference.dt_bias, (x, weight, bias, a), grad)
+    for name, g, w, e in zip(("out", "dx", "dweight", "dbias", "dA"), got, want, lowp):
+        assert_close(g.double(), w, low_precision_bound(w, e.double(), torch.bfloat16), name)
 
 
 def test_strided_inputs_and_gradient():
