@@ -25,13 +25,20 @@ os.environ["DMATTN_CHECK_PREPARED"] = "1"
 from dmattn_ops.executors import _alloc  # noqa: E402
 
 _DURATIONS = os.environ.get("DMATTN_TEST_DURATIONS")
+_XDIST_CONTROLLER = False
+
+
+def pytest_configure(config):
+    global _XDIST_CONTROLLER
+    _XDIST_CONTROLLER = bool(getattr(config.option, "numprocesses", None))
 
 
 def pytest_runtest_logreport(report):
     """With DMATTN_TEST_DURATIONS=path, each test's call phase appends "seconds nodeid" to that
-    file as it ends (every xdist worker appends to the one file): the slowest tests of a run
-    its time limit cuts, which pytest's own --durations, printed at the end, never shows."""
-    if _DURATIONS and report.when == "call":
+    file as it ends (every xdist worker appends to the one file; xdist's controller, which
+    receives the same reports, does not): the slowest tests of a run its time limit cuts,
+    which pytest's own --durations, printed at the end, never shows."""
+    if _DURATIONS and report.when == "call" and (_worker or not _XDIST_CONTROLLER):
         with open(_DURATIONS, "a") as f:
             f.write(f"{report.duration:.2f} {report.nodeid}\n")
 
