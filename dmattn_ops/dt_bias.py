@@ -14,14 +14,15 @@ autograd formula; compiled graphs trace their launches (registration/inductor.py
 Triton does not run (CPU without the interpreter, float64, inside torch.func transforms),
 `dt_bias` computes the same function in PyTorch.
 
-Status: not yet what DynamicMaskAttention runs, and not imported with the package. The first
+Status: experimental. DynamicMaskAttention takes it where ``DMATTN_DT_BIAS=1`` (off by
+default) and its backend is not flex. The first
 version of the kernels (e0fe785) was right in Triton's interpreter and wrong on the H200
 (Triton 3.6: dx, the one sum over the heads' axis), and in a compiled graph whose
 FlexAttention score_mod captured its output Inductor read the traced buffer as unwritten
 (NaN), the topk_select case of inductor.py's docstring; its kernels were also no faster than
 Inductor's (72 against 61 us at 8192 tokens). These kernels sum over no such axis; the layer
-takes them once a GPU run shows them right and faster (`python -m bench.glue`, then the
-model step), for backends other than flex (as masks.select_topk's `direct`).
+takes them by default once a GPU run shows them right and faster (`python -m bench.glue`,
+then `bench.model`'s ``dma-w4+dt``).
 """
 
 from __future__ import annotations

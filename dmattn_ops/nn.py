@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from dmattn_ops.api import attention
+from dmattn_ops.core.switches import switch
+from dmattn_ops.dt_bias import dt_bias
 from dmattn_ops.masks import select_topk
 
 
@@ -111,8 +113,15 @@ class DynamicMaskAttention(torch.nn.Module):
     def _dynamic_mask(self, v: torch.Tensor, direct: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """dynamic_mask; direct: the mask goes to this library's ops alone (not to flex), so a
         compiled graph may pass the selection kernel's buffer on (masks.select_topk)."""
-        dt = F.softplus(self._dt_logits(v.flatten(2)))  # [B, L, Hkv], float32 or wider
-        bias = (self.A.to(dt.dtype) * dt).transpose(1, 2).unsqueeze(2).to(v.dtype)  # [B, Hkv, 1, L]
+        if direct and switch("DMATTN_DT_BIAS", False):
+            # The bias as one op (dt_bias.py; experimental, off by default until a GPU run
+            # shows it right and faster): not where flex's score_mod captures it, whose
+            # compiled graph reads a traced user kernel's buffer as unwritten (inductor.py).
+            weight, c = self.dt_proj.weight, self.dt_proj.bias
+            bias = dt_bias(v.flatten(2), weight, c, self.A)
+        else:
+            dt = F.softplus(self._dt_logits(v.flatten(2)))  # [B, L, Hkv], float32 or wider
+            bias = (self.A.to(dt.dtype) * dt).transpose(1, 2).unsqueeze(2).to(v.dtype)
         cp = self.context_parallel
         if cp is None:
             return select_topk(bias, self.window, direct=direct), bias

@@ -161,3 +161,47 @@ def test_compiled_graph_launches_the_kernels():
     for g, t in zip(grads, inputs):
         # The same kernels; only the parts' final float32 sums may add in another order.
         assert_close(g.double(), t.grad.double(), 1e-6 * t.grad.abs().max().item(), "grad")
+
+
+def test_layer_takes_the_op_under_its_switch(monkeypatch):
+    """DMATTN_DT_BIAS=1: DynamicMaskAttention computes its bias through dmattn::dt_bias (not for
+    dynamic_mask's public form, which a flex mask_mod may capture); output and every parameter
+    gradient stay within fp32's own error against the float64 oracle layer, eager and
+    compiled."""
+    from dmattn_ops.nn import DynamicMaskAttention
+
+    monkeypatch.setenv("DMATTN_DT_BIAS", "1")
+    torch.manual_seed(0)
+    layer = DynamicMaskAttention(32, 4, 2, window=12).to(DEVICE)
+    oracle = DynamicMaskAttention(32, 4, 2, window=12, backend="reference").to(DEVICE)
+    oracle.load_state_dict(layer.state_dict())
+    fp32 = DynamicMaskAttention(32, 4, 2, window=12, backend="reference").to(DEVICE)
+    fp32.load_state_dict(layer.state_dict())
+    oracle.double()
+    x = torch.randn(2, 40, 32, device=DEVICE)
+
+    def run(module, x):
+        for p in module.parameters():
+            p.grad = None
+        with torch.profiler.profile() as prof:
+            out = module(x)
+            (out * torch.cos(out)).sum().backward()
+        # Eagerly the op's own event; compiled on CUDA, its kernels traced into the graph.
+        used = any(e.name in ("dmattn::dt_bias", "dt_bias_fwd_kernel") for e in prof.events())
+        return [out.detach()] + [p.grad.clone() for p in module.parameters()], used
+
+    want, _ = run(oracle, x.double())
+    with monkeypatch.context() as m:
+        m.setenv("DMATTN_DT_BIAS", "0")
+        lowp, _ = run(fp32, x)
+    names = ["out"] + [name for name, _ in layer.named_parameters()]
+    torch._dynamo.reset()
+    for module in (layer, torch.compile(layer, fullgraph=True)):
+        got, used = run(module, x)
+        assert used
+        for name, g, w, e in zip(names, got, want, lowp):
+            assert_close(g.double(), w, low_precision_bound(w, e.double(), torch.float32), name)
+    v = layer.v_proj(x).view(2, 40, 2, 8)
+    with torch.profiler.profile() as prof:
+        layer.dynamic_mask(v)
+    assert not any(e.name == "dmattn::dt_bias" for e in prof.events())
