@@ -1,6 +1,10 @@
 """dmattn_ops.dt_bias: the DMA layer's learned bias as one op (kernels/dt_bias.py), against
 the float64 oracle (reference.dt_bias) within PyTorch's own error in each precision."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import DEVICE, TRITON, assert_close, low_precision_bound
@@ -205,3 +209,42 @@ def test_layer_takes_the_op_under_its_switch(monkeypatch):
     with torch.profiler.profile() as prof:
         layer.dynamic_mask(v)
     assert not any(e.name == "dmattn::dt_bias" for e in prof.events())
+
+
+COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from dmattn_ops.kernels.dt_bias import dt_bias_bwd_kernel, dt_bias_fwd_kernel
+
+POINTERS = dict(X="*bf16", W="*fp32", C="*fp32", A="*fp32", OUT="*bf16", LOGITS="*fp32",
+                GRAD="*bf16", DX="*bf16", PART_W="*fp32", PART_CA="*fp32")
+
+for kernel, h, block_t, block_c, warps in (
+    (dt_bias_fwd_kernel, 4, 32, 64, 4), (dt_bias_fwd_kernel, 3, 16, 512, 4),
+    (dt_bias_bwd_kernel, 4, 32, 64, 4), (dt_bias_bwd_kernel, 1, 64, 256, 8),
+):
+    values = dict(H=h, BLOCK_H=triton.next_power_of_2(h), BLOCK_T=block_t, BLOCK_C=block_c)
+    sig, constexprs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in values:
+            sig[name] = "constexpr"
+            constexprs[(i,)] = values[name]
+        else:
+            sig[name] = POINTERS.get(name, "i64" if name.startswith("stride") else "i32")
+    for cc in (90, 80):
+        src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
+        triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=warps))
+print("ok")
+"""
+
+
+@pytest.mark.sweep
+def test_kernels_compile_for_sm90_and_sm80():
+    """Both kernels compile for the GPUs the README names, without a GPU and without the
+    interpreter (tiles bench.glue sweeps, Hkv 1, 3 and 4)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True,
+                         env=env, timeout=600)  # fmt: skip
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
