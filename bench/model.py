@@ -113,6 +113,44 @@ def is_attention_kernel(name: str) -> bool:
     return any(part in name for part in ATTENTION_KERNELS)
 
 
+# Stages of a step's trace, first match wins (`stage_of`): a kernel name's parts.
+STAGES = (
+    ("attention forward", ("attention_fwd", "hopper_fwd", "fprop", "flash_fwd")),
+    ("attention dQ", ("attention_bwd_dq", "convert_dq")),
+    ("attention dK/dV", ("attention_bwd_dkdv", "hopper_dkdv", "fmha_reduce")),
+    ("attention backward, fused (cuDNN, flash)", ("bprop", "flash_bwd")),
+    ("attention, other", ATTENTION_KERNELS),
+    ("top-k mask", ("topk_mask",)),
+    ("key lists", ("key_lists", "block_any", "tile_rows", "tile_cols")),
+    ("bias glue (dt_proj, softplus, A)", ("softplus", "dt_bias")),
+    ("GEMMs (projections)", ("nvjet", "gemm", "xmma", "cutlass", "cublas", "splitKreduce")),
+    ("norms", ("rms_norm", "layer_norm")),
+)
+
+
+def stage_of(name: str) -> str:
+    """The stage of a step a profiled kernel belongs to (STAGES), or "other" (elementwise,
+    copies, memsets, the loss)."""
+    for stage, parts in STAGES:
+        if any(part in name for part in parts):
+            return stage
+    return "other"
+
+
+def stage_table(total: dict) -> str:
+    """ms per step of each stage of {kernel name: ms per step}, with its share of the kernels'
+    time, in STAGES' order."""
+    by_stage: dict[str, float] = {}
+    for name, ms in total.items():
+        stage = stage_of(name)
+        by_stage[stage] = by_stage.get(stage, 0.0) + ms
+    kernels = sum(total.values()) or 1.0
+    order = [stage for stage, _ in STAGES] + ["other"]
+    rows = [[stage, by_stage[stage], by_stage[stage] / kernels] for stage in order
+            if stage in by_stage]  # fmt: skip
+    return markdown(["stage", "ms / step", "share"], rows, ("", ".3f", ".2f"))
+
+
 def causal_work(mask: torch.Tensor) -> float:
     """The share of a causal call's scores that a key mask (B, Hkv, 1, L) leaves to compute:
     key j is seen by the L - j queries at or after it."""
@@ -233,10 +271,10 @@ class _environ:
 
 
 def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: int = 14) -> None:
-    """torch.profiler over `steps` compiled steps: kernel ms per step, largest first; the step's
-    wall time against the sum of its kernels; the largest idle gaps of the GPU, each named by
-    the kernel that ended it (the launch the host was late with); and cProfile of the host
-    work of the same steps, by own time."""
+    """torch.profiler over `steps` compiled steps: kernel ms per step, largest first, and by
+    stage (stage_table); the step's wall time against the sum of its kernels; the largest
+    idle gaps of the GPU, each named by the kernel that ended it (the launch the host was late
+    with); and cProfile of the host work of the same steps, by own time."""
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -268,6 +306,7 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
         f"{kernels:.2f} ms of kernels, {sum(count.values()) // steps} launches")  # fmt: skip
     for name, ms in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
         log(f"  {ms:7.3f} ms x{count[name] // steps:<3d} {name[:90]}")
+    log(stage_table(total))
     attention_ms = sum(ms for name, ms in total.items() if is_attention_kernel(name))
     works = [1.0] * LAYERS if base in DENSE else selection_work(step.model, step.x)
     b, n = SHAPES[shape]

@@ -187,3 +187,36 @@ def test_host_cpu_times_the_python_of_an_eager_call():
         res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stdout + res.stderr
         assert f"{line}, launches stubbed: host" in res.stdout, res.stdout
+
+
+def test_trace_stages_name_each_kernel_of_a_step():
+    """bench.model trace's stage table: each kernel of a DMA or an SDPA step lands in its
+    stage (names as the H200's profiler reported them), and the shares add up to the whole."""
+    from bench.model import stage_of, stage_table
+
+    expected = {
+        "attention_fwd_kernel": "attention forward",
+        "attention_bwd_dq_kernel": "attention dQ",
+        "attention_bwd_dkdv_reduce_kernel": "attention dK/dV",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16": "attention forward",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": (
+            "attention backward, fused (cuDNN, flash)"
+        ),
+        "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>": "attention, other",
+        "topk_mask_kernel": "top-k mask",
+        "key_lists_kernel": "key lists",
+        "triton_red_fused__to_copy_expand_mul_softplus_backward_squeeze_sum": (
+            "bias glue (dt_proj, softplus, A)"
+        ),
+        "dt_bias_bwd_kernel": "bias glue (dt_proj, softplus, A)",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "GEMMs (projections)",
+        "triton_per_fused__fused_rms_norm__fused_rms_norm_backward_add_view_0": "norms",
+        "Memset (Device)": "other",
+    }
+    for name, stage in expected.items():
+        assert stage_of(name) == stage, name
+    table = stage_table(dict.fromkeys(expected, 0.5))
+    ms = [float(line.split("|")[2]) for line in table.splitlines()[2:]]
+    # Printed to 3 decimals: each row within half a unit of its own.
+    assert abs(sum(ms) - 0.5 * len(expected)) <= 0.0005 * len(ms)
+    assert len(ms) == len(set(expected.values()))
