@@ -144,3 +144,24 @@ def reference_grads(inputs, kwargs, grad_out, mask=None):
     wrt = [t for t in inputs if t is not None and t.requires_grad]
     grads = torch.autograd.grad((out * grad_out).sum(), wrt, allow_unused=True)
     return out, lse, grads
+
+
+def compile_for_gpu(kernel, values: dict, types: dict, cc: int, num_warps: int = 4,
+                    default: str = "i32"):  # fmt: skip
+    """Compile a @triton.jit kernel for CUDA compute capability `cc` on any machine (no GPU;
+    run where TRITON_INTERPRET is off, as the compile tests' subprocesses are): `values` are
+    its constexprs (None for an absent operand), `types` the Triton types of other arguments
+    by name ("*bf16", "i64"), `default` the type of the rest."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in values:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = values[name]
+        else:
+            signature[name] = types.get(name, default)
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=num_warps))

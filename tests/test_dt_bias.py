@@ -213,29 +213,21 @@ def test_layer_takes_the_op_under_its_switch(monkeypatch):
 
 COMPILE = """
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from helpers import compile_for_gpu
 
 from dmattn_ops.kernels.dt_bias import dt_bias_bwd_kernel, dt_bias_fwd_kernel
 
-POINTERS = dict(X="*bf16", W="*fp32", C="*fp32", A="*fp32", OUT="*bf16", LOGITS="*fp32",
-                GRAD="*bf16", DX="*bf16", PART_W="*fp32", PART_CA="*fp32")
+TYPES = dict(X="*bf16", W="*fp32", C="*fp32", A="*fp32", OUT="*bf16", LOGITS="*fp32",
+             GRAD="*bf16", DX="*bf16", PART_W="*fp32", PART_CA="*fp32", **{
+                 f"stride_{o}{d}": "i64" for o in "gx" for d in ("b", "h", "l", "c")})
 
 for kernel, h, block_t, block_c, warps in (
     (dt_bias_fwd_kernel, 4, 32, 64, 4), (dt_bias_fwd_kernel, 3, 16, 512, 4),
     (dt_bias_bwd_kernel, 4, 32, 64, 4), (dt_bias_bwd_kernel, 1, 64, 256, 8),
 ):
     values = dict(H=h, BLOCK_H=triton.next_power_of_2(h), BLOCK_T=block_t, BLOCK_C=block_c)
-    sig, constexprs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in values:
-            sig[name] = "constexpr"
-            constexprs[(i,)] = values[name]
-        else:
-            sig[name] = POINTERS.get(name, "i64" if name.startswith("stride") else "i32")
     for cc in (90, 80):
-        src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
-        triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=warps))
+        compile_for_gpu(kernel, values, TYPES, cc, warps)
 print("ok")
 """
 
@@ -246,5 +238,5 @@ def test_kernels_compile_for_sm90_and_sm80():
     interpreter (tiles bench.glue sweeps, Hkv 1, 3 and 4)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True,
-                         env=env, timeout=600)  # fmt: skip
+                         env=env, cwd=os.path.dirname(__file__), timeout=600)  # fmt: skip
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

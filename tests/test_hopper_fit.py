@@ -300,9 +300,7 @@ if __name__ == "__main__":
 
 
 COMPILE_KEY_LISTS = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from helpers import compile_for_gpu
 
 from dmattn_ops.kernels.key_lists import key_lists_kernel, varlen_key_lists_kernel
 
@@ -312,15 +310,7 @@ POINTERS = dict(MASK="*u8", SEQUSED="*i32", CU_Q="*i32", CU_K="*i32", PREFIX="*i
 
 
 def compile(k, values):
-    sig, constexprs = {}, {}
-    for i, name in enumerate(k.arg_names):
-        if name in values:
-            sig[name] = "constexpr"
-            constexprs[(i,)] = values[name]
-        else:
-            sig[name] = POINTERS.get(name, "i32")
-    src = ASTSource(fn=k, signature=sig, constexprs=constexprs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    compile_for_gpu(k, values, POINTERS, 90)
 
 
 for window in (False, True):
@@ -347,5 +337,5 @@ def test_key_lists_kernel_compiles_for_sm90():
     without the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", COMPILE_KEY_LISTS], capture_output=True,
-                         text=True, env=env, timeout=600)  # fmt: skip
+                         text=True, env=env, cwd=os.path.dirname(__file__), timeout=600)  # fmt: skip
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
