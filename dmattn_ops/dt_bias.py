@@ -64,25 +64,42 @@ FORWARD_TILES = Tiles(32, 64)
 BACKWARD_TILES = Tiles(32, 64)
 
 
-def dt_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, A: torch.Tensor):
+def dt_bias(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, A: torch.Tensor,
+    *, kernel: bool = True,
+) -> torch.Tensor:  # fmt: skip
     """``(A * softplus(x @ weight.T + bias)).transpose(1, 2).unsqueeze(2)`` in x's dtype,
     computed in float32 (x's dtype where wider) and rounded once.
 
     Args:
         x: (B, L, C) floating, the tokens' features (the layer's value states).
         weight: (Hkv, C), bias: (Hkv,), A: (Hkv,): the layer's dt_proj and A parameters.
+        kernel: through the op dmattn::dt_bias where Triton runs (module docstring); False:
+            the PyTorch form (`pytorch_form`) everywhere.
 
     Returns:
         (B, Hkv, 1, L) in x's dtype. Differentiable in all four inputs.
     """
-    if plan.use_triton(x) and x.dim() == 3 and not torch._C._are_functorch_transforms_active():
+    if (
+        kernel and plan.use_triton(x) and x.dim() == 3
+        and not torch._C._are_functorch_transforms_active()
+    ):  # fmt: skip
         return torch.ops.dmattn.dt_bias(x, weight, bias, A)[0]
+    return pytorch_form(x, weight, bias, A)
+
+
+def pytorch_form(x, weight, bias, A) -> torch.Tensor:
+    """dt_bias in PyTorch. Under torch.compile the product with weight is written as a sum of
+    products, which Inductor fuses with the softplus into one reduction kernel (and the
+    gradients into reductions it fuses with their neighbours), instead of a cuBLAS call with Hkv
+    (4) columns: in a compiled training step those calls (one forward, two backward per layer)
+    cost the host more than the GPU time they save. Eagerly the sum of products would
+    materialise (B, L, Hkv, C), so eager calls keep F.linear (a compile backend that does not
+    fuse, such as "aot_eager", materialises it too)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     w, c, a = (t.to(dtype) for t in (weight, bias, A))
     xf = x.to(dtype)
     if torch.compiler.is_compiling():
-        # A sum of products (fused with the softplus) rather than a cuBLAS call for Hkv
-        # columns; eagerly it would materialise (B, L, Hkv, C).
         logits = (xf[..., None, :] * w).sum(-1) + c
     else:
         logits = F.linear(xf, w, c)

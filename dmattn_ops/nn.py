@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dmattn_ops.api import attention
 from dmattn_ops.core.switches import switch
@@ -86,24 +85,6 @@ class DynamicMaskAttention(torch.nn.Module):
             f"softcap={self.softcap}, backend={self.backend!r}"
         )
 
-    def _dt_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """dt_proj(x) in float32 (or x's wider dtype): the bias is rounded once, at the end.
-
-        Under torch.compile it is written as a sum of products, which Inductor fuses with the
-        softplus into one reduction kernel (and the gradients into reductions it fuses with
-        their neighbours), instead of calling cuBLAS for a product with Hkv (4) columns: in a
-        compiled training step those calls (one forward, two backward per layer) cost the host
-        far more than the GPU time they save, and at the model benchmark's B4 L2048 the step
-        is host-bound. Eagerly the sum of products would materialise a
-        (B, L, Hkv, Hkv * D) tensor, so eager calls keep F.linear (a compile backend that does
-        not fuse, such as "aot_eager", materialises it too)."""
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        x = x.to(dtype)
-        weight, bias = self.dt_proj.weight.to(dtype), self.dt_proj.bias.to(dtype)
-        if torch.compiler.is_compiling():
-            return (x[..., None, :] * weight).sum(-1) + bias
-        return F.linear(x, weight, bias)
-
     def dynamic_mask(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask, bias) of values v (B, L, Hkv, head_dim): the learned bias (B, Hkv, 1, L) in
         v's dtype and its top-``window`` keys as a bool mask of the same shape, what
@@ -113,15 +94,13 @@ class DynamicMaskAttention(torch.nn.Module):
     def _dynamic_mask(self, v: torch.Tensor, direct: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """dynamic_mask; direct: the mask goes to this library's ops alone (not to flex), so a
         compiled graph may pass the selection kernel's buffer on (masks.select_topk)."""
-        if direct and switch("DMATTN_DT_BIAS", False):
-            # The bias as one op (dt_bias.py; experimental, off by default until a GPU run
-            # shows it right and faster): not where flex's score_mod captures it, whose
-            # compiled graph reads a traced user kernel's buffer as unwritten (inductor.py).
-            weight, c = self.dt_proj.weight, self.dt_proj.bias
-            bias = dt_bias(v.flatten(2), weight, c, self.A)
-        else:
-            dt = F.softplus(self._dt_logits(v.flatten(2)))  # [B, L, Hkv], float32 or wider
-            bias = (self.A.to(dt.dtype) * dt).transpose(1, 2).unsqueeze(2).to(v.dtype)
+        # [B, Hkv, 1, L] in v's dtype, computed in float32 or wider and rounded once. The op
+        # (DMATTN_DT_BIAS=1, experimental, off by default until a GPU run shows it right and
+        # faster) is not for a bias flex's score_mod captures: its compiled graph would read
+        # the traced kernel's buffer as unwritten (registration/inductor.py).
+        kernel = direct and switch("DMATTN_DT_BIAS", False)
+        weight, c = self.dt_proj.weight, self.dt_proj.bias
+        bias = dt_bias(v.flatten(2), weight, c, self.A, kernel=kernel)
         cp = self.context_parallel
         if cp is None:
             return select_topk(bias, self.window, direct=direct), bias
