@@ -8,7 +8,10 @@ Inductor), "linear" (F.linear, cuBLAS), "op" (dmattn::dt_bias, kernels/dt_bias.p
 each form's kernels (profiler device time per step, largest first), their sum, and each
 gradient's largest error against float64 relative to its largest value. ``--sweep``: the
 op's forward and backward kernels alone, eagerly, for candidate tiles (dt_bias.Tiles), each
-kernel's device time and its results' largest error against float64. CUDA only.
+kernel's device time and its results' largest error against float64. ``--probe``: whether
+this Triton sums a 3-D register tile over its middle axis of 4 (heads) right, the pattern of
+the first dt_bias kernels, whose dx was wrong on an H200 under Triton 3.6 (`reduction_probe`).
+CUDA only.
 """
 
 from __future__ import annotations
@@ -122,6 +125,39 @@ def sweep(tokens: int) -> list[list]:
     return rows
 
 
+def reduction_probe() -> list[list]:
+    """Rows (pattern, heads, largest error against float64) of a kernel computing, for a
+    (T, H) tile a, an (H, C) tile w and a (T, C) tile x, both sums the first dt_bias backward
+    took: over the heads' axis, sum(a[:, :, None] * w[None, :, :], axis=1), and over the
+    tokens', sum(a[:, :, None] * x[:, None, :], axis=0)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(A, W, X, OUT_HEADS, OUT_TOKENS, T: tl.constexpr, H: tl.constexpr,
+              C: tl.constexpr):  # fmt: skip
+        t, h, c = tl.arange(0, T), tl.arange(0, H), tl.arange(0, C)
+        a = tl.load(A + t[:, None] * H + h[None, :])
+        w = tl.load(W + h[:, None] * C + c[None, :])
+        x = tl.load(X + t[:, None] * C + c[None, :])
+        tl.store(OUT_HEADS + t[:, None] * C + c[None, :], tl.sum(a[:, :, None] * w[None, :, :], 1))
+        tl.store(OUT_TOKENS + h[:, None] * C + c[None, :], tl.sum(a[:, :, None] * x[:, None, :], 0))
+
+    rows = []
+    for heads in (1, 2, 4, 8):
+        t_, c_ = 32, 64
+        a, w, x = (torch.randn(*shape, device="cuda") for shape in
+                   ((t_, heads), (heads, c_), (t_, c_)))  # fmt: skip
+        out_heads = torch.empty(t_, c_, device="cuda")
+        out_tokens = torch.empty(heads, c_, device="cuda")
+        probe[(1,)](a, w, x, out_heads, out_tokens, T=t_, H=heads, C=c_)
+        for name, got, want in (("sum over heads (axis 1)", out_heads, a.double() @ w.double()),
+                                ("sum over tokens (axis 0)", out_tokens,
+                                 a.double().T @ x.double())):  # fmt: skip
+            rows.append([name, heads, (got.double() - want).abs().max().item()])
+    return rows
+
+
 def _kernel_us(fn, name: str) -> float:
     return sum(ms for kernel, ms, _ in kernel_times(fn) if kernel == name) * 1e3
 
@@ -131,11 +167,16 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="8192,32768")
     parser.add_argument("--forms", default="pytorch,linear,op")
     parser.add_argument("--sweep", action="store_true", help="the op's kernels per tile set")
+    parser.add_argument("--probe", action="store_true", help="Triton's sums over a small axis")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.glue needs a CUDA device")
         return 1
     print(header())
+    if args.probe:
+        headers = ["pattern", "heads", "largest error"]
+        print(markdown(headers, reduction_probe(), ("", "", ".1e")))
+        return 0
     if args.sweep:
         rows = [row for tokens in map(int, args.tokens.split(",")) for row in sweep(tokens)]
         headers = ["tokens", "kernel", "tiles", "us", "largest rel. error"]
