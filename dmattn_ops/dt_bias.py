@@ -15,14 +15,13 @@ Triton does not run (CPU without the interpreter, float64, inside torch.func tra
 `dt_bias` computes the same function in PyTorch.
 
 Status: experimental. DynamicMaskAttention takes it where ``DMATTN_DT_BIAS=1`` (off by
-default) and its backend is not flex. The first
-version of the kernels (e0fe785) was right in Triton's interpreter and wrong on the H200
-(Triton 3.6: dx, the one sum over the heads' axis), and in a compiled graph whose
-FlexAttention score_mod captured its output Inductor read the traced buffer as unwritten
-(NaN), the topk_select case of inductor.py's docstring; its kernels were also no faster than
-Inductor's (72 against 61 us at 8192 tokens). These kernels sum over no such axis; the layer
-takes them by default once a GPU run shows them right and faster (`python -m bench.glue`,
-then `bench.model`'s ``dma-w4+dt``).
+default) and its backend is not flex. The first version of the kernels (e0fe785) was right in
+Triton's interpreter and wrong on the H200 (Triton 3.6: dx, the one sum over the heads'
+axis), and in a compiled graph whose FlexAttention score_mod captured its output Inductor read
+the traced buffer as unwritten (NaN), the topk_select case of inductor.py's docstring; its
+kernels were also no faster than Inductor's (72 against 61 us at 8192 tokens). These kernels
+sum over no such axis; the layer takes them by default once a GPU run shows them right and
+faster (`python -m bench.glue`, then `bench.model`'s ``dma-w4+dt``).
 """
 
 from __future__ import annotations
@@ -119,6 +118,8 @@ def _float32(*tensors):
 
 
 def _forward(x, weight, bias, A, tiles: Tiles = FORWARD_TILES):
+    """dmattn::dt_bias's CUDA (and interpreter) kernel: (bias (B, Hkv, 1, L), logits (B, L,
+    Hkv) float32). Compiled graphs trace it (registration/inductor.py)."""
     b, length, ch = x.shape
     h = weight.shape[0]
     out = empty((b, h, 1, length), x.dtype, device=x.device)
@@ -133,19 +134,21 @@ def _forward(x, weight, bias, A, tiles: Tiles = FORWARD_TILES):
 
 
 def _backward(grad, x, weight, A, logits, tiles: Tiles = BACKWARD_TILES):
+    """dmattn::dt_bias_backward's kernel: (dx in x's dtype, dW (Hkv, C) and (dc, dA) as (2,
+    Hkv), float32). Compiled graphs trace it."""
     b, length, ch = x.shape
     h = weight.shape[0]
     n = b * length
     dx = empty(x.shape, x.dtype, device=x.device)
     if n == 0 or ch == 0:
-        zeros = (torch.zeros((h, ch), dtype=torch.float32, device=x.device),
-                 torch.zeros((2, h), dtype=torch.float32, device=x.device))  # fmt: skip
-        if n > 0:  # no channel: the logits are the bias's, dA still sums grad * softplus
+        dw = torch.zeros((h, ch), dtype=torch.float32, device=x.device)
+        dca = torch.zeros((2, h), dtype=torch.float32, device=x.device)
+        if n > 0:  # no channel: every logit is its head's c; dc and dA still sum the tokens
             g = grad.to(torch.float32).squeeze(2)  # (B, H, L)
-            dz = g * A.detach().float()[:, None] * torch.sigmoid(logits.transpose(1, 2))
-            sp = F.softplus(logits.transpose(1, 2))
-            zeros = (zeros[0], torch.stack((dz.sum((0, 2)), (g * sp).sum((0, 2)))))
-        return dx, *zeros
+            z = logits.transpose(1, 2)
+            dz = g * A.detach().float()[:, None] * torch.sigmoid(z)
+            dca = torch.stack((dz.sum((0, 2)), (g * F.softplus(z)).sum((0, 2))))
+        return dx, dw, dca
     meta = _meta(h, ch, tiles)
     tokens = tiles.block_t * cdiv(n, tiles.block_t * tiles.groups)
     groups = cdiv(n, tokens)
