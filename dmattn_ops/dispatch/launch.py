@@ -1025,7 +1025,7 @@ def decode_forward(problem: Problem, opts: Options, p: plan.Plan):
     layout = prepared(
         p.launches, ("decode", lists is None), lambda: _decode_layout(problem, opts, p, lists)
     )
-    acc, m, l_part = (empty(shape, dtype=torch.float32, device=device) for shape in layout.parts)
+    acc, m, l_part = empties(layout.parts, device=device)  # the splits' scratch: one allocation
     attention_decode_kernel.run(layout.decode, (
         query, key, value, bias, seqused_k, *_list_rows(lists), acc, m, l_part,
     ))  # fmt: skip
@@ -1037,10 +1037,10 @@ def decode_forward(problem: Problem, opts: Options, p: plan.Plan):
 
 
 class _DecodeLayout(NamedTuple):
-    """What decode_forward makes once per plan: the split parts' shapes (acc, m, l), out's and
-    lse's, and the two launches (Prepared)."""
+    """What decode_forward makes once per plan: the split parts' Carving (acc, m, l, float32),
+    out's and lse's shapes, and the two launches (Prepared)."""
 
-    parts: tuple
+    parts: Carving
     out: tuple
     lse: tuple
     decode: Prepared
@@ -1094,5 +1094,6 @@ def _decode_layout(problem: Problem, opts: Options, p: plan.Plan, lists) -> _Dec
             HAS_SINKS=problem.sinks is not None, num_warps=1 if interpreter_on() else 4,
         ),
     )  # fmt: skip
-    parts = ((splits, rows, dv), (splits, rows), (splits, rows))
+    f32 = torch.float32
+    parts = carve([((splits, rows, dv), f32), ((splits, rows), f32), ((splits, rows), f32)])
     return _DecodeLayout(parts, out, (b, h, lq), decode, combine)

@@ -301,12 +301,14 @@ def build_varlen_key_lists(
     build_key_lists'."""
     hm, total_k = mask.shape
     b = cu_q.shape[0] - 1
-    device = mask.device
-    keys = torch.full((hm, total_k), total_k, dtype=torch.int32, device=device)
-    key_end = empty((b, hm, nq), dtype=torch.int32, device=device)
-    key_start = empty((b, hm, nq), dtype=torch.int32, device=device) if band.has_window else None
-    key_count = empty((b, hm), dtype=torch.int32, device=device)
-    prefix = empty((b * hm, max(max_k, 1)), dtype=torch.int32, device=device)
+    i32 = torch.int32
+    # One allocation, as build_key_lists' (the prefix sums are the kernel's scratch); keys
+    # holds total_k where no sequence's list reaches.
+    keys, key_end, key_start, key_count, prefix = empties([
+        ((hm, total_k), i32), ((b, hm, nq), i32), ((b, hm, nq), i32) if band.has_window else None,
+        ((b, hm), i32), ((b * hm, max(max_k, 1)), i32),
+    ], device=mask.device)  # fmt: skip
+    keys.fill_(total_k)
     if b > 0:
         args = prepared(
             launches, ("varlen_key_lists", block_m),
