@@ -163,6 +163,7 @@ def _kernel_us(fn, name: str) -> float:
 
 
 def main(argv=None) -> int:
+    """The command line (module docstring): the forms' table, or --sweep's, or --probe's."""
     parser = argparse.ArgumentParser(prog="python -m bench.glue", description=__doc__)
     parser.add_argument("--tokens", default="8192,32768")
     parser.add_argument("--forms", default="pytorch,linear,op")
