@@ -203,28 +203,29 @@ def bench_ms(fn, warmup=5, reps=20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def time_step(variant: str, shape: str, mode: str) -> tuple[float, float, list[float] | None]:
-    """(median ms per training step, seconds of the first, compiling, step, the causal work of
-    each DMA layer's selection: selection_work; None for dense variants)."""
+MODEL_ROUNDS = 7  # rounds of every variant's steps, alternating: their median per variant
+
+
+def _prepare(variant: str, shape: str, mode: str):
+    """(compiled step, seconds of its first, compiling, step, the causal work of each DMA
+    layer's selection: selection_work; None for dense variants). The variant's switches hold
+    while it compiles; Dynamo guards on the environment variables a trace reads, so each
+    variant's graphs stay in the cache beside the others' and the switches at call time pick
+    them (run_model)."""
     base, switches = _switches(variant)
-    # AOTAutograd's cache keys on the Dynamo graph, which does not see the switches: a
-    # variant could load another's compiled graph.
-    torch._functorch.config.enable_autograd_cache = False
     with _environ(switches):
         step = _compiled_step(base, shape, mode)
         t0 = time.time()
         step()
         torch.cuda.synchronize()
         compile_s = time.time() - t0
-        ms = bench_ms(step)
         work = None if base in DENSE else selection_work(step.model, step.x)
-        return ms, compile_s, work
+    return step, compile_s, work
 
 
 def _compiled_step(variant: str, shape: str, mode: str):
     """A compiled training step of this variant (switches set by the caller)."""
     b, n = SHAPES[shape]
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = make_model(variant, n, "cuda", torch.bfloat16)
     compiled = torch.compile(model, fullgraph=True, mode=None if mode == "default" else mode)
@@ -281,6 +282,7 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
     base, switches = _switches(variant)
     # AOTAutograd's cache keys on the Dynamo graph, which does not see the switches.
     torch._functorch.config.enable_autograd_cache = False
+    torch._dynamo.reset()
     with _environ(switches):
         step = _compiled_step(base, shape, mode)
         for _ in range(3):
@@ -330,25 +332,62 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
     log(host_text[:5000])
 
 
-def run_model(shapes, variants, modes, log) -> list[dict]:
+def run_model(shapes, variants, modes, log, rounds: int = MODEL_ROUNDS) -> list[dict]:
+    """Per shape and mode: every variant compiled, then `rounds` rounds that time each variant
+    in turn (bench_ms: the median of 20 steps) under its own switches; a variant's ms is the
+    median of its rounds. One variant timed after another took whatever the shared host did
+    meanwhile (B16 L512 SDPA 5.36 and 5.88 ms on two runs of one commit); alternating rounds
+    give every variant the same drift, so their ratios hold. A variant that recompiled while
+    timed (Dynamo's graph count moved) is marked, and one whose compile made no graph of its own
+    (it would run another's) fails."""
     rows = []
+    # AOTAutograd's cache keys on the Dynamo graph, which does not see the switches: a
+    # variant could load another's compiled graph.
+    torch._functorch.config.enable_autograd_cache = False
+    graphs = torch._dynamo.utils.counters["stats"]
     for shape in shapes:
         for mode in modes:
+            torch._dynamo.reset()
+            ready, timed = [], []
             for variant in variants:
                 row = dict(shape=shape, mode=mode, variant=variant, ms=None, work=None,
-                           status="ok")  # fmt: skip
+                           status="ok", rounds=[])  # fmt: skip
+                timed.append(row)
                 try:
-                    row["ms"], row["compile_s"], row["work"] = time_step(variant, shape, mode)
+                    before = graphs["unique_graphs"]
+                    step, row["compile_s"], row["work"] = _prepare(variant, shape, mode)
+                    if graphs["unique_graphs"] == before:  # the guards took another's graph
+                        raise RuntimeError("compiled no graph of its own")
+                    ready.append((row, step, _switches(variant)[1]))
                 except Exception as e:  # a variant failing is a result
                     row["status"] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-                rows.append(row)
+            compiled = graphs["unique_graphs"]
+            for _ in range(rounds):
+                for row, step, switches in ready:
+                    if row["status"] != "ok":
+                        continue
+                    with _environ(switches):
+                        try:
+                            row["rounds"].append(bench_ms(step))
+                        except Exception as e:
+                            row["status"] = f"FAILED: {type(e).__name__}: {str(e)[:80]}"
+            if graphs["unique_graphs"] != compiled:
+                for row, _, _ in ready:
+                    row["status"] = "recompiled while timed"
+            for row in timed:
+                times = sorted(row["rounds"])
+                row["ms"] = times[len(times) // 2] if times else None
+                spread = f" (rounds {times[0]:.2f}-{times[-1]:.2f})" if times else ""
                 works = (
                     ""
                     if row["work"] is None
                     else " causal work per layer " + ", ".join(f"{w:.3f}" for w in row["work"])
                 )
-                log(f"  model {shape} {mode} {variant}: {row['ms']} ms {row['status']}{works}")
-                torch.cuda.empty_cache()
+                log(f"  model {shape} {mode} {row['variant']}: {row['ms']} ms{spread} "
+                    f"{row['status']}{works}")  # fmt: skip
+            rows += timed
+            del ready
+            torch.cuda.empty_cache()
     return rows
 
 

@@ -49,9 +49,10 @@ dt_bias_bwd_kernel = LazyKernel(_kernels, "dt_bias_bwd_kernel")
 
 
 class Tiles(NamedTuple):
-    """A kernel's tiles: the tokens and channels of one step's x tile, its warps, and (the
-    backward) the most programs along the tokens, whose float32 dW parts (groups x Hkv x C)
-    the caller sums. `python -m bench.glue --sweep` times candidates."""
+    """A kernel's tiles: the tokens (16 at least: a tensor-core product's side) and channels
+    of one step's x tile, its warps, and (the backward) the most programs along the tokens,
+    whose float32 dW parts (groups x Hkv x C) the caller sums. `python -m bench.glue --sweep`
+    times candidates."""
 
     block_t: int
     block_c: int
@@ -105,12 +106,15 @@ def pytorch_form(x, weight, bias, A) -> torch.Tensor:
     return (a * F.softplus(logits)).transpose(1, 2).unsqueeze(2).to(x.dtype)
 
 
-def _meta(h: int, ch: int, tiles: Tiles) -> dict:
-    """The kernels' constexprs and warps: the heads (unrolled) and their power-of-two block,
-    and the x tile (its channels no wider than C's power of two)."""
+def _meta(x: torch.Tensor, h: int, ch: int, tiles: Tiles) -> dict:
+    """The kernels' constexprs and warps: the heads' block (a power of two, 16 at least, the
+    tensor cores' smallest side), the x tile (its channels no wider than C's power of two, 16
+    at least) and the products' precision: "ieee" for float32 x, "tf32x3" for 16-bit x, whose
+    values a tf32 operand holds exactly (kernels/dt_bias.py)."""
     block_c = min(tiles.block_c, max(16, next_power_of_2(ch)))
-    return dict(H=h, BLOCK_H=next_power_of_2(h), BLOCK_T=tiles.block_t, BLOCK_C=block_c,
-                num_warps=tiles.num_warps)  # fmt: skip
+    precision = "ieee" if x.dtype == torch.float32 else "tf32x3"
+    return dict(H=h, BLOCK_H=max(16, next_power_of_2(h)), BLOCK_T=tiles.block_t,
+                BLOCK_C=block_c, PRECISION=precision, num_warps=tiles.num_warps)  # fmt: skip
 
 
 def _float32(*tensors):
@@ -128,7 +132,7 @@ def _forward(x, weight, bias, A, tiles: Tiles = FORWARD_TILES):
     if n > 0:
         w, c, a = _float32(weight, bias, A)
         dt_bias_fwd_kernel[(cdiv(n, tiles.block_t),)](
-            x, w, c, a, out, logits, *x.stride(), length, n, ch, **_meta(h, ch, tiles)
+            x, w, c, a, out, logits, *x.stride(), length, n, ch, **_meta(x, h, ch, tiles)
         )
     return out, logits
 
@@ -149,7 +153,7 @@ def _backward(grad, x, weight, A, logits, tiles: Tiles = BACKWARD_TILES):
             dz = g * A.detach().float()[:, None] * torch.sigmoid(z)
             dca = torch.stack((dz.sum((0, 2)), (g * F.softplus(z)).sum((0, 2))))
         return dx, dw, dca
-    meta = _meta(h, ch, tiles)
+    meta = _meta(x, h, ch, tiles)
     tokens = tiles.block_t * cdiv(n, tiles.block_t * tiles.groups)
     groups = cdiv(n, tokens)
     part_w, part_ca = empties(

@@ -53,7 +53,7 @@ def test_matches_the_float64_oracle(b, length, ch, h, dtype):
 
 
 @pytest.mark.parametrize(
-    "tiles", [Tiles(8, 16), Tiles(64, 256, 8, 1), Tiles(16, 512, 4, 3), Tiles(32, 32, 2, 200)]
+    "tiles", [Tiles(16, 16), Tiles(64, 256, 8, 1), Tiles(16, 512, 4, 3), Tiles(32, 32, 2, 200)]
 )
 def test_any_tiles_give_the_same_function(tiles):
     """The tiles bench.glue sweeps (tokens and channels per step, warps, dW parts) change how
@@ -221,13 +221,15 @@ TYPES = dict(X="*bf16", W="*fp32", C="*fp32", A="*fp32", OUT="*bf16", LOGITS="*f
              GRAD="*bf16", DX="*bf16", PART_W="*fp32", PART_CA="*fp32", **{
                  f"stride_{o}{d}": "i64" for o in "gx" for d in ("b", "h", "l", "c")})
 
-for kernel, h, block_t, block_c, warps in (
-    (dt_bias_fwd_kernel, 4, 32, 64, 4), (dt_bias_fwd_kernel, 3, 16, 512, 4),
-    (dt_bias_bwd_kernel, 4, 32, 64, 4), (dt_bias_bwd_kernel, 1, 64, 256, 8),
+for kernel, h, block_t, block_c, warps, precision in (
+    (dt_bias_fwd_kernel, 4, 32, 64, 4, "tf32x3"), (dt_bias_fwd_kernel, 3, 16, 512, 4, "ieee"),
+    (dt_bias_bwd_kernel, 4, 32, 64, 4, "tf32x3"), (dt_bias_bwd_kernel, 1, 64, 256, 8, "ieee"),
 ):
-    values = dict(H=h, BLOCK_H=triton.next_power_of_2(h), BLOCK_T=block_t, BLOCK_C=block_c)
+    values = dict(H=h, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_T=block_t,
+                  BLOCK_C=block_c, PRECISION=precision)
+    x = "*bf16" if precision == "tf32x3" else "*fp32"
     for cc in (90, 80):
-        compile_for_gpu(kernel, values, TYPES, cc, warps)
+        compile_for_gpu(kernel, values, dict(TYPES, X=x, OUT=x, GRAD=x, DX=x), cc, warps)
 print("ok")
 """
 
