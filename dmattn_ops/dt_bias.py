@@ -49,10 +49,9 @@ dt_bias_bwd_kernel = LazyKernel(_kernels, "dt_bias_bwd_kernel")
 
 
 class Tiles(NamedTuple):
-    """A kernel's tiles: the tokens (16 at least: a tensor-core product's side) and channels
-    of one step's x tile, its warps, and (the backward) the most programs along the tokens,
-    whose float32 dW parts (groups x Hkv x C) the caller sums. `python -m bench.glue --sweep`
-    times candidates."""
+    """A kernel's tiles: the tokens and channels of one step's x tile, its warps, and (the
+    backward) the most programs along the tokens, whose float32 dW parts (groups x Hkv x C)
+    the caller sums. `python -m bench.glue --sweep` times candidates."""
 
     block_t: int
     block_c: int
@@ -60,8 +59,10 @@ class Tiles(NamedTuple):
     groups: int = 64
 
 
-FORWARD_TILES = Tiles(32, 64)
-BACKWARD_TILES = Tiles(32, 64)
+# bench.glue --sweep on an H200 (Triton 3.6; forward of f1d799b, x (32768, 512) bf16, Hkv 4):
+# 64 x 64 at 4 warps 13 us, the best of nine; 32 x 64 (the first guess) 17 us.
+FORWARD_TILES = Tiles(64, 64, 4)
+BACKWARD_TILES = Tiles(32, 64, 4, 128)
 
 
 def dt_bias(
@@ -106,15 +107,18 @@ def pytorch_form(x, weight, bias, A) -> torch.Tensor:
     return (a * F.softplus(logits)).transpose(1, 2).unsqueeze(2).to(x.dtype)
 
 
-def _meta(x: torch.Tensor, h: int, ch: int, tiles: Tiles) -> dict:
-    """The kernels' constexprs and warps: the heads' block (a power of two, 16 at least, the
-    tensor cores' smallest side), the x tile (its channels no wider than C's power of two, 16
-    at least) and the products' precision: "ieee" for float32 x, "tf32x3" for 16-bit x, whose
-    values a tf32 operand holds exactly (kernels/dt_bias.py)."""
+def _meta(h: int, ch: int, tiles: Tiles, backward: bool = False) -> dict:
+    """The kernels' constexprs and warps: the heads (unrolled) and their power-of-two block,
+    and the x tile (its channels no wider than C's power of two). The backward's dW tile holds
+    block_t x heads x block_c float32 products in registers (kernels/dt_bias.py), so its
+    tokens shrink as the heads' block grows past 4."""
+    block_h = next_power_of_2(h)
     block_c = min(tiles.block_c, max(16, next_power_of_2(ch)))
-    precision = "ieee" if x.dtype == torch.float32 else "tf32x3"
-    return dict(H=h, BLOCK_H=max(16, next_power_of_2(h)), BLOCK_T=tiles.block_t,
-                BLOCK_C=block_c, PRECISION=precision, num_warps=tiles.num_warps)  # fmt: skip
+    block_t = tiles.block_t
+    if backward:
+        block_t = max(1, min(block_t, 4 * block_t // block_h))
+    return dict(H=h, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_C=block_c,
+                num_warps=tiles.num_warps)  # fmt: skip
 
 
 def _float32(*tensors):
@@ -132,7 +136,7 @@ def _forward(x, weight, bias, A, tiles: Tiles = FORWARD_TILES):
     if n > 0:
         w, c, a = _float32(weight, bias, A)
         dt_bias_fwd_kernel[(cdiv(n, tiles.block_t),)](
-            x, w, c, a, out, logits, *x.stride(), length, n, ch, **_meta(x, h, ch, tiles)
+            x, w, c, a, out, logits, *x.stride(), length, n, ch, **_meta(h, ch, tiles)
         )
     return out, logits
 
@@ -153,8 +157,8 @@ def _backward(grad, x, weight, A, logits, tiles: Tiles = BACKWARD_TILES):
             dz = g * A.detach().float()[:, None] * torch.sigmoid(z)
             dca = torch.stack((dz.sum((0, 2)), (g * F.softplus(z)).sum((0, 2))))
         return dx, dw, dca
-    meta = _meta(x, h, ch, tiles)
-    tokens = tiles.block_t * cdiv(n, tiles.block_t * tiles.groups)
+    meta = _meta(h, ch, tiles, backward=True)
+    tokens = meta["BLOCK_T"] * cdiv(n, meta["BLOCK_T"] * tiles.groups)
     groups = cdiv(n, tokens)
     part_w, part_ca = empties(
         (((groups, h, ch), torch.float32), ((groups, 2, h), torch.float32)), device=x.device

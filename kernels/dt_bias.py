@@ -3,12 +3,10 @@
     logits[t, h] = x[t] . W[h] + c[h]                       t = b * L + l, a token
     out[b, h, 0, l] = A[h] * softplus(logits[t, h])
 
-Both products run on the tensor cores, Hkv (4 in Doge) zero-padded to their smallest tile
-side, 16: the padding costs nothing where a kernel is bound by reading x. Broadcast sums in
-float32 registers (the kernels of f1d799b: x times each head's row of W, summed over the
-channels, selected into the head's column) were right but took 32 us for the backward at
-8192 tokens on an H200, 8x the bandwidth's time: a cross-warp reduction per head per tile.
-(Inductor's kernels for the same sums, written as a reduction, ran 5-10x below the bandwidth.)
+Hkv (4 in Doge) is far below a tensor core's tile, so the products are broadcast sums in
+float32 registers: both kernels read x once and are meant to be bound by memory. (Inductor's
+kernels for the same sums, written as a reduction, ran 5-10x below the bandwidth on an H200;
+so did these kernels written as tensor-core products, heads padded to 16, at 5d3b858.)
 """
 
 import triton
@@ -40,20 +38,17 @@ def dt_bias_fwd_kernel(
     stride_xb, stride_xl, stride_xc,
     L, N, CH,
     H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_T tokens per program: out (B, H, 1, L) contiguous in its dtype, logits (N, H)
     float32 (kept for the backward). W (H, CH), C and A (H,) are float32 and contiguous.
-    x is read once; the logits are one product on the tensor cores, x (BLOCK_T, BLOCK_C) by
-    W^T (BLOCK_C, BLOCK_H), the heads zero-padded to BLOCK_H (16 at least, the instruction's
-    smallest side), in float32 operands at PRECISION: "tf32x3" (each operand split into two
-    tf32 parts, three products) where x is 16-bit, whose values the high part holds exactly,
-    so only W's split rounds, at 2^-22; "ieee" (exact products) where x is float32."""
+    x is read once; each head's products are reduced over the channels and land in its
+    column of the (BLOCK_T, BLOCK_H) accumulator by a select: no reduction runs over an
+    axis of H's few elements: the first version of these kernels summed the products over
+    that axis, and its dx, right in the interpreter, was wrong on the H200 (Triton 3.6)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.arange(0, BLOCK_C)
     hh = tl.arange(0, BLOCK_H)
     row_ok = t < N
-    h_ok = hh < H
     b = (t // L).to(tl.int64)
     pos = (t % L).to(tl.int64)
     x_rows = X + b * stride_xb + pos * stride_xl
@@ -63,9 +58,11 @@ def dt_bias_fwd_kernel(
         c_ok = cc < CH
         x = tl.load(x_rows[:, None] + cc[None, :] * stride_xc,
                     mask=row_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        w = tl.load(W + hh[None, :] * CH + cc[:, None], mask=c_ok[:, None] & h_ok[None, :],
-                    other=0.0)  # fmt: skip
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        for j in tl.static_range(H):
+            w = tl.load(W + j * CH + cc, mask=c_ok, other=0.0)
+            part = tl.sum(x * w[None, :], axis=1)
+            acc = tl.where(hh[None, :] == j, acc + part[:, None], acc)
+    h_ok = hh < H
     logits = acc + tl.load(C + hh, mask=h_ok, other=0.0)[None, :]
     out = tl.load(A + hh, mask=h_ok, other=0.0)[None, :] * _softplus(logits)
     ok = row_ok[:, None] & h_ok[None, :]
@@ -81,25 +78,29 @@ def dt_bias_bwd_kernel(
     stride_xb, stride_xl, stride_xc,
     L, N, CH, TOKENS,
     H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (g, k): tokens [g * TOKENS, (g + 1) * TOKENS) and channels [k * BLOCK_C, (k +
-    1) * BLOCK_C). With dz = grad * A * sigmoid(logits), (BLOCK_T, BLOCK_H): dx = dz W, written
-    (N, CH) contiguous in its dtype; the program's part of dW = dz^T x in PART_W (G, H, CH)
-    float32; the programs k = 0 write their parts of dc = sum dz and dA = sum grad *
-    softplus(logits) in PART_CA (G, 2, H). The caller sums the parts over G. Both products run
-    on the tensor cores at PRECISION, as in the forward; padded heads and tokens past N load
-    a zero gradient, so their dz is 0 and they add nothing."""
+    1) * BLOCK_C). With dz = grad * A * sigmoid(logits): dx = dz W, written (N, CH) contiguous
+    in its dtype; the program's part of dW = dz^T x in PART_W (G, H, CH) float32; the
+    programs k = 0 write their parts of dc = sum dz and dA = sum grad * softplus(logits) in
+    PART_CA (G, 2, H). The caller sums the parts over G.
+
+    dW's products accumulate elementwise in a (BLOCK_T, BLOCK_H, BLOCK_C) register tile and
+    are summed over the tokens once, at the program's end: f1d799b summed each head's
+    products over the tile's tokens on every step, a cross-warp reduction per head per tile,
+    and took 31 us at 8192 tokens on an H200 where the bandwidth allows ~4; the same sums as
+    one product per step on the tensor cores (5d3b858: heads padded to 16, tf32x3 operands)
+    were slower still. A sum over the tokens' axis of such a 3-D tile is right on the H200
+    (`bench.glue --probe`), one over the heads' axis is not: dx = dz W stays one (BLOCK_T,
+    BLOCK_C) update per head, unrolled (H is a constexpr), as in the forward."""
     group = tl.program_id(0)
     chunk = tl.program_id(1)
     cc = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
     hh = tl.arange(0, BLOCK_H)
     c_ok = cc < CH
     h_ok = hh < H
-    w = tl.load(W + hh[:, None] * CH + cc[None, :], mask=h_ok[:, None] & c_ok[None, :],
-                other=0.0)  # fmt: skip
     a = tl.load(A + hh, mask=h_ok, other=0.0)
-    dw = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
+    dw = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), dtype=tl.float32)
     dc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     da = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     start = group * TOKENS
@@ -109,20 +110,27 @@ def dt_bias_bwd_kernel(
         row_ok = t < end
         b = (t // L).to(tl.int64)
         pos = (t % L).to(tl.int64)
-        th_ok = row_ok[:, None] & h_ok[None, :]
-        g = tl.load(GRAD + (b * stride_gb + pos * stride_gl)[:, None] + hh[None, :] * stride_gh,
-                    mask=th_ok, other=0.0).to(tl.float32)  # fmt: skip
-        z = tl.load(LOGITS + t[:, None] * H + hh[None, :], mask=th_ok, other=0.0)
-        dz = g * a[None, :] * _sigmoid(z)
+        grad_rows = GRAD + b * stride_gb + pos * stride_gl
         x_ok = row_ok[:, None] & c_ok[None, :]
         x = tl.load(X + (b * stride_xb + pos * stride_xl)[:, None] + cc[None, :] * stride_xc,
                     mask=x_ok, other=0.0).to(tl.float32)  # fmt: skip
-        dx = tl.dot(dz, w, input_precision=PRECISION)
+        th_ok = row_ok[:, None] & h_ok[None, :]
+        g2 = tl.load(grad_rows[:, None] + hh[None, :] * stride_gh, mask=th_ok,
+                     other=0.0).to(tl.float32)  # fmt: skip
+        z2 = tl.load(LOGITS + t[:, None] * H + hh[None, :], mask=th_ok, other=0.0)
+        dz2 = g2 * a[None, :] * _sigmoid(z2)
+        dw += dz2[:, :, None] * x[:, None, :]
+        dc += dz2
+        da += g2 * _softplus(z2)
+        dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+        for j in tl.static_range(H):
+            g = tl.load(grad_rows + j * stride_gh, mask=row_ok, other=0.0).to(tl.float32)
+            z = tl.load(LOGITS + t * H + j, mask=row_ok, other=0.0)
+            dz = g * tl.load(A + j) * _sigmoid(z)
+            w = tl.load(W + j * CH + cc, mask=c_ok, other=0.0)
+            dx += dz[:, None] * w[None, :]
         tl.store(DX + t[:, None] * CH + cc[None, :], dx.to(DX.dtype.element_ty), mask=x_ok)
-        dw = tl.dot(tl.trans(dz), x, dw, input_precision=PRECISION)
-        dc += dz
-        da += g * _softplus(z)
-    tl.store(PART_W + (group * H + hh[:, None]) * CH + cc[None, :], dw,
+    tl.store(PART_W + (group * H + hh[:, None]) * CH + cc[None, :], tl.sum(dw, axis=0),
              mask=h_ok[:, None] & c_ok[None, :])  # fmt: skip
     if chunk == 0:
         tl.store(PART_CA + group * 2 * H + hh, tl.sum(dc, axis=0), mask=h_ok)

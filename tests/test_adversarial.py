@@ -296,6 +296,37 @@ def test_the_environment_reads_as_os_environ_does(monkeypatch):
     assert getenv(name) == "replaced"
 
 
+def test_a_compiled_switch_recompiles_only_when_its_value_changes(monkeypatch):
+    """A graph that read a switch is guarded on that variable's value alone: reading other
+    variables eagerly (the tables behind getenv grow) leaves it compiled; changing the
+    switch's value compiles a second graph that follows it, and the first still serves the
+    old value."""
+    from dmattn_ops.core.switches import getenv, switch
+
+    name = "DMATTN_TEST_COMPILED_SWITCH"
+    monkeypatch.setenv(name, "0")
+
+    def f(x):
+        return x * 2 if switch(name, False) else x + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    x = torch.ones(3)
+    graphs = torch._dynamo.utils.counters["stats"]
+    assert (compiled(x) == 2).all()
+    before = graphs["unique_graphs"]
+    for i in range(3):
+        monkeypatch.setenv(f"DMATTN_TEST_OTHER_{i}", f"value {i}")
+        assert getenv(f"DMATTN_TEST_OTHER_{i}") == f"value {i}"
+        assert (compiled(x) == 2).all()
+    assert graphs["unique_graphs"] == before
+    monkeypatch.setenv(name, "1")
+    assert (compiled(x) == 2 * x).all()
+    monkeypatch.setenv(name, "0")
+    assert (compiled(x) == 2).all()
+    assert graphs["unique_graphs"] == before + 1
+
+
 def test_unclear_inputs_of_issue_48_get_clear_answers(monkeypatch):
     from dmattn_ops.core.switches import switch
 

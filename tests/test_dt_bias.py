@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import DEVICE, TRITON, assert_close, low_precision_bound
+from helpers import DEVICE, TRITON, assert_close, low_precision_bound, max_err
 
 from dmattn_ops import reference
 from dmattn_ops.dt_bias import Tiles, _backward, _forward, dt_bias
@@ -53,7 +53,7 @@ def test_matches_the_float64_oracle(b, length, ch, h, dtype):
 
 
 @pytest.mark.parametrize(
-    "tiles", [Tiles(16, 16), Tiles(64, 256, 8, 1), Tiles(16, 512, 4, 3), Tiles(32, 32, 2, 200)]
+    "tiles", [Tiles(8, 16), Tiles(64, 256, 8, 1), Tiles(16, 512, 4, 3), Tiles(32, 32, 2, 200)]
 )
 def test_any_tiles_give_the_same_function(tiles):
     """The tiles bench.glue sweeps (tokens and channels per step, warps, dW parts) change how
@@ -171,7 +171,12 @@ def test_layer_takes_the_op_under_its_switch(monkeypatch):
     """DMATTN_DT_BIAS=1: DynamicMaskAttention computes its bias through dmattn::dt_bias (not for
     dynamic_mask's public form, which a flex mask_mod may capture); output and every parameter
     gradient stay within fp32's own error against the float64 oracle layer, eager and
-    compiled."""
+    compiled. fp32's own error is the larger of the PyTorch layer's (backend "reference") and
+    the same layer's with the bias in PyTorch: the op is tested for what it adds. (On an H200
+    the Triton attention's gradients, each within its own bound in the attention's tests, came
+    a few ulps past twice the PyTorch layer's once the layer summed them over the tokens: A's
+    gradient 4.2e-6 and 4.8e-6 against bounds of 3.7e-6 with this layer at seeds 1 and 2; the
+    op's 3.0e-6 and 3.6e-6.)"""
     from dmattn_ops.nn import DynamicMaskAttention
 
     monkeypatch.setenv("DMATTN_DT_BIAS", "1")
@@ -198,13 +203,16 @@ def test_layer_takes_the_op_under_its_switch(monkeypatch):
     with monkeypatch.context() as m:
         m.setenv("DMATTN_DT_BIAS", "0")
         lowp, _ = run(fp32, x)
+        plain, used = run(layer, x)
+        assert not used
     names = ["out"] + [name for name, _ in layer.named_parameters()]
     torch._dynamo.reset()
     for module in (layer, torch.compile(layer, fullgraph=True)):
         got, used = run(module, x)
         assert used
-        for name, g, w, e in zip(names, got, want, lowp):
-            assert_close(g.double(), w, low_precision_bound(w, e.double(), torch.float32), name)
+        for name, g, w, e, p in zip(names, got, want, lowp, plain):
+            base = max(e, p, key=lambda t: max_err(t, w))
+            assert_close(g.double(), w, low_precision_bound(w, base.double(), torch.float32), name)
     v = layer.v_proj(x).view(2, 40, 2, 8)
     with torch.profiler.profile() as prof:
         layer.dynamic_mask(v)
@@ -221,15 +229,14 @@ TYPES = dict(X="*bf16", W="*fp32", C="*fp32", A="*fp32", OUT="*bf16", LOGITS="*f
              GRAD="*bf16", DX="*bf16", PART_W="*fp32", PART_CA="*fp32", **{
                  f"stride_{o}{d}": "i64" for o in "gx" for d in ("b", "h", "l", "c")})
 
-for kernel, h, block_t, block_c, warps, precision in (
-    (dt_bias_fwd_kernel, 4, 32, 64, 4, "tf32x3"), (dt_bias_fwd_kernel, 3, 16, 512, 4, "ieee"),
-    (dt_bias_bwd_kernel, 4, 32, 64, 4, "tf32x3"), (dt_bias_bwd_kernel, 1, 64, 256, 8, "ieee"),
+for kernel, h, block_t, block_c, warps in (
+    (dt_bias_fwd_kernel, 4, 64, 64, 4), (dt_bias_fwd_kernel, 3, 16, 512, 4),
+    (dt_bias_bwd_kernel, 4, 32, 64, 4), (dt_bias_bwd_kernel, 1, 64, 256, 8),
+    (dt_bias_bwd_kernel, 16, 8, 64, 4),
 ):
-    values = dict(H=h, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_T=block_t,
-                  BLOCK_C=block_c, PRECISION=precision)
-    x = "*bf16" if precision == "tf32x3" else "*fp32"
+    values = dict(H=h, BLOCK_H=triton.next_power_of_2(h), BLOCK_T=block_t, BLOCK_C=block_c)
     for cc in (90, 80):
-        compile_for_gpu(kernel, values, dict(TYPES, X=x, OUT=x, GRAD=x, DX=x), cc, warps)
+        compile_for_gpu(kernel, values, TYPES, cc, warps)
 print("ok")
 """
 

@@ -8,12 +8,19 @@ a benchmark may set it for one call.
 `getenv` reads the environment as `os.environ.get` does, from the dict behind `os.environ`
 where CPython keeps one (POSIX: bytes keys and values, which `os.environ`'s own writes keep up
 to date): an eager call reads some 25 variables, and `os.environ.get` costs about 0.5 us on a
-laptop core (1.5 us on an H100's host) against 0.03 us for the dict lookup.
+laptop core (1.5 us on an H100's host) against 0.03 us for the dict lookup. While Dynamo
+traces, `getenv` is `os.environ.get`: Dynamo guards a compiled graph on the value of each
+variable read that way, while its guards on the lookup tables below broke whenever they grew
+(an eager call reading a variable for the first time, anywhere), and every compiled graph that
+had read a switch was compiled again: bench.model's first shape recompiled this way while
+timed.
 """
 
 from __future__ import annotations
 
 import os
+
+import torch
 
 ON = frozenset({"1", "true", "on", "yes"})
 OFF = frozenset({"0", "false", "off", "no"})
@@ -23,12 +30,14 @@ _DATA = getattr(os.environ, "_data", None)
 _FAST = os.name == "posix" and isinstance(_DATA, dict)
 _KEYS: dict[str, bytes] = {}
 _VALUES: dict[bytes, str] = {}
+_TRACING = torch.compiler.is_dynamo_compiling  # False eagerly; Dynamo folds it to True
 
 
 def getenv(name: str) -> str | None:
     """os.environ.get(name), read from os.environ's own dict where it keeps one (module
-    docstring); through os.environ.get where it does not, or where os.environ was replaced."""
-    if not _FAST or os.environ is not _ENVIRON:
+    docstring); through os.environ.get where it does not, where os.environ was replaced, and
+    while Dynamo traces."""
+    if not _FAST or os.environ is not _ENVIRON or _TRACING():
         return os.environ.get(name)
     key = _KEYS.get(name)
     if key is None:
