@@ -22,8 +22,9 @@ table (``selection_work``, from one eager forward of the same weights and input)
 Compiled graphs launch our kernels themselves (dmattn_ops/registration/inductor.py); a
 ``+ops`` suffix
 (``dma-w4+ops``) runs a variant with DMATTN_INDUCTOR_KERNELS=0 instead: the ops stay whole in
-the graph and run our Python launchers. A ``+dt`` suffix (``dma-w4+dt``) runs it with
-DMATTN_DT_BIAS=1: the layer's bias through the op dmattn::dt_bias (dmattn_ops/dt_bias.py).
+the graph and run our Python launchers. A ``+pt`` suffix (``dma-w4+pt``) runs it with
+DMATTN_DT_BIAS=0: the layer's bias in PyTorch, not through the op dmattn::dt_bias
+(dmattn_ops/dt_bias.py).
 
 ``profile``: cProfile of those calls (forward+backward), the functions by own time.
 
@@ -244,12 +245,12 @@ def _compiled_step(variant: str, shape: str, mode: str):
 def _switches(variant: str):
     """(base variant, environment switches) of a variant name such as ``dma-w4+ops``."""
     base, _, flag = variant.partition("+")
-    if base not in VARIANTS or flag not in ("", "ops", "dt"):
+    if base not in VARIANTS or flag not in ("", "ops", "pt"):
         raise ValueError(f"unknown variant {variant}")
     return base, {
         "DMATTN_DENSE_SDPA": "0" if base == "ours-dense-triton" else "1",
         "DMATTN_INDUCTOR_KERNELS": "0" if flag == "ops" else "1",
-        "DMATTN_DT_BIAS": "1" if flag == "dt" else "0",
+        "DMATTN_DT_BIAS": "0" if flag == "pt" else "1",
     }
 
 

@@ -14,14 +14,14 @@ autograd formula; compiled graphs trace their launches (registration/inductor.py
 Triton does not run (CPU without the interpreter, float64, inside torch.func transforms),
 `dt_bias` computes the same function in PyTorch.
 
-Status: experimental. DynamicMaskAttention takes it where ``DMATTN_DT_BIAS=1`` (off by
-default) and its backend is not flex. The first version of the kernels (e0fe785) was right in
-Triton's interpreter and wrong on the H200 (Triton 3.6: dx, the one sum over the heads'
-axis), and in a compiled graph whose FlexAttention score_mod captured its output Inductor read
-the traced buffer as unwritten (NaN), the topk_select case of inductor.py's docstring; its
-kernels were also no faster than Inductor's (72 against 61 us at 8192 tokens). These kernels
-sum over no such axis; the layer takes them by default once a GPU run shows them right and
-faster (`python -m bench.glue`, then `bench.model`'s ``dma-w4+dt``).
+DynamicMaskAttention takes it unless ``DMATTN_DT_BIAS=0`` or its backend is flex: in a
+compiled graph whose FlexAttention score_mod captured the op's output, Inductor read the traced
+buffer as unwritten (NaN), the topk_select case of inductor.py's docstring. On an H200 (Triton
+3.6, x (8192, 512) bf16, Hkv 4, `python -m bench.glue`) forward and backward take 36 us of
+kernels against 61 for Inductor's kernels of the PyTorch form (119 against 194 at 32768
+tokens). The first kernels (e0fe785) were right in Triton's interpreter and wrong on the H200:
+dx, a sum over a 3-D tile's heads' axis of 4 elements, which Triton 3.6 sums wrong
+(`bench.glue --probe`); these sum over no such axis.
 """
 
 from __future__ import annotations

@@ -95,10 +95,10 @@ class DynamicMaskAttention(torch.nn.Module):
         """dynamic_mask; direct: the mask goes to this library's ops alone (not to flex), so a
         compiled graph may pass the selection kernel's buffer on (masks.select_topk)."""
         # [B, Hkv, 1, L] in v's dtype, computed in float32 or wider and rounded once. The op
-        # (DMATTN_DT_BIAS=1, experimental, off by default until a GPU run shows it right and
-        # faster) is not for a bias flex's score_mod captures: its compiled graph would read
-        # the traced kernel's buffer as unwritten (registration/inductor.py).
-        kernel = direct and switch("DMATTN_DT_BIAS", False)
+        # (on unless DMATTN_DT_BIAS=0) is not for a bias flex's score_mod captures: its
+        # compiled graph would read the traced kernel's buffer as unwritten
+        # (registration/inductor.py).
+        kernel = direct and switch("DMATTN_DT_BIAS", True)
         weight, c = self.dt_proj.weight, self.dt_proj.bias
         bias = dt_bias(v.flatten(2), weight, c, self.A, kernel=kernel)
         cp = self.context_parallel

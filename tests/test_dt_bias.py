@@ -167,8 +167,8 @@ def test_compiled_graph_launches_the_kernels():
         assert_close(g.double(), t.grad.double(), 1e-6 * t.grad.abs().max().item(), "grad")
 
 
-def test_layer_takes_the_op_under_its_switch(monkeypatch):
-    """DMATTN_DT_BIAS=1: DynamicMaskAttention computes its bias through dmattn::dt_bias (not for
+def test_layer_takes_the_op_by_default(monkeypatch):
+    """By default DynamicMaskAttention computes its bias through dmattn::dt_bias (not for
     dynamic_mask's public form, which a flex mask_mod may capture); output and every parameter
     gradient stay within fp32's own error against the float64 oracle layer, eager and
     compiled. fp32's own error is the larger of the PyTorch layer's (backend "reference") and
@@ -179,7 +179,7 @@ def test_layer_takes_the_op_under_its_switch(monkeypatch):
     op's 3.0e-6 and 3.6e-6.)"""
     from dmattn_ops.nn import DynamicMaskAttention
 
-    monkeypatch.setenv("DMATTN_DT_BIAS", "1")
+    monkeypatch.delenv("DMATTN_DT_BIAS", raising=False)
     torch.manual_seed(0)
     layer = DynamicMaskAttention(32, 4, 2, window=12).to(DEVICE)
     oracle = DynamicMaskAttention(32, 4, 2, window=12, backend="reference").to(DEVICE)

@@ -59,7 +59,8 @@ def _output_and_grads(layer, x):
 
 
 def test_compiled_layer_matches_the_oracle_as_eager_fp32_does():
-    """Compiled, the bias path is written as a sum of products (dt_bias.pytorch_form); the layer's
+    """Compiled, the bias goes through dmattn::dt_bias where Triton runs (the interpreter on
+    CPU) and is written as a sum of products elsewhere (dt_bias.pytorch_form); the layer's
     output and every parameter gradient stay within fp32's own error against the float64
     oracle (the bound: the oracle layer run in fp32)."""
     torch._dynamo.reset()
