@@ -122,12 +122,13 @@ def sweep(tokens: int) -> list[list]:
     for cand in BACKWARD_CANDIDATES:
         tiles = op.Tiles(*cand)
         try:
-            dx, dw, dca = op._backward(grad, x, w, a, logits, tiles)
+            dx, dparams = op._backward(grad, x, w, a, logits, tiles)
+            dw, dc, da = op.split_params(dparams, HKV, WIDTH)
         except triton.runtime.errors.OutOfResources as e:
             rows.append([tokens, "backward", str(cand), None, None, str(e)[:40]])
             continue
         errors = [error(dx, leaves[0].grad), error(dw, leaves[1].grad),
-                  error(dca[0], leaves[2].grad), error(dca[1], leaves[3].grad)]  # fmt: skip
+                  error(dc, leaves[2].grad), error(da, leaves[3].grad)]  # fmt: skip
         us = _kernel_us(lambda t=tiles: op._backward(grad, x, w, a, logits, t),
                         "dt_bias_bwd_kernel")  # fmt: skip
         rows.append([tokens, "backward", str(cand), us, max(errors), ""])

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from dmattn_ops.core.device import cdiv, next_power_of_2
 from dmattn_ops.dispatch import plan
-from dmattn_ops.executors._alloc import empties, empty
+from dmattn_ops.executors._alloc import empty
 from dmattn_ops.executors._triton import LazyKernel
 from dmattn_ops.registration import inductor
 
@@ -121,8 +121,16 @@ def _meta(h: int, ch: int, tiles: Tiles, backward: bool = False) -> dict:
                 num_warps=tiles.num_warps)  # fmt: skip
 
 
-def _float32(*tensors):
-    return tuple(t.detach().to(torch.float32).contiguous() for t in tensors)
+def _params_dtype(weight: torch.Tensor, A: torch.Tensor) -> torch.dtype:
+    """The dtype of the backward's summed parameter gradients: the parameters' own where
+    weight and A share it (each cast in the autograd formula is then no kernel; the bias
+    almost always shares it too), float32 where they differ."""
+    return weight.dtype if A.dtype == weight.dtype else torch.float32
+
+
+def split_params(dparams: torch.Tensor, h: int, ch: int) -> tuple:
+    """(dweight (Hkv, C), dbias (Hkv,), dA (Hkv,)): views of the backward's flat dparams."""
+    return dparams[: h * ch].view(h, ch), dparams[h * ch : h * ch + h], dparams[h * ch + h :]
 
 
 def _forward(x, weight, bias, A, tiles: Tiles = FORWARD_TILES):
@@ -134,7 +142,7 @@ def _forward(x, weight, bias, A, tiles: Tiles = FORWARD_TILES):
     logits = empty((b, length, h), torch.float32, device=x.device)
     n = b * length
     if n > 0:
-        w, c, a = _float32(weight, bias, A)
+        w, c, a = (t.contiguous() for t in (weight, bias, A))
         dt_bias_fwd_kernel[(cdiv(n, tiles.block_t),)](
             x, w, c, a, out, logits, *x.stride(), length, n, ch, **_meta(h, ch, tiles)
         )
@@ -142,33 +150,34 @@ def _forward(x, weight, bias, A, tiles: Tiles = FORWARD_TILES):
 
 
 def _backward(grad, x, weight, A, logits, tiles: Tiles = BACKWARD_TILES):
-    """dmattn::dt_bias_backward's kernel: (dx in x's dtype, dW (Hkv, C) and (dc, dA) as (2,
-    Hkv), float32). Compiled graphs trace it."""
+    """dmattn::dt_bias_backward's kernel: (dx in x's dtype, dparams (Hkv * C + 2 * Hkv,): dW,
+    dc and dA summed in float32 and rounded once to _params_dtype; split_params takes them
+    apart). The kernel writes float32 parts of all three into one buffer, so one reduction
+    (with its cast, which Inductor fuses into it) finishes them. Compiled graphs trace it."""
     b, length, ch = x.shape
     h = weight.shape[0]
     n = b * length
+    dtype = _params_dtype(weight, A)
     dx = empty(x.shape, x.dtype, device=x.device)
     if n == 0 or ch == 0:
-        dw = torch.zeros((h, ch), dtype=torch.float32, device=x.device)
         dca = torch.zeros((2, h), dtype=torch.float32, device=x.device)
         if n > 0:  # no channel: every logit is its head's c; dc and dA still sum the tokens
             g = grad.to(torch.float32).squeeze(2)  # (B, H, L)
             z = logits.transpose(1, 2)
             dz = g * A.detach().float()[:, None] * torch.sigmoid(z)
             dca = torch.stack((dz.sum((0, 2)), (g * F.softplus(z)).sum((0, 2))))
-        return dx, dw, dca
+        dw = torch.zeros(h * ch, dtype=torch.float32, device=x.device)
+        return dx, torch.cat((dw, dca.flatten())).to(dtype)
     meta = _meta(h, ch, tiles, backward=True)
     tokens = meta["BLOCK_T"] * cdiv(n, meta["BLOCK_T"] * tiles.groups)
     groups = cdiv(n, tokens)
-    part_w, part_ca = empties(
-        (((groups, h, ch), torch.float32), ((groups, 2, h), torch.float32)), device=x.device
-    )
-    w, a = _float32(weight, A)
+    parts = empty((groups, h * ch + 2 * h), torch.float32, device=x.device)
+    w, a = weight.contiguous(), A.contiguous()
     dt_bias_bwd_kernel[(groups, cdiv(ch, meta["BLOCK_C"]))](
-        grad, x, w, a, logits, dx, part_w, part_ca, *grad.stride()[:2], grad.stride(3),
+        grad, x, w, a, logits, dx, parts, *grad.stride()[:2], grad.stride(3),
         *x.stride(), length, n, ch, tokens, **meta,
     )  # fmt: skip
-    return dx, part_w.sum(0), part_ca.sum(0)
+    return dx, parts.sum(0).to(dtype)
 
 
 def _check(x, weight, bias, A):
@@ -206,17 +215,17 @@ def _(x, weight, bias, A):
 def _dt_bias_backward_op(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor,
     logits: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(dx in x's dtype, dweight (Hkv, C) float32, and float32 (2, Hkv): dbias, dA)."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dx in x's dtype, dparams (Hkv * C + 2 * Hkv,): dweight, dbias and dA, flat
+    (split_params), in weight's dtype where A shares it, else float32)."""
     return _backward(grad, x, weight, A, logits)
 
 
 @_dt_bias_backward_op.register_fake
 def _(grad, x, weight, A, logits):
     h, ch = weight.shape
-    f32 = torch.float32
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return dx, x.new_empty((h, ch), dtype=f32), x.new_empty((2, h), dtype=f32)
+    return dx, x.new_empty((h * ch + 2 * h,), dtype=_params_dtype(weight, A))
 
 
 def _setup(ctx, inputs, output):
@@ -228,9 +237,9 @@ def _setup(ctx, inputs, output):
 
 def _grads(ctx, grad, _grad_logits):
     x, weight, A, logits = ctx.saved_tensors
-    dx, dw, dca = torch.ops.dmattn.dt_bias_backward(grad, x, weight, A, logits)
-    dc, da = dca.unbind(0)
-    return tuple(g.to(dtype) for g, dtype in zip((dx, dw, dc, da), ctx.dtypes))
+    dx, dparams = torch.ops.dmattn.dt_bias_backward(grad, x, weight, A, logits)
+    grads = (dx, *split_params(dparams, *weight.shape))
+    return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
 
 
 _dt_bias_op.register_autograd(_grads, setup_context=_setup)

@@ -40,7 +40,8 @@ def dt_bias_fwd_kernel(
     H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_T tokens per program: out (B, H, 1, L) contiguous in its dtype, logits (N, H)
-    float32 (kept for the backward). W (H, CH), C and A (H,) are float32 and contiguous.
+    float32 (kept for the backward). W (H, CH), C and A (H,) are contiguous, in any float
+    dtype (the parameters' own: read in float32, no conversion launched for them).
     x is read once; each head's products are reduced over the channels and land in its
     column of the (BLOCK_T, BLOCK_H) accumulator by a select: no reduction runs over an
     axis of H's few elements: the first version of these kernels summed the products over
@@ -59,12 +60,12 @@ def dt_bias_fwd_kernel(
         x = tl.load(x_rows[:, None] + cc[None, :] * stride_xc,
                     mask=row_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
         for j in tl.static_range(H):
-            w = tl.load(W + j * CH + cc, mask=c_ok, other=0.0)
+            w = tl.load(W + j * CH + cc, mask=c_ok, other=0.0).to(tl.float32)
             part = tl.sum(x * w[None, :], axis=1)
             acc = tl.where(hh[None, :] == j, acc + part[:, None], acc)
     h_ok = hh < H
-    logits = acc + tl.load(C + hh, mask=h_ok, other=0.0)[None, :]
-    out = tl.load(A + hh, mask=h_ok, other=0.0)[None, :] * _softplus(logits)
+    logits = acc + tl.load(C + hh, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+    out = tl.load(A + hh, mask=h_ok, other=0.0).to(tl.float32)[None, :] * _softplus(logits)
     ok = row_ok[:, None] & h_ok[None, :]
     tl.store(LOGITS + t[:, None] * H + hh[None, :], logits, mask=ok)
     tl.store(OUT + (b[:, None] * H + hh[None, :]) * L + pos[:, None],
@@ -73,7 +74,7 @@ def dt_bias_fwd_kernel(
 
 @triton.jit
 def dt_bias_bwd_kernel(
-    GRAD, X, W, A, LOGITS, DX, PART_W, PART_CA,
+    GRAD, X, W, A, LOGITS, DX, PARTS,
     stride_gb, stride_gh, stride_gl,
     stride_xb, stride_xl, stride_xc,
     L, N, CH, TOKENS,
@@ -81,9 +82,9 @@ def dt_bias_bwd_kernel(
 ):  # fmt: skip
     """Program (g, k): tokens [g * TOKENS, (g + 1) * TOKENS) and channels [k * BLOCK_C, (k +
     1) * BLOCK_C). With dz = grad * A * sigmoid(logits): dx = dz W, written (N, CH) contiguous
-    in its dtype; the program's part of dW = dz^T x in PART_W (G, H, CH) float32; the
-    programs k = 0 write their parts of dc = sum dz and dA = sum grad * softplus(logits) in
-    PART_CA (G, 2, H). The caller sums the parts over G.
+    in its dtype; PARTS (G, H * CH + 2 * H) float32 holds each program's part of dW = dz^T x
+    (H, CH) and, from the programs k = 0, of dc = sum dz and dA = sum grad * softplus(logits)
+    (2, H), which the caller sums over G in one reduction.
 
     dW's products accumulate elementwise in a (BLOCK_T, BLOCK_H, BLOCK_C) register tile and
     are summed over the tokens once, at the program's end: f1d799b summed each head's
@@ -99,7 +100,7 @@ def dt_bias_bwd_kernel(
     hh = tl.arange(0, BLOCK_H)
     c_ok = cc < CH
     h_ok = hh < H
-    a = tl.load(A + hh, mask=h_ok, other=0.0)
+    a = tl.load(A + hh, mask=h_ok, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_T, BLOCK_H, BLOCK_C), dtype=tl.float32)
     dc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     da = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
@@ -126,12 +127,13 @@ def dt_bias_bwd_kernel(
         for j in tl.static_range(H):
             g = tl.load(grad_rows + j * stride_gh, mask=row_ok, other=0.0).to(tl.float32)
             z = tl.load(LOGITS + t * H + j, mask=row_ok, other=0.0)
-            dz = g * tl.load(A + j) * _sigmoid(z)
-            w = tl.load(W + j * CH + cc, mask=c_ok, other=0.0)
+            dz = g * tl.load(A + j).to(tl.float32) * _sigmoid(z)
+            w = tl.load(W + j * CH + cc, mask=c_ok, other=0.0).to(tl.float32)
             dx += dz[:, None] * w[None, :]
         tl.store(DX + t[:, None] * CH + cc[None, :], dx.to(DX.dtype.element_ty), mask=x_ok)
-    tl.store(PART_W + (group * H + hh[:, None]) * CH + cc[None, :], tl.sum(dw, axis=0),
+    part = PARTS + group.to(tl.int64) * (H * CH + 2 * H)
+    tl.store(part + hh[:, None] * CH + cc[None, :], tl.sum(dw, axis=0),
              mask=h_ok[:, None] & c_ok[None, :])  # fmt: skip
     if chunk == 0:
-        tl.store(PART_CA + group * 2 * H + hh, tl.sum(dc, axis=0), mask=h_ok)
-        tl.store(PART_CA + (group * 2 + 1) * H + hh, tl.sum(da, axis=0), mask=h_ok)
+        tl.store(part + H * CH + hh, tl.sum(dc, axis=0), mask=h_ok)
+        tl.store(part + H * CH + H + hh, tl.sum(da, axis=0), mask=h_ok)

@@ -10,7 +10,7 @@ import torch
 from helpers import DEVICE, TRITON, assert_close, low_precision_bound, max_err
 
 from dmattn_ops import reference
-from dmattn_ops.dt_bias import Tiles, _backward, _forward, dt_bias
+from dmattn_ops.dt_bias import Tiles, _backward, _forward, dt_bias, split_params
 
 pytestmark = pytest.mark.skipif(not TRITON, reason="the kernels need Triton (GPU or interpreter)")
 
@@ -53,6 +53,27 @@ def test_matches_the_float64_oracle(b, length, ch, h, dtype):
 
 
 @pytest.mark.parametrize(
+    "param_dtypes", [(torch.bfloat16,) * 3, (torch.bfloat16, torch.float32, torch.float32)]
+)
+def test_parameters_in_their_own_dtypes(param_dtypes):
+    """Parameters in bf16 (a model cast whole, as bench.model's) or mixed (weight bf16, A
+    float32): the kernels read them as they are, the parameter gradients come back in each
+    one's dtype (summed in float32 and rounded once, in the parameters' dtype where weight
+    and A share it), within bf16's own error against the float64 oracle."""
+    x, *params = _inputs(2, 37, 48, 4, torch.bfloat16)
+    params = [p.to(d) for p, d in zip(params, param_dtypes)]
+    grad = torch.randn(2, 4, 1, 37, device=DEVICE).to(torch.bfloat16)
+    inputs = (x, *params)
+    got = _run(dt_bias, inputs, grad)
+    want = _run(reference.dt_bias, [t.double() for t in inputs], grad.double())
+    lowp = _run(reference.dt_bias, inputs, grad)
+    for name, g, w, e, t in zip(("out", "dx", "dweight", "dbias", "dA"), got, want, lowp,
+                                (x, x, *params)):  # fmt: skip
+        assert g.dtype == t.dtype, name
+        assert_close(g.double(), w, low_precision_bound(w, e.double(), torch.bfloat16), name)
+
+
+@pytest.mark.parametrize(
     "tiles", [Tiles(8, 16), Tiles(64, 256, 8, 1), Tiles(16, 512, 4, 3), Tiles(32, 32, 2, 200)]
 )
 def test_any_tiles_give_the_same_function(tiles):
@@ -61,8 +82,8 @@ def test_any_tiles_give_the_same_function(tiles):
     x, weight, bias, a = _inputs(2, 45, 40, 3, torch.bfloat16)
     grad = torch.randn(2, 3, 1, 45, device=DEVICE).to(torch.bfloat16)
     out, logits = _forward(x, weight, bias, a, tiles)
-    dx, dw, dca = _backward(grad, x, weight, a, logits, tiles)
-    got = (out, dx, dw, dca[0], dca[1])
+    dx, dparams = _backward(grad, x, weight, a, logits, tiles)
+    got = (out, dx, *split_params(dparams, 3, 40))
     want = _run(reference.dt_bias, [t.double() for t in (x, weight, bias, a)], grad.double())
     lowp = _run(reference.dt_bias, (x, weight, bias, a), grad)
     for name, g, w, e in zip(("out", "dx", "dweight", "dbias", "dA"), got, want, lowp):
@@ -226,7 +247,7 @@ from helpers import compile_for_gpu
 from dmattn_ops.kernels.dt_bias import dt_bias_bwd_kernel, dt_bias_fwd_kernel
 
 TYPES = dict(X="*bf16", W="*fp32", C="*fp32", A="*fp32", OUT="*bf16", LOGITS="*fp32",
-             GRAD="*bf16", DX="*bf16", PART_W="*fp32", PART_CA="*fp32", **{
+             GRAD="*bf16", DX="*bf16", PARTS="*fp32", **{
                  f"stride_{o}{d}": "i64" for o in "gx" for d in ("b", "h", "l", "c")})
 
 for kernel, h, block_t, block_c, warps in (
@@ -237,6 +258,7 @@ for kernel, h, block_t, block_c, warps in (
     values = dict(H=h, BLOCK_H=triton.next_power_of_2(h), BLOCK_T=block_t, BLOCK_C=block_c)
     for cc in (90, 80):
         compile_for_gpu(kernel, values, TYPES, cc, warps)
+        compile_for_gpu(kernel, values, dict(TYPES, W="*bf16", C="*bf16", A="*bf16"), cc, warps)
 print("ok")
 """
 
