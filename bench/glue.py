@@ -139,12 +139,14 @@ def reduction_probe() -> list[list]:
     """Rows (pattern, heads, largest error against float64) of a kernel computing, for a
     (T, H) tile a, an (H, C) tile w and a (T, C) tile x, both sums the first dt_bias backward
     took: over the heads' axis, sum(a[:, :, None] * w[None, :, :], axis=1), and over the
-    tokens', sum(a[:, :, None] * x[:, None, :], axis=0)."""
+    tokens', sum(a[:, :, None] * x[:, None, :], axis=0); and the one a forward accumulating
+    a 3-D tile would take, over the channels' (last) axis, sum(x[:, None, :] * w[None, :, :],
+    axis=2)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def probe(A, W, X, OUT_HEADS, OUT_TOKENS, T: tl.constexpr, H: tl.constexpr,
+    def probe(A, W, X, OUT_HEADS, OUT_TOKENS, OUT_CHANNELS, T: tl.constexpr, H: tl.constexpr,
               C: tl.constexpr):  # fmt: skip
         t, h, c = tl.arange(0, T), tl.arange(0, H), tl.arange(0, C)
         a = tl.load(A + t[:, None] * H + h[None, :])
@@ -152,6 +154,8 @@ def reduction_probe() -> list[list]:
         x = tl.load(X + t[:, None] * C + c[None, :])
         tl.store(OUT_HEADS + t[:, None] * C + c[None, :], tl.sum(a[:, :, None] * w[None, :, :], 1))
         tl.store(OUT_TOKENS + h[:, None] * C + c[None, :], tl.sum(a[:, :, None] * x[:, None, :], 0))
+        tl.store(OUT_CHANNELS + t[:, None] * H + h[None, :],
+                 tl.sum(x[:, None, :] * w[None, :, :], 2))  # fmt: skip
 
     rows = []
     for heads in (1, 2, 4, 8):
@@ -160,10 +164,13 @@ def reduction_probe() -> list[list]:
                    ((t_, heads), (heads, c_), (t_, c_)))  # fmt: skip
         out_heads = torch.empty(t_, c_, device="cuda")
         out_tokens = torch.empty(heads, c_, device="cuda")
-        probe[(1,)](a, w, x, out_heads, out_tokens, T=t_, H=heads, C=c_)
+        out_channels = torch.empty(t_, heads, device="cuda")
+        probe[(1,)](a, w, x, out_heads, out_tokens, out_channels, T=t_, H=heads, C=c_)
         for name, got, want in (("sum over heads (axis 1)", out_heads, a.double() @ w.double()),
                                 ("sum over tokens (axis 0)", out_tokens,
-                                 a.double().T @ x.double())):  # fmt: skip
+                                 a.double().T @ x.double()),
+                                ("sum over channels (axis 2)", out_channels,
+                                 x.double() @ w.double().T)):  # fmt: skip
             rows.append([name, heads, (got.double() - want).abs().max().item()])
     return rows
 
