@@ -138,18 +138,23 @@ def stage_of(name: str) -> str:
     return "other"
 
 
-def stage_table(total: dict) -> str:
+def stage_table(total: dict, launches: dict | None = None) -> str:
     """ms per step of each stage of {kernel name: ms per step}, with its share of the kernels'
-    time, in STAGES' order."""
+    time, in STAGES' order; with `launches` ({kernel name: launches per step}) each stage's
+    launches per step too: in a compiled step each costs the host a launch, whatever the
+    kernel's length."""
     by_stage: dict[str, float] = {}
+    count: dict[str, float] = {}
     for name, ms in total.items():
         stage = stage_of(name)
         by_stage[stage] = by_stage.get(stage, 0.0) + ms
+        count[stage] = count.get(stage, 0.0) + (launches or {}).get(name, 0.0)
     kernels = sum(total.values()) or 1.0
     order = [stage for stage, _ in STAGES] + ["other"]
-    rows = [[stage, by_stage[stage], by_stage[stage] / kernels] for stage in order
-            if stage in by_stage]  # fmt: skip
-    return markdown(["stage", "ms / step", "share"], rows, ("", ".3f", ".2f"))
+    rows = [[stage, by_stage[stage], by_stage[stage] / kernels] + ([count[stage]] if launches
+            else []) for stage in order if stage in by_stage]  # fmt: skip
+    headers = ["stage", "ms / step", "share"] + (["launches / step"] if launches else [])
+    return markdown(headers, rows, ("", ".3f", ".2f", ".1f"))
 
 
 def causal_work(mask: torch.Tensor) -> float:
@@ -308,8 +313,8 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
     log(f"== trace {shape} {mode} {variant}: {wall:.2f} ms per step (profiled), "
         f"{kernels:.2f} ms of kernels, {sum(count.values()) // steps} launches")  # fmt: skip
     for name, ms in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
-        log(f"  {ms:7.3f} ms x{count[name] // steps:<3d} {name[:90]}")
-    log(stage_table(total))
+        log(f"  {ms:7.3f} ms x{count[name] / steps:<4.1f} {name[:90]}")
+    log(stage_table(total, {name: c / steps for name, c in count.items()}))
     attention_ms = sum(ms for name, ms in total.items() if is_attention_kernel(name))
     works = [1.0] * LAYERS if base in DENSE else selection_work(step.model, step.x)
     b, n = SHAPES[shape]
@@ -328,7 +333,13 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
     idle = sum(sum(v) for v in gaps.values()) / steps
     log(f"  GPU idle between kernels: {idle:.2f} ms per step; by the kernel that ended the gap:")
     for name, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        log(f"  {sum(v) / steps:7.3f} ms x{len(v) // steps:<3d} {name[:90]}")
+        log(f"  {sum(v) / steps:7.3f} ms x{len(v) / steps:<4.1f} {name[:90]}")
+    idle_by_stage: dict[str, float] = {}
+    for name, v in gaps.items():
+        idle_by_stage[stage_of(name)] = idle_by_stage.get(stage_of(name), 0.0) + sum(v) / steps
+    log("  GPU idle by the stage of the kernel that ended the gap (ms per step): " + ", ".join(
+        f"{stage} {ms:.3f}" for stage, ms in sorted(idle_by_stage.items(), key=lambda kv: -kv[1])
+    ))  # fmt: skip
     log(f"== host of {steps} steps, by own time")
     log(host_text[:5000])
 

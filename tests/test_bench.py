@@ -220,3 +220,7 @@ def test_trace_stages_name_each_kernel_of_a_step():
     # Printed to 3 decimals: each row within half a unit of its own.
     assert abs(sum(ms) - 0.5 * len(expected)) <= 0.0005 * len(ms)
     assert len(ms) == len(set(expected.values()))
+    launches = stage_table(dict.fromkeys(expected, 0.5), dict.fromkeys(expected, 2.0))
+    rows = {line.split("|")[1].strip(): float(line.split("|")[4]) for line in
+            launches.splitlines()[2:]}  # fmt: skip
+    assert rows["bias glue (dt_proj, softplus, A)"] == 4.0 and rows["top-k mask"] == 2.0
