@@ -24,7 +24,8 @@ Compiled graphs launch our kernels themselves (dmattn_ops/registration/inductor.
 (``dma-w4+ops``) runs a variant with DMATTN_INDUCTOR_KERNELS=0 instead: the ops stay whole in
 the graph and run our Python launchers. A ``+pt`` suffix (``dma-w4+pt``) runs it with
 DMATTN_DT_BIAS=0: the layer's bias in PyTorch, not through the op dmattn::dt_bias
-(dmattn_ops/dt_bias.py).
+(dmattn_ops/dt_bias.py). A ``+split1`` suffix runs it inside ``dmattn_ops.kernel_options(
+dkdv_split=1)``: the dK/dV kernel unsplit, without the reduce kernel a split launches.
 
 ``profile``: cProfile of those calls (forward+backward), the functions by own time.
 
@@ -45,6 +46,7 @@ default mode (no CUDA graphs) pays it on every call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -214,12 +216,12 @@ MODEL_ROUNDS = 7  # rounds of every variant's steps, alternating: their median p
 
 def _prepare(variant: str, shape: str, mode: str):
     """(compiled step, seconds of its first, compiling, step, the causal work of each DMA
-    layer's selection: selection_work; None for dense variants). The variant's switches hold
-    while it compiles; Dynamo guards on the environment variables a trace reads, so each
-    variant's graphs stay in the cache beside the others' and the switches at call time pick
-    them (run_model)."""
-    base, switches = _switches(variant)
-    with _environ(switches):
+    layer's selection: selection_work; None for dense variants). The variant's switches and
+    kernel options hold while it compiles; Dynamo guards on the environment variables a trace
+    reads and on the kernel_options blocks (dmattn_ops.api._encoded), so each variant's graphs
+    stay in the cache beside the others' and the variant's setting at call time picks them
+    (run_model)."""
+    with _variant(variant) as base:
         step = _compiled_step(base, shape, mode)
         t0 = time.time()
         step()
@@ -247,16 +249,32 @@ def _compiled_step(variant: str, shape: str, mode: str):
     return step
 
 
+# A variant's suffix: kernel options its calls take (dmattn_ops.kernel_options blocks, which
+# compiled graphs carry and Dynamo guards on). "split1": the dK/dV kernel unsplit, one
+# launch fewer a layer where the split's reduce kernel would run.
+SUFFIX_OPTIONS = {"split1": {"dkdv_split": 1}}
+
+
 def _switches(variant: str):
-    """(base variant, environment switches) of a variant name such as ``dma-w4+ops``."""
+    """(base variant, environment switches, kernel options) of a variant name such as
+    ``dma-w4+ops``."""
     base, _, flag = variant.partition("+")
-    if base not in VARIANTS or flag not in ("", "ops", "pt"):
+    if base not in VARIANTS or flag not in ("", "ops", "pt", *SUFFIX_OPTIONS):
         raise ValueError(f"unknown variant {variant}")
-    return base, {
+    env = {
         "DMATTN_DENSE_SDPA": "0" if base == "ours-dense-triton" else "1",
         "DMATTN_INDUCTOR_KERNELS": "0" if flag == "ops" else "1",
         "DMATTN_DT_BIAS": "0" if flag == "pt" else "1",
     }
+    return base, env, SUFFIX_OPTIONS.get(flag, {})
+
+
+@contextlib.contextmanager
+def _variant(variant: str):
+    """The variant's switches and kernel options, for a with-block; yields its base."""
+    base, env, options = _switches(variant)
+    with _environ(env), dmattn_ops.kernel_options(**options):
+        yield base
 
 
 class _environ:
@@ -285,11 +303,10 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
 
     from torch.profiler import ProfilerActivity, profile
 
-    base, switches = _switches(variant)
     # AOTAutograd's cache keys on the Dynamo graph, which does not see the switches.
     torch._functorch.config.enable_autograd_cache = False
     torch._dynamo.reset()
-    with _environ(switches):
+    with _variant(variant) as base:
         step = _compiled_step(base, shape, mode)
         for _ in range(3):
             step()
@@ -370,21 +387,21 @@ def run_model(shapes, variants, modes, log, rounds: int = MODEL_ROUNDS) -> list[
                     step, row["compile_s"], row["work"] = _prepare(variant, shape, mode)
                     if graphs["unique_graphs"] == before:  # the guards took another's graph
                         raise RuntimeError("compiled no graph of its own")
-                    ready.append((row, step, _switches(variant)[1]))
+                    ready.append((row, step))
                 except Exception as e:  # a variant failing is a result
                     row["status"] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
             compiled = graphs["unique_graphs"]
             for _ in range(rounds):
-                for row, step, switches in ready:
+                for row, step in ready:
                     if row["status"] != "ok":
                         continue
-                    with _environ(switches):
+                    with _variant(row["variant"]):
                         try:
                             row["rounds"].append(bench_ms(step))
                         except Exception as e:
                             row["status"] = f"FAILED: {type(e).__name__}: {str(e)[:80]}"
             if graphs["unique_graphs"] != compiled:
-                for row, _, _ in ready:
+                for row, _ in ready:
                     row["status"] = "recompiled while timed"
             for row in timed:
                 times = sorted(row["rounds"])

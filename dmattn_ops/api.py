@@ -25,16 +25,28 @@ from dmattn_ops.executors.chunked import add_sinks
 from dmattn_ops.registration import ops
 from dmattn_ops.registration.calls import default_scale
 
+_TRACING = torch.compiler.is_dynamo_compiling  # False eagerly; Dynamo folds it to True
+
 
 def _encoded(kernel_options, backend: str, fn: str) -> str | None:
-    """The kernel options as the lower ops carry them (options.encode), or None."""
+    """The kernel options as the lower ops carry them (options.encode), or None.
+
+    While Dynamo traces, the active `kernel_options` blocks are folded into them: the plan
+    reads the blocks as module state below the op, which Dynamo neither sees nor guards, so a
+    graph compiled inside a block ran its options outside it, and one compiled outside ran
+    inside a block without them. Read here, the blocks are guarded (a graph is compiled again
+    when they change) and the graph's op carries them."""
+    if backend in ("reference", "flex"):
+        if kernel_options is not None:
+            raise ValueError(
+                f"{fn}: kernel_options choose among this library's kernels (backend 'auto' or "
+                f"'triton'); backend={backend!r} runs none of them"
+            )
+        return None
+    if _TRACING() and options.blocks_active():
+        return options.encode(options.with_active(kernel_options), fn)
     if kernel_options is None:
         return None
-    if backend in ("reference", "flex"):
-        raise ValueError(
-            f"{fn}: kernel_options choose among this library's kernels (backend 'auto' or "
-            f"'triton'); backend={backend!r} runs none of them"
-        )
     return options.encode(kernel_options, fn)
 
 

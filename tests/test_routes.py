@@ -150,3 +150,27 @@ def test_kernel_options_change_no_result():
         assert max_err(out, base_out) < 1e-5 and max_err(lse, base_lse) < 1e-5, options
         for g, w in zip(grads, base_grads):
             assert max_err(g, w) < 1e-4, options
+
+
+def test_compiled_graphs_follow_the_kernel_options_blocks():
+    """A graph compiled inside a kernel_options block carries the block's options in its op
+    call, and Dynamo guards on the blocks: entering one compiles again, leaving it takes the
+    first graph back (the blocks were module state the plan read below the op, unguarded)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([a for node in gm.graph.nodes if "dmattn" in str(node.target)
+                       for a in (*node.args, *node.kwargs.values()) if isinstance(a, str)])  # fmt: skip
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q: dmattn_ops.attention(q, q, q, is_causal=True), backend=backend,
+                       fullgraph=True)  # fmt: skip
+    q = torch.randn(1, 8, 2, 16, device=DEVICE)
+    want = fn(q)
+    with dmattn_ops.kernel_options(dkdv_split=1, fwd_config=(32, 16, 4, 1)):
+        got = fn(q)
+    assert_close(fn(q), want, 0.0, "outside the block again")
+    assert_close(got, want, 1e-6, "inside the block")
+    assert len(graphs) == 2, graphs
+    assert graphs[0] == [] and graphs[1] == ["dkdv_split=1,fwd_config=32x16x4x1"], graphs

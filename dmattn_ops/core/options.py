@@ -256,6 +256,20 @@ def kernel_options(**options):
         _TUNINGS.clear()
 
 
+def with_active(options) -> dict:
+    """The active kernel_options blocks merged (inner wins) with `options` (a KernelOptions
+    dict or None, which wins over them), checked: what a call planned now would take."""
+    merged: dict = {}
+    for layer in _ACTIVE:
+        merged.update(layer)
+    merged.update(check(options))
+    return merged
+
+
+def blocks_active() -> bool:
+    return len(_ACTIVE) > 0
+
+
 def active() -> str:
     """The kernel_options blocks in force, as text (a key of compiled graphs' caches)."""
     return repr(_ACTIVE)
