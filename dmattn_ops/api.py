@@ -31,11 +31,12 @@ _TRACING = torch.compiler.is_dynamo_compiling  # False eagerly; Dynamo folds it 
 def _encoded(kernel_options, backend: str, fn: str) -> str | None:
     """The kernel options as the lower ops carry them (options.encode), or None.
 
-    While Dynamo traces, the active `kernel_options` blocks are folded into them: the plan
-    reads the blocks as module state below the op, which Dynamo neither sees nor guards, so a
-    graph compiled inside a block ran its options outside it, and one compiled outside ran
-    inside a block without them. Read here, the blocks are guarded (a graph is compiled again
-    when they change) and the graph's op carries them."""
+    While Dynamo traces, the active `kernel_options` blocks are folded into them, and the
+    switches the kernels depend on (options.GRAPH_SWITCHES) are read: the plan and Inductor's
+    lowering read both below the op, which Dynamo neither sees nor guards, so a graph compiled
+    inside a block (or under one switch value) ran its options outside it, and one compiled
+    outside ran inside a block without them. Read here, both are guarded (a graph is compiled
+    again when they change) and the graph's op carries the blocks."""
     if backend in ("reference", "flex"):
         if kernel_options is not None:
             raise ValueError(
@@ -43,8 +44,10 @@ def _encoded(kernel_options, backend: str, fn: str) -> str | None:
                 f"'triton'); backend={backend!r} runs none of them"
             )
         return None
-    if _TRACING() and options.blocks_active():
-        return options.encode(options.with_active(kernel_options), fn)
+    if _TRACING():
+        options.read_graph_switches()
+        if options.blocks_active():
+            return options.encode(options.with_active(kernel_options), fn)
     if kernel_options is None:
         return None
     return options.encode(kernel_options, fn)

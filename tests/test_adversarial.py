@@ -298,12 +298,19 @@ def test_the_environment_reads_as_os_environ_does(monkeypatch):
 
 def test_a_compiled_switch_recompiles_only_when_its_value_changes(monkeypatch):
     """A graph that read a switch is guarded on that variable's value alone: reading other
-    variables eagerly (the tables behind getenv grow) leaves it compiled; changing the
-    switch's value compiles a second graph that follows it, and the first still serves the
-    old value."""
+    variables eagerly (the tables behind getenv grow) or setting them leaves it compiled;
+    changing the switch's value compiles a second graph that follows it, and the first still
+    serves the old value; a switch unset when traced and set later is guarded too."""
     from dmattn_ops.core.switches import getenv, switch
 
     name = "DMATTN_TEST_COMPILED_SWITCH"
+    monkeypatch.delenv(name, raising=False)
+    torch._dynamo.reset()
+    unset = torch.compile(lambda x: x * 2 if switch(name, False) else x + 1, fullgraph=True,
+                          backend="eager")  # fmt: skip
+    assert (unset(torch.ones(3)) == 2).all()
+    monkeypatch.setenv(name, "1")
+    assert (unset(torch.ones(3) * 3) == 6).all()
     monkeypatch.setenv(name, "0")
 
     def f(x):

@@ -174,3 +174,32 @@ def test_compiled_graphs_follow_the_kernel_options_blocks():
     assert_close(got, want, 1e-6, "inside the block")
     assert len(graphs) == 2, graphs
     assert graphs[0] == [] and graphs[1] == ["dkdv_split=1,fwd_config=32x16x4x1"], graphs
+
+
+def test_compiled_graphs_follow_the_switches_below_the_op(monkeypatch):
+    """The switches the launchers and Inductor's lowering read below the op (DMATTN_DENSE_SDPA,
+    DMATTN_CUDNN_GRAPHS, DMATTN_HOPPER, DMATTN_INDUCTOR_KERNELS) are guarded like the
+    environment reads Dynamo traces: changing one compiles again, restoring it takes the first
+    graph back."""
+    from dmattn_ops.core.options import GRAPH_SWITCHES
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q: dmattn_ops.attention(q, q, q, is_causal=True), backend=backend,
+                       fullgraph=True)  # fmt: skip
+    q = torch.randn(1, 8, 2, 16, device=DEVICE)
+    for name in GRAPH_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    fn(q)
+    for i, name in enumerate(GRAPH_SWITCHES):
+        monkeypatch.setenv(name, "0")
+        fn(q)
+        assert len(graphs) == i + 2, name
+        monkeypatch.delenv(name)
+    fn(q)
+    assert len(graphs) == len(GRAPH_SWITCHES) + 1

@@ -270,6 +270,20 @@ def blocks_active() -> bool:
     return len(_ACTIVE) > 0
 
 
+# The switches a compiled graph's kernels depend on, with their defaults, read by the launchers
+# and Inductor's lowering below the op, where Dynamo does not see them.
+GRAPH_SWITCHES = {"DMATTN_DENSE_SDPA": True, "DMATTN_CUDNN_GRAPHS": True, "DMATTN_HOPPER": False,
+                  "DMATTN_INDUCTOR_KERNELS": True}  # fmt: skip
+
+
+def read_graph_switches() -> tuple:
+    """GRAPH_SWITCHES' values: read while Dynamo traces a call (api._encoded), so that the graph
+    is guarded on them and compiled again when one changes (`switch` branches on each raw
+    value, which is what makes Dynamo guard on it; a value read and not used is not
+    guarded)."""
+    return tuple(switch(name, default) for name, default in GRAPH_SWITCHES.items())
+
+
 def active() -> str:
     """The kernel_options blocks in force, as text (a key of compiled graphs' caches)."""
     return repr(_ACTIVE)

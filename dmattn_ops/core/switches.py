@@ -8,17 +8,21 @@ a benchmark may set it for one call.
 `getenv` reads the environment as `os.environ.get` does, from the dict behind `os.environ`
 where CPython keeps one (POSIX: bytes keys and values, which `os.environ`'s own writes keep up
 to date): an eager call reads some 25 variables, and `os.environ.get` costs about 0.5 us on a
-laptop core (1.5 us on an H100's host) against 0.03 us for the dict lookup. While Dynamo
-traces, `getenv` is `os.environ.get`: Dynamo guards a compiled graph on the value of each
-variable read that way, while its guards on the lookup tables below broke whenever they grew
-(an eager call reading a variable for the first time, anywhere), and every compiled graph that
-had read a switch was compiled again: bench.model's first shape recompiled this way while
-timed.
+laptop core (1.5 us on an H100's host) against 0.03 us for the dict lookup.
+
+While Dynamo traces, `getenv` reads that dict without the lookup tables below: Dynamo guards a
+compiled graph on each lookup of a plain dict by its key, a key absent when traced included,
+so a graph is compiled again exactly when a variable it read changes, appears or goes. Through
+the tables, its guards broke whenever they grew (an eager call reading a variable for the first
+time, anywhere), and every graph that had read a switch was compiled again (bench.model's first
+shape recompiled this way while timed); through `os.environ.get`, a variable absent when
+traced and set later was not guarded at all (torch 2.13).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -30,15 +34,20 @@ _DATA = getattr(os.environ, "_data", None)
 _FAST = os.name == "posix" and isinstance(_DATA, dict)
 _KEYS: dict[str, bytes] = {}
 _VALUES: dict[bytes, str] = {}
+_FS_ENCODING = sys.getfilesystemencoding()
 _TRACING = torch.compiler.is_dynamo_compiling  # False eagerly; Dynamo folds it to True
 
 
 def getenv(name: str) -> str | None:
     """os.environ.get(name), read from os.environ's own dict where it keeps one (module
-    docstring); through os.environ.get where it does not, where os.environ was replaced, and
-    while Dynamo traces."""
-    if not _FAST or os.environ is not _ENVIRON or _TRACING():
+    docstring), without its lookup tables while Dynamo traces; through os.environ.get where it
+    keeps none or where os.environ was replaced."""
+    if not _FAST or os.environ is not _ENVIRON:
         return os.environ.get(name)
+    if _TRACING():  # str and bytes methods on constants, which Dynamo folds (os.fsencode is
+        # standard-library code that Dynamo may refuse to trace)
+        raw = _DATA.get(name.encode(_FS_ENCODING, "surrogateescape"))
+        return None if raw is None else raw.decode(_FS_ENCODING, "surrogateescape")
     key = _KEYS.get(name)
     if key is None:
         key = _KEYS[name] = os.fsencode(name)
