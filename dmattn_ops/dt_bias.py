@@ -6,8 +6,9 @@ and a cast: under torch.compile Inductor fuses them into reductions that ran 5-1
 memory bandwidth on an H200 (61 us forward+backward per layer at 8192 tokens, about 3% of the
 model benchmark's B16 L512 step), and as cuBLAS calls no less (67 us). Here a forward kernel
 reads x once and writes the bias and the float32 logits the backward needs; a backward kernel
-reads x once more, writes dx and per-program parts of dW, dc and dA, which two sums finish
-(kernels/dt_bias.py).
+reads x once more, writes dx and per-program parts of dW, dc and dA into one buffer, which one
+sum finishes in the parameters' dtype (kernels/dt_bias.py). Both read the parameters in their
+own dtype: no cast is launched for them.
 
 ``dmattn::dt_bias`` and ``dmattn::dt_bias_backward`` are custom ops with fake kernels and an
 autograd formula; compiled graphs trace their launches (registration/inductor.py). Where
