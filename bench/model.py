@@ -273,7 +273,8 @@ def _switches(variant: str):
 def _variant(variant: str):
     """The variant's switches and kernel options, for a with-block; yields its base."""
     base, env, options = _switches(variant)
-    with _environ(env), dmattn_ops.kernel_options(**options):
+    block = dmattn_ops.kernel_options(**options) if options else contextlib.nullcontext()
+    with _environ(env), block:
         yield base
 
 

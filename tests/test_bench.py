@@ -224,3 +224,52 @@ def test_trace_stages_name_each_kernel_of_a_step():
     rows = {line.split("|")[1].strip(): float(line.split("|")[4]) for line in
             launches.splitlines()[2:]}  # fmt: skip
     assert rows["bias glue (dt_proj, softplus, A)"] == 4.0 and rows["top-k mask"] == 2.0
+
+
+def test_model_rounds_alternate_and_take_each_variants_median(monkeypatch):
+    """bench.model's run_model on a stub of the GPU: every variant is prepared before any is
+    timed, rounds alternate the variants under each one's own setting (switches and kernel
+    options), a variant's ms is the median of its rounds, a variant whose compile made no
+    graph of its own fails without stopping the others, and a graph compiled while timed
+    marks every variant of the shape."""
+    from bench import model
+
+    events, stats = [], {"unique_graphs": 0}
+    times = {"sdpa": iter([5.0, 7.0, 6.0]), "dma-w4+split1": iter([4.0, 9.0, 5.0])}
+
+    def prepare(variant, shape, mode):
+        events.append(("prepare", variant))
+        if variant != "dma-w4":  # dma-w4 compiles nothing of its own here
+            stats["unique_graphs"] += 1
+        return variant, 1.0, None
+
+    def bench_ms(step):
+        import dmattn_ops.core.options as options
+
+        events.append(("time", step, os.environ["DMATTN_DT_BIAS"], options.active()))
+        return next(times[step])
+
+    monkeypatch.setattr(model, "_prepare", prepare)
+    monkeypatch.setattr(model, "bench_ms", bench_ms)
+    monkeypatch.setattr(torch._dynamo.utils, "counters", {"stats": stats})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    config = torch._functorch.config  # run_model turns AOTAutograd's cache off: restored after
+    monkeypatch.setattr(config, "enable_autograd_cache", config.enable_autograd_cache)
+    rows = model.run_model(["B16-L512"], ["sdpa", "dma-w4", "dma-w4+split1"], ["default"],
+                           lambda line: None, rounds=3)  # fmt: skip
+    assert [e[1] for e in events[:3]] == ["sdpa", "dma-w4", "dma-w4+split1"]
+    timed = [e[1] for e in events[3:]]
+    assert timed == ["sdpa", "dma-w4+split1"] * 3
+    assert events[4][2:] == ("1", "[{'dkdv_split': 1}]") and events[3][3] == "[]"
+    by = {r["variant"]: r for r in rows}
+    assert by["sdpa"]["ms"] == 6.0 and by["dma-w4+split1"]["ms"] == 5.0
+    assert by["dma-w4"]["ms"] is None and by["dma-w4"]["status"].startswith("FAILED")
+    assert "compiled no graph of its own" in by["dma-w4"]["status"]
+
+    def recompiling(step):
+        stats["unique_graphs"] += 1
+        return 1.0
+
+    monkeypatch.setattr(model, "bench_ms", recompiling)
+    rows = model.run_model(["B16-L512"], ["sdpa"], ["default"], lambda line: None, rounds=2)
+    assert rows[0]["status"] == "recompiled while timed" and rows[0]["ms"] == 1.0
