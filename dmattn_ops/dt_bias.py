@@ -82,11 +82,9 @@ def dt_bias(
     Returns:
         (B, Hkv, 1, L) in x's dtype. Differentiable in all four inputs.
     """
-    if (
-        kernel and plan.use_triton(x) and x.dim() == 3
-        and not torch._C._are_functorch_transforms_active()
-    ):  # fmt: skip
-        return torch.ops.dmattn.dt_bias(x, weight, bias, A)[0]
+    if kernel and plan.use_triton(x) and not torch._C._are_functorch_transforms_active():
+        return torch.ops.dmattn.dt_bias(x, weight, bias, A)[0]  # the op checks the shapes
+    _check(x, weight, bias, A)
     return pytorch_form(x, weight, bias, A)
 
 

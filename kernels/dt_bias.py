@@ -124,6 +124,8 @@ def dt_bias_bwd_kernel(
         dc += dz2
         da += g2 * _softplus(z2)
         dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+        # Each head's dz again, from loads the cache holds: taking column j of dz2 would be a
+        # sum over the heads' axis, the pattern Triton 3.6 gets wrong on sm_90.
         for j in tl.static_range(H):
             g = tl.load(grad_rows + j * stride_gh, mask=row_ok, other=0.0).to(tl.float32)
             z = tl.load(LOGITS + t * H + j, mask=row_ok, other=0.0)

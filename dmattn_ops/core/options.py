@@ -256,32 +256,38 @@ def kernel_options(**options):
         _TUNINGS.clear()
 
 
-def with_active(options) -> dict:
-    """The active kernel_options blocks merged (inner wins) with `options` (a KernelOptions
-    dict or None, which wins over them), checked: what a call planned now would take."""
+def _blocks() -> dict:
+    """The active kernel_options blocks merged, inner wins."""
     merged: dict = {}
     for layer in _ACTIVE:
         merged.update(layer)
-    merged.update(check(options))
     return merged
+
+
+def with_active(options) -> dict:
+    """The active kernel_options blocks merged with `options` (a KernelOptions dict or None,
+    which wins over them), checked: what a call planned now would take."""
+    return {**_blocks(), **check(options)}
 
 
 def blocks_active() -> bool:
     return len(_ACTIVE) > 0
 
 
-# The switches a compiled graph's kernels depend on, with their defaults, read by the launchers
-# and Inductor's lowering below the op, where Dynamo does not see them.
-GRAPH_SWITCHES = {"DMATTN_DENSE_SDPA": True, "DMATTN_CUDNN_GRAPHS": True, "DMATTN_HOPPER": False,
-                  "DMATTN_INDUCTOR_KERNELS": True}  # fmt: skip
+# The switches Tuning's defaults come from (tuning), and with Inductor's own, those a compiled
+# graph's kernels depend on: the launchers and Inductor's lowering read them below the op,
+# where Dynamo does not see them.
+_SWITCHES = ("DMATTN_DENSE_SDPA", "DMATTN_CUDNN_GRAPHS", "DMATTN_HOPPER")
+GRAPH_SWITCHES = (*_SWITCHES, "DMATTN_INDUCTOR_KERNELS")
 
 
-def read_graph_switches() -> tuple:
-    """GRAPH_SWITCHES' values: read while Dynamo traces a call (api._encoded), so that the graph
-    is guarded on them and compiled again when one changes (`switch` branches on each raw
-    value, which is what makes Dynamo guard on it; a value read and not used is not
-    guarded)."""
-    return tuple(switch(name, default) for name, default in GRAPH_SWITCHES.items())
+def read_graph_switches() -> None:
+    """Read GRAPH_SWITCHES while Dynamo traces a call (api._encoded), so that the graph is
+    guarded on each and compiled again when one changes. Through `switch`, which branches on
+    each raw value: Dynamo guards a value a branch uses, not one merely read (the default
+    passed is immaterial here)."""
+    for name in GRAPH_SWITCHES:
+        switch(name, False)
 
 
 def active() -> str:
@@ -289,7 +295,6 @@ def active() -> str:
     return repr(_ACTIVE)
 
 
-_SWITCHES = ("DMATTN_DENSE_SDPA", "DMATTN_CUDNN_GRAPHS", "DMATTN_HOPPER")
 # (switch values, encoded options, active blocks) -> Tuning. A block is keyed by its dict's id,
 # alive while the block is active; a later block reusing a freed id holds a different dict, so
 # blocks clear their entries when they end.
@@ -308,10 +313,7 @@ def tuning(encoded: str | None = None) -> Tuning:
             cudnn_graphs=switch("DMATTN_CUDNN_GRAPHS", True),
             hopper=switch("DMATTN_HOPPER", False),
         )
-        merged: dict = {}
-        for layer in _ACTIVE:
-            merged.update(layer)
-        merged.update(decode(encoded))
+        merged = {**_blocks(), **decode(encoded)}
         found = replace(base, **merged) if merged else base
         if len(_TUNINGS) > 256:
             _TUNINGS.clear()
