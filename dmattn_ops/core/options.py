@@ -271,6 +271,7 @@ def with_active(options) -> dict:
 
 
 def blocks_active() -> bool:
+    """Whether any kernel_options block is in force (read while Dynamo traces, a guard)."""
     return len(_ACTIVE) > 0
 
 
