@@ -13,8 +13,8 @@ Rules shared by both:
 * NaN in the bias at an allowed key ranks below every number, -inf included (it is never
   preferred to a number).
 * Where Triton runs (CUDA, or the interpreter), topk_mask uses a fused kernel
-  (kernels/topk_mask.py) for rows of up to 16384 keys; ties at the k-th value then go to the
-  lowest key indices. Elsewhere torch.topk selects, and picks among ties as it pleases.
+  (kernels/topk_mask.py) for rows of any length; ties at the k-th value then go to the lowest
+  key indices. Elsewhere torch.topk selects, and picks among ties as it pleases.
 * ``block_size`` smooths the selection to whole key blocks: a block of ``block_size``
   consecutive keys (the last one may be shorter) is kept whole when at least half of its
   allowed keys were selected and dropped otherwise; disallowed keys stay out either way.
@@ -187,17 +187,16 @@ def _torch_topk(score, allowed, k):
     return selected
 
 
-FUSED_MAX_KEYS = 16384  # a row lives in registers
+# Rows of at most this many keys live in registers (one block, loaded once); longer ones are
+# read ROW_CHUNK keys at a time on each of the kernel's counting passes.
+FUSED_MAX_KEYS = 16384
+ROW_CHUNK = 4096
 
 
 def _fused_applies(score: torch.Tensor, k: int) -> bool:
-    """The fused kernel (kernels/topk_mask.py) runs where Triton runs, for rows that fit in
-    registers and a selection that is not the whole row."""
-    return (
-        plan.triton_runs_on(score)
-        and score.dtype in plan.TRITON_DTYPES
-        and k < score.shape[-1] <= FUSED_MAX_KEYS
-    )
+    """The fused kernel (kernels/topk_mask.py) runs where Triton runs, for a selection that is
+    not the whole row."""
+    return plan.triton_runs_on(score) and score.dtype in plan.TRITON_DTYPES and k < score.shape[-1]
 
 
 def topk_select(
@@ -232,12 +231,14 @@ def topk_select(
     if out.numel() > 0:
         bias_e = bias.expand(shape)
         mask_e = allowed.expand(shape) if allowed is not None else None
-        block = max(next_power_of_2(lk), smooth)
+        chunked = lk > FUSED_MAX_KEYS
+        block = max(ROW_CHUNK if chunked else next_power_of_2(lk), smooth)
         warps = 1 if _triton.interpreter_on() else min(16, max(4, block // 512))
         topk_mask_kernel[(b * h * lq,)](
             bias_e, mask_e, out, *operand_strides(bias_e),
             *operand_strides(mask_e), h, lq, lk, k,
-            BLOCK=block, SMOOTH=smooth, HAS_MASK=mask_e is not None, num_warps=warps,
+            BLOCK=block, SMOOTH=smooth, HAS_MASK=mask_e is not None, CHUNKED=chunked,
+            num_warps=warps,
         )  # fmt: skip
     return out != 0 if traced else out
 

@@ -2,14 +2,75 @@
 
 torch.topk on a (B, Hkv, L, L) bias sorts (or radix-selects) every row and then needs a
 scatter into a fresh mask: about 3-4 ms at B2 Hkv4 L4096 on an H100, as long as the attention
-it feeds. Here a row is loaded once and held in registers; the k-th largest value is found by
-bisection on an order-preserving integer image of the scores (32 counting passes over
-registers), and the mask row is written directly. Ties at the threshold go to the lowest key
-indices, so exactly k keys are selected, deterministically.
+it feeds. Here the k-th largest value is found by bisection on an order-preserving integer image
+of the scores (16 counting passes for 16-bit biases, 32 for float32), and the mask row is
+written directly. Ties at the threshold go to the lowest key indices, so exactly k keys are
+selected, deterministically.
+
+A row of at most BLOCK keys is loaded once and held in registers. A longer row (CHUNKED; the
+model's long contexts: 32768 keys per KV head) is read in chunks of BLOCK keys on every pass,
+from L2 after the first: no length is too long, and torch.topk's ~48 launches per call (radix
+passes, sort, scatter) become one.
 """
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _rank_keys(
+    p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr
+):
+    """(key, valid, allowed) of keys j0 .. j0 + BLOCK - 1 of a row: masks.rank_key's ranking.
+    Numbers rank by value through an order-preserving int image (the magnitude bits of negative
+    floats flipped), then NaN, then disallowed keys, on the two images just below -inf's.
+    `valid`: the key exists (j < Lk)."""
+    j = j0 + tl.arange(0, BLOCK)
+    valid = j < Lk
+    o_j = j.to(tl.int64)
+    x = tl.load(p_bias + o_j * stride_bn, mask=valid, other=0.0)
+    allowed = valid
+    if HAS_MASK:
+        m = tl.load(p_mask + o_j * stride_mn, mask=valid, other=0)
+        allowed = valid & (m != 0)
+    if p_bias.dtype.element_ty.primitive_bitwidth == 16:
+        # Through float32 and back: Triton's interpreter bitcasts bfloat16 wrongly otherwise.
+        x16 = x.to(tl.float32).to(p_bias.dtype.element_ty)
+        bits = x16.to(tl.int16, bitcast=True).to(tl.int32)
+        key = (bits ^ ((bits >> 15) & 0x7FFF)).to(tl.int64)
+        neg_inf = tl.full([], float("-inf"), tl.float32).to(p_bias.dtype.element_ty)
+        inf_key = (neg_inf.to(tl.int16, bitcast=True).to(tl.int32) ^ 0x7FFF).to(tl.int64)
+    else:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+        inf_key = tl.full([], -2139095041, tl.int64)  # -inf: 0xFF800000 ^ 0x7FFFFFFF
+    x32 = x.to(tl.float32)
+    key = tl.where(x32 != x32, inf_key - 1, key)
+    key = tl.where(allowed, key, inf_key - 2)
+    return key, valid, allowed
+
+
+@triton.jit
+def _select_store(
+    p_out, j0, key, valid, allowed, threshold, need, seen, BLOCK: tl.constexpr, SMOOTH: tl.constexpr
+):
+    """Writes the selection of keys j0 .. j0 + BLOCK - 1: every key above the threshold, and
+    the first `need` of the row's keys at it, `seen` of which came before j0. SMOOTH > 0
+    applies masks.py's block smoothing with blocks of SMOOTH keys (a power of two dividing
+    BLOCK). Returns the ties in this chunk."""
+    ties = valid & (key == threshold)
+    rank = tl.cumsum(ties.to(tl.int32), 0) + seen
+    selected = ((valid & (key > threshold)) | (ties & (rank <= need))) & allowed
+    if SMOOTH > 0:
+        # Keep a block whole when at least half of its allowed keys were selected.
+        votes = tl.sum(tl.reshape(selected.to(tl.int32), (BLOCK // SMOOTH, SMOOTH)), 1)
+        eligible = tl.sum(tl.reshape(allowed.to(tl.int32), (BLOCK // SMOOTH, SMOOTH)), 1)
+        keep = (2 * votes >= eligible) & (votes > 0)
+        keep_row = tl.reshape(tl.broadcast_to(keep[:, None], (BLOCK // SMOOTH, SMOOTH)), (BLOCK,))
+        selected = keep_row & allowed
+    j = j0 + tl.arange(0, BLOCK)
+    tl.store(p_out + j.to(tl.int64), selected.to(tl.int8), mask=valid)
+    return tl.sum(ties.to(tl.int32), 0)
 
 
 @triton.jit
@@ -32,71 +93,64 @@ def topk_mask_kernel(
     HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
     SMOOTH: tl.constexpr,
+    CHUNKED: tl.constexpr = False,
 ):
     """Row program_id(0) = (b * H + h) * Lq + q of the (B, H, Lq, Lk) output; bias and mask
-    are read through their (broadcast, stride-0) strides. SMOOTH > 0 applies masks.py's block
-    smoothing with blocks of SMOOTH keys (a power of two) before the row is stored."""
+    are read through their (broadcast, stride-0) strides. Without CHUNKED the row fits in one
+    block of BLOCK keys; with it, the row is read BLOCK keys at a time. SMOOTH > 0 applies
+    masks.py's block smoothing with blocks of SMOOTH keys (a power of two <= BLOCK)."""
     row = tl.program_id(0).to(tl.int64)
     i_b = row // (H * Lq)
     i_h = (row // Lq) % H
     i_q = row % Lq
-    j = tl.arange(0, BLOCK)
-    valid = j < Lk
-    o_j = j.to(tl.int64)
-    x = tl.load(
-        BIAS + i_b * stride_bb + i_h * stride_bh + i_q * stride_bm + o_j * stride_bn,
-        mask=valid,
-        other=0.0,
-    )
-    allowed = valid
+    p_bias = BIAS + i_b * stride_bb + i_h * stride_bh + i_q * stride_bm
+    p_mask = MASK
     if HAS_MASK:
-        m = tl.load(
-            MASK + i_b * stride_mb + i_h * stride_mh + i_q * stride_mm + o_j * stride_mn,
-            mask=valid,
-            other=0,
-        )
-        allowed = valid & (m != 0)
-    # The ranking of masks.rank_key: numbers by value through an order-preserving int image
-    # (the magnitude bits of negative floats flipped), then NaN, then disallowed keys, on the
-    # two images just below -inf's. 16-bit biases need 16 bisection steps, not 32.
+        p_mask = MASK + i_b * stride_mb + i_h * stride_mh + i_q * stride_mm
+    p_out = OUT + row * Lk
     if BIAS.dtype.element_ty.primitive_bitwidth == 16:
-        # Through float32 and back: Triton's interpreter bitcasts bfloat16 wrongly otherwise.
-        x16 = x.to(tl.float32).to(BIAS.dtype.element_ty)
-        bits = x16.to(tl.int16, bitcast=True).to(tl.int32)
-        key = (bits ^ ((bits >> 15) & 0x7FFF)).to(tl.int64)
-        neg_inf = tl.full([], float("-inf"), tl.float32).to(BIAS.dtype.element_ty)
-        inf_bits = neg_inf.to(tl.int16, bitcast=True).to(tl.int32)
         lo = tl.full([], -32768, tl.int64)
         hi = tl.full([], 32767, tl.int64)
         steps: tl.constexpr = 16
-        inf_key = (inf_bits ^ 0x7FFF).to(tl.int64)
     else:
-        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
-        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483647, tl.int64)
         steps: tl.constexpr = 32
-        inf_key = tl.full([], -2139095041, tl.int64)  # -inf: 0xFF800000 ^ 0x7FFFFFFF
-    x32 = x.to(tl.float32)
-    key = tl.where(x32 != x32, inf_key - 1, key)
-    key = tl.where(allowed, key, inf_key - 2)
-    # Largest t with #{key >= t} >= k, by bisection over the integer range.
+    if not CHUNKED:
+        key, valid, allowed = _rank_keys(
+            p_bias, p_mask, stride_bn, stride_mn, 0, Lk, HAS_MASK, BLOCK
+        )
+    # The largest t with #{key >= t} >= k, by bisection over the integer range.
     for _ in range(steps):
         mid = (lo + hi + 1) // 2
-        count = tl.sum(tl.where(valid & (key >= mid), 1, 0), 0)
+        if CHUNKED:
+            count = tl.full([], 0, tl.int32)
+            for j0 in range(0, Lk, BLOCK):
+                key, valid, allowed = _rank_keys(
+                    p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK, BLOCK
+                )
+                count += tl.sum(tl.where(valid & (key >= mid), 1, 0), 0)
+        else:
+            count = tl.sum(tl.where(valid & (key >= mid), 1, 0), 0)
         take = count >= k
         lo = tl.where(take, mid, lo)
         hi = tl.where(take, hi, mid - 1)
-    greater = valid & (key > lo)
-    ties = valid & (key == lo)
-    need = k - tl.sum(greater.to(tl.int32), 0)
-    rank = tl.cumsum(ties.to(tl.int32), 0)
-    selected = (greater | (ties & (rank <= need))) & allowed
-    if SMOOTH > 0:
-        # Keep a block whole when at least half of its allowed keys were selected.
-        votes = tl.sum(tl.reshape(selected.to(tl.int32), (BLOCK // SMOOTH, SMOOTH)), 1)
-        eligible = tl.sum(tl.reshape(allowed.to(tl.int32), (BLOCK // SMOOTH, SMOOTH)), 1)
-        keep = (2 * votes >= eligible) & (votes > 0)
-        keep_row = tl.reshape(tl.broadcast_to(keep[:, None], (BLOCK // SMOOTH, SMOOTH)), (BLOCK,))
-        selected = keep_row & allowed
-    tl.store(OUT + row * Lk + o_j, selected.to(tl.int8), mask=valid)
+    # Every key above lo is selected; of those at lo, the first `need` in key order.
+    if CHUNKED:
+        greater = tl.full([], 0, tl.int32)
+        for j0 in range(0, Lk, BLOCK):
+            key, valid, allowed = _rank_keys(
+                p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK, BLOCK
+            )
+            greater += tl.sum((valid & (key > lo)).to(tl.int32), 0)
+        seen = tl.full([], 0, tl.int32)
+        for j0 in range(0, Lk, BLOCK):
+            key, valid, allowed = _rank_keys(
+                p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK, BLOCK
+            )
+            seen += _select_store(
+                p_out, j0, key, valid, allowed, lo, k - greater, seen, BLOCK, SMOOTH
+            )
+    else:
+        need = k - tl.sum((valid & (key > lo)).to(tl.int32), 0)
+        _select_store(p_out, 0, key, valid, allowed, lo, need, 0, BLOCK, SMOOTH)

@@ -102,35 +102,73 @@ def test_bad_arguments():
         relu_mask(torch.ones(1, 1, 1, 4), block_size=0)
 
 
+def _chunked(monkeypatch, chunk: int) -> None:
+    """Rows longer than `chunk` keys take the kernel's chunked path, `chunk` keys a pass."""
+    monkeypatch.setattr(masks, "FUSED_MAX_KEYS", chunk)
+    monkeypatch.setattr(masks, "ROW_CHUNK", chunk)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["in-registers", "chunked"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-def test_fused_kernel_matches_torch_topk(monkeypatch, dtype):
+def test_fused_kernel_matches_torch_topk(monkeypatch, dtype, chunked):
     """The fused selection against torch.topk on rows without ties, with a padding mask, a
-    broadcast 4-D mask, NaN/-inf/finfo.min at allowed and disallowed keys."""
+    broadcast 4-D mask, NaN/-inf/finfo.min at allowed and disallowed keys; chunked: the rows
+    read 64 keys at a time (5 chunks, the last partial), fewer rows (the interpreter runs a
+    program a row)."""
     # Distinct values per row (integers in [-150, 150) are exact in every dtype): no ties.
     bias = (torch.rand(2, 3, 5, 300).argsort(dim=-1) - 150).to(dtype)
     bias[0, 0, 0, :7] = torch.tensor([math.nan, -math.inf, math.inf, 1e30, -1e30, 0.5, 2.5])
     bias[1, 2, 4, 10] = torch.finfo(dtype).min
     mask4 = torch.rand(1, 3, 5, 300) < 0.7
+    if chunked:
+        _chunked(monkeypatch, 64)
+        bias, mask4 = bias[:, 1:, 3:], mask4[:, 1:, 3:]  # 8 rows, bias[1, 2, 4] among them
     pad = torch.ones(2, 300, dtype=torch.bool)
     pad[1, 250:] = False
     for mask in (None, mask4, pad):
         for window, block_size in ((1, None), (17, 16), (128, None), (128, 5), (299, 64)):
             fused = masks.topk_mask(bias, window, mask, block_size=block_size)
-            monkeypatch.setattr(masks, "_fused_applies", lambda score, k: False)
-            plain = masks.topk_mask(bias, window, mask, block_size=block_size)
-            monkeypatch.undo()
+            with monkeypatch.context() as m:
+                m.setattr(masks, "_fused_applies", lambda score, k: False)
+                plain = masks.topk_mask(bias, window, mask, block_size=block_size)
             assert fused.shape == plain.shape
             assert torch.equal(fused, plain), (mask is None, window, block_size)
 
 
-def test_fused_ties_go_to_the_lowest_key_indices():
-    bias = torch.zeros(1, 1, 2, 40)
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "in-registers"])
+def test_fused_ties_go_to_the_lowest_key_indices(monkeypatch, chunked):
+    if chunked:
+        _chunked(monkeypatch, 16)  # the ties below span three chunks of 16 keys
+    bias = torch.zeros(1, 1, 3, 40)
     bias[0, 0, 1, 5:9] = 1.0
+    bias[0, 0, 2, 30:] = 1.0
     got = masks.topk_mask(bias, 6)
     if not masks._fused_applies(bias, 6):
         pytest.skip("the fused kernel does not run here")
     assert got[0, 0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
     assert got[0, 0, 1].nonzero().flatten().tolist() == [0, 1, 5, 6, 7, 8]
+    got = masks.topk_mask(bias, 30)
+    assert got[0, 0, 2].nonzero().flatten().tolist() == [*range(20), *range(30, 40)]
+
+
+def test_long_rows_take_the_fused_kernel_and_match_torch_topk(monkeypatch):
+    """Rows past FUSED_MAX_KEYS (the model's L32768 calls) with the real chunk: float32 biases
+    of distinct values (no ties), a padding mask, smoothing."""
+    n, k = masks.FUSED_MAX_KEYS + 3000, (masks.FUSED_MAX_KEYS + 3000) // 4
+    bias = torch.randperm(2 * n)[:n].float().view(1, 1, 1, n).repeat(1, 2, 1, 1)
+    bias[0, 1] = -bias[0, 1]
+    pad = torch.ones(1, n, dtype=torch.bool)
+    pad[0, -700:] = False
+    if not masks._fused_applies(bias, k):
+        pytest.skip("the fused kernel does not run here")
+    for mask, block_size in ((None, None), (pad, 64)):
+        fused = masks.topk_mask(bias, k, mask, block_size=block_size)
+        with monkeypatch.context() as m:
+            m.setattr(masks, "_fused_applies", lambda score, k: False)
+            plain = masks.topk_mask(bias, k, mask, block_size=block_size)
+        assert torch.equal(fused, plain), block_size
+    assert fused[0, :, 0, -700:].sum() == 0
+    assert (masks.topk_mask(bias, k).sum(-1) == k).all()
 
 
 def test_opcheck_topk_select():
