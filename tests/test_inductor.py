@@ -102,6 +102,26 @@ def test_traced_topk_writes_bytes_and_compares(inductor_kernels):
 
 
 @gpu
+def test_traced_topk_of_long_rows_reads_them_in_chunks(inductor_kernels, monkeypatch):
+    """Rows past masks.FUSED_MAX_KEYS take the kernel's chunked path (the CHUNKED constexpr
+    passes through the traced launch), here with 16-key chunks over rows of 50 keys, masked,
+    smoothed and not; the traced graph's mask equals the eager call's."""
+    from dmattn_ops import masks
+
+    monkeypatch.setattr(masks, "FUSED_MAX_KEYS", 16)
+    monkeypatch.setattr(masks, "ROW_CHUNK", 16)
+    bias = make_bias((2, 3, 1, 50), dtype=torch.bfloat16, device="cuda")
+    allowed = make_mask((2, 1, 1, 50), 0.8, "cuda")
+    for block_size in (None, 8):
+        torch._dynamo.reset()
+        fn = lambda b, m, s=block_size: topk_mask(b, 12, m, block_size=s)
+        got, graphs = _graphs_of(fn, bias, allowed)
+        targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+        assert any("triton_kernel_wrapper" in t for t in targets)
+        assert torch.equal(got, fn(bias, allowed)), block_size  # eager: tests/test_masks.py
+
+
+@gpu
 def test_layer_passes_the_selection_buffer_on(inductor_kernels):
     """DynamicMaskAttention's own mask goes to our ops alone, so its compiled graph reads the
     selection kernel's bool buffer without the `!= 0` launch (masks.select_topk(direct=True)),
