@@ -159,6 +159,31 @@ def stage_table(total: dict, launches: dict | None = None) -> str:
     return markdown(headers, rows, ("", ".3f", ".2f", ".1f"))
 
 
+# Products of 2 * D flops per computed score in each attention stage's kernels: the forward's
+# S and PV; our dQ kernel recomputes S and dP beside dS K; our dK/dV kernel S, dP, P^T dO and
+# dS^T Q; a fused backward (cuDNN, flash) five, each once.
+STAGE_PRODUCTS = {"attention forward": 2, "attention dQ": 3, "attention dK/dV": 4,
+                  "attention backward, fused (cuDNN, flash)": 5}  # fmt: skip
+
+
+def stage_rates(total: dict, scores: float, head_dim: int) -> dict[str, float]:
+    """TFLOP/s on the computed scores of each attention stage of {kernel name: ms per step}
+    (issue 51: forward, dQ and dK/dV apart), counting the products its kernels run
+    (STAGE_PRODUCTS); `scores`: the computed scores per step, every layer and head. Where a
+    fused backward ran, the dQ and dK/dV stages hold its pre- and post-processing kernels and
+    get no rate."""
+    by_stage: dict[str, float] = {}
+    for name, ms in total.items():
+        by_stage[stage_of(name)] = by_stage.get(stage_of(name), 0.0) + ms
+    skip = ("attention dQ", "attention dK/dV") if "attention backward, fused (cuDNN, flash)" in (
+        by_stage) else ()  # fmt: skip
+    return {
+        stage: products * 2 * head_dim * scores / by_stage[stage] / 1e9
+        for stage, products in STAGE_PRODUCTS.items()
+        if by_stage.get(stage, 0.0) > 0 and stage not in skip
+    }
+
+
 def causal_work(mask: torch.Tensor) -> float:
     """The share of a causal call's scores that a key mask (B, Hkv, 1, L) leaves to compute:
     key j is seen by the L - j queries at or after it."""
@@ -337,10 +362,15 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
     works = [1.0] * LAYERS if base in DENSE else selection_work(step.model, step.x)
     b, n = SHAPES[shape]
     # Forward 4 * D flops per computed score, forward + backward 3.5x that (bench/__main__.py).
-    flops = sum(works) * 3.5 * 4 * HEAD_DIM * HEADS * b * n * (n + 1) / 2
+    scores = sum(works) * HEADS * b * n * (n + 1) / 2
+    flops = 3.5 * 4 * HEAD_DIM * scores
     log(f"  attention kernels {attention_ms:.3f} ms per step (causal work "
         f"{sum(works) / len(works):.3f}): {flops / attention_ms / 1e9:.0f} TFLOP/s on the "
         "computed scores")  # fmt: skip
+    log("  TFLOP/s on the computed scores by stage (the products its kernels run): " + ", ".join(
+        f"{stage} {rate:.0f} ({STAGE_PRODUCTS[stage]})"
+        for stage, rate in stage_rates(total, scores, HEAD_DIM).items()
+    ))  # fmt: skip
     spans.sort()
     gaps: dict[str, list[float]] = {}
     end = None

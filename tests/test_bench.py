@@ -226,6 +226,27 @@ def test_trace_stages_name_each_kernel_of_a_step():
     assert rows["bias glue (dt_proj, softplus, A)"] == 4.0 and rows["top-k mask"] == 2.0
 
 
+def test_stage_rates_count_each_kernels_products():
+    """bench.model's per-stage TFLOP/s (issue 51): products * 2 * D flops per computed score over
+    the stage's ms; with a fused backward the dQ and dK/dV stages (its pre- and post-processing)
+    get no rate."""
+    from bench.model import stage_rates
+
+    scores, d = 1e9, 128  # 2 * D * 1e9 flops per product: 0.256 TFLOP per product
+    ours = {"attention_fwd_kernel": 1.0, "attention_bwd_dq_kernel": 2.0,
+            "attention_bwd_dkdv_kernel": 1.5, "attention_bwd_dkdv_reduce_kernel": 0.5}  # fmt: skip
+    rates = stage_rates(ours, scores, d)
+    assert rates == pytest.approx(
+        {"attention forward": 512.0, "attention dQ": 384.0, "attention dK/dV": 512.0}
+    )
+    fused = {"cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16": 2.0,
+             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": 5.0,
+             "convert_dq": 0.1, "fmha_reduce": 0.1}  # fmt: skip
+    assert stage_rates(fused, scores, d) == pytest.approx(
+        {"attention forward": 256.0, "attention backward, fused (cuDNN, flash)": 256.0}
+    )
+
+
 def test_model_rounds_alternate_and_take_each_variants_median(monkeypatch):
     """bench.model's run_model on a stub of the GPU: every variant is prepared before any is
     timed, rounds alternate the variants under each one's own setting (switches and kernel
