@@ -140,17 +140,21 @@ def stage_of(name: str) -> str:
     return "other"
 
 
+def _by_stage(values: dict) -> dict[str, float]:
+    """{kernel name: value} summed by stage (stage_of)."""
+    sums: dict[str, float] = {}
+    for name, value in values.items():
+        sums[stage_of(name)] = sums.get(stage_of(name), 0.0) + value
+    return sums
+
+
 def stage_table(total: dict, launches: dict | None = None) -> str:
     """ms per step of each stage of {kernel name: ms per step}, with its share of the kernels'
     time, in STAGES' order; with `launches` ({kernel name: launches per step}) each stage's
     launches per step too: in a compiled step each costs the host a launch, whatever the
     kernel's length."""
-    by_stage: dict[str, float] = {}
-    count: dict[str, float] = {}
-    for name, ms in total.items():
-        stage = stage_of(name)
-        by_stage[stage] = by_stage.get(stage, 0.0) + ms
-        count[stage] = count.get(stage, 0.0) + (launches or {}).get(name, 0.0)
+    by_stage = _by_stage(total)
+    count = _by_stage({name: (launches or {}).get(name, 0.0) for name in total})
     kernels = sum(total.values()) or 1.0
     order = [stage for stage, _ in STAGES] + ["other"]
     rows = [[stage, by_stage[stage], by_stage[stage] / kernels] + ([count[stage]] if launches
@@ -172,9 +176,7 @@ def stage_rates(total: dict, scores: float, head_dim: int) -> dict[str, float]:
     (STAGE_PRODUCTS); `scores`: the computed scores per step, every layer and head. Where a
     fused backward ran, the dQ and dK/dV stages hold its pre- and post-processing kernels and
     get no rate."""
-    by_stage: dict[str, float] = {}
-    for name, ms in total.items():
-        by_stage[stage_of(name)] = by_stage.get(stage_of(name), 0.0) + ms
+    by_stage = _by_stage(total)
     skip = ("attention dQ", "attention dK/dV") if "attention backward, fused (cuDNN, flash)" in (
         by_stage) else ()  # fmt: skip
     return {
