@@ -61,6 +61,13 @@ from dmattn_ops.registration.calls import default_scale
 
 LAYOUTS = ("zigzag", "contiguous")
 
+# The ring's backward calls size their dk/dv split within twice their query bytes of float32
+# scratch, not the library's four: a rank already holds float32 dQ, dK and dV accumulators and
+# the arriving dK/dV, and the split's scratch was the largest thing alive at its peak (2 x H200,
+# DMA L65536, per (query chunk, key chunk) call: 26.78 ms and 0.553x of one GPU's peak with
+# four, 26.76 ms and 0.501x with two; bench/NOTES.md 169).
+RING_BACKWARD_OPTIONS = "dkdv_scratch=2"
+
 
 def _world(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
@@ -307,12 +314,14 @@ class _Block:
                 grad_out[:, qs], None, query[:, qs], k[:, ks], v[:, ks], out[:, qs],
                 lse[:, :, qs], lse_rem[:, :, qs], _cols(m, ks), _cols(b, ks), ring.scale,
                 self.is_causal, ring.softcap, None, ring.deterministic, need_dbias, self.window,
+                kernel_options=RING_BACKWARD_OPTIONS,
             )  # fmt: skip
         cu, longest = self._cu(query.device)
         dq, dk, dv, db = torch.ops.dmattn.attention_varlen_backward(
             grad_out[0, qs], None, query[0, qs], k[0, ks], v[0, ks], out[0, qs], lse[0][:, qs],
             lse_rem[0][:, qs], cu, cu, longest, longest, _keys(m, ks), _keys(b, ks), ring.scale,
             self.is_causal, ring.softcap, ring.deterministic, need_dbias, self.window,
+            RING_BACKWARD_OPTIONS,
         )  # fmt: skip
         return dq[None], dk[None], dv[None], db[None, :, None] if need_dbias else db
 

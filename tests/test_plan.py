@@ -374,6 +374,7 @@ def test_kernel_options_are_checked():
         ({"speed": 1}, "unknown kernel option 'speed'"),
         ({"fwd_config": (48, 64, 4, 2)}, "powers of two"),
         ({"dkdv_split": 0}, "positive int"),
+        ({"dkdv_scratch": 0}, "positive int"),
     ):
         with pytest.raises(ValueError, match=error):
             dmattn_ops.attention(q, k, v, kernel_options=bad)

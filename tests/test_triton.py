@@ -362,6 +362,31 @@ def test_dkdv_split_across_query_heads(kernel_options, split, mask_kind):
              seqused=seqused)  # fmt: skip
 
 
+def test_dkdv_scratch_option_bounds_the_split(kernel_options, monkeypatch):
+    """Kernel option dkdv_scratch reaches the launcher's split choice: a key-list call of a
+    KV group of 4 heads takes four parts with the default scratch (4 x its query's bytes) and
+    two within 1 x, and both give the same gradients."""
+    c = Case(1, 512, 512, 4, 1, 16, 16)
+    mask = make_mask((c.b, 1, 1, c.lk), density=0.5, device=DEVICE)
+    q = torch.randn(c.b, c.lq, c.h, c.d, device=DEVICE)
+    k, v = (torch.randn(c.b, c.lk, 1, c.d, device=DEVICE) for _ in range(2))
+    chosen = []
+    split = launch._split
+    monkeypatch.setattr(launch, "_split", lambda *a: chosen.append(split(*a)) or chosen[-1])
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = dmattn_ops.attention(*leaves, mask, backend="triton", deterministic=True)
+        return torch.autograd.grad(out.square().sum(), leaves)
+
+    default = grads()
+    kernel_options(dkdv_scratch=1)
+    bounded = grads()
+    assert chosen == [4, 2], chosen
+    for a, b in zip(default, bounded):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("split", [2, 4])
 def test_dkdv_split_never_reads_unlisted_keys_and_is_reproducible(kernel_options, split):
     kernel_options(dkdv_split=split)
@@ -401,6 +426,11 @@ def test_dkdv_split_choice():
     assert configs.dkdv_split(4, 2048, 132, 200 * mib, 128 * mib, listed=True) == 2
     assert configs.dkdv_split(4, 2048, 132, 600 * mib, 128 * mib, listed=True) == 1
     assert configs.dkdv_split(6, 2048, 132, 1, 100, listed=True) == 6
+    # A context-parallel ring's pair call (DMA L65536 on 2 ranks: 16384 rows, Hkv4, G 4):
+    # four parts with the library's scratch, two within the ring's (dkdv_scratch=2).
+    ring_call = (4, 512, 132, 64 * mib, 64 * mib)
+    assert configs.dkdv_split(*ring_call, listed=True, query_tiles=256) == 4
+    assert configs.dkdv_split(*ring_call, listed=True, query_tiles=256, scratch_ratio=2) == 2
     # ... and as long as each program keeps SPLIT_MIN_STEPS query tiles: the model's B16 L512
     # call (16 query tiles per head) splits its 4 heads in 2, its B4 L2048 call (64) in 4.
     assert configs.SPLIT_MIN_STEPS == 32

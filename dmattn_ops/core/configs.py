@@ -239,12 +239,13 @@ def dkdv_split(
     *,
     listed: bool = False,
     query_tiles: int | None = None,
+    scratch_ratio: int = SPLIT_SCRATCH_RATIO,
 ) -> int:
     """How many programs share the G query heads of one KV group in the dk/dv kernel (a divisor
     of G): 1 when its grid of `programs` key tiles x (batch, KV head) already holds
     SPLIT_PROGRAMS_PER_SM programs per SM, else the smallest split that reaches it, or the
-    largest whose float32 parts (`bytes_per_split` each) stay within SPLIT_SCRATCH_RATIO times
-    the query's bytes.
+    largest whose float32 parts (`bytes_per_split` each) stay within `scratch_ratio` times the
+    query's bytes (SPLIT_SCRATCH_RATIO unless kernel option dkdv_scratch says otherwise).
 
     `listed`: a key-list call, whose active tiles are unknown on the host (the list lengths
     are on the GPU) and usually a fraction of `programs` (a top-k mask); the programs of
@@ -260,6 +261,6 @@ def dkdv_split(
             break
         if listed and query_tiles is not None and (g // s) * query_tiles < SPLIT_MIN_STEPS:
             break
-        if g % s == 0 and s * bytes_per_split <= SPLIT_SCRATCH_RATIO * query_bytes:
+        if g % s == 0 and s * bytes_per_split <= scratch_ratio * query_bytes:
             split = s
     return split

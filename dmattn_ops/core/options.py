@@ -23,7 +23,7 @@ import contextlib
 from dataclasses import dataclass, replace
 from typing import TypedDict
 
-from dmattn_ops.core.configs import Config
+from dmattn_ops.core.configs import SPLIT_SCRATCH_RATIO, Config
 from dmattn_ops.core.switches import getenv, switch
 
 ROUTES = ("pytorch", "sdpa", "decode", "key_lists", "tile_tables", "dense", "varlen")
@@ -67,6 +67,8 @@ class KernelOptions(TypedDict, total=False):
     graph_window_min_keys: causal windows of at least this many keys may run on cuDNN's own
         window graphs (default 512).
     dkdv_split: programs sharing a KV group's query heads in the dk/dv kernel, a divisor of G.
+    dkdv_scratch: where the library sizes that split, its float32 scratch stays within this
+        many times the call's query bytes (default 4); context parallelism's ring passes 2.
     fwd_config, dq_config, dkdv_config, decode_config: (block_m, block_n, num_warps,
         num_stages) for that kernel instead of the table's (decode's block_m is ignored).
     """
@@ -80,6 +82,7 @@ class KernelOptions(TypedDict, total=False):
     window_min_keys: int
     graph_window_min_keys: int
     dkdv_split: int
+    dkdv_scratch: int
     fwd_config: tuple[int, int, int, int]
     dq_config: tuple[int, int, int, int]
     dkdv_config: tuple[int, int, int, int]
@@ -87,7 +90,7 @@ class KernelOptions(TypedDict, total=False):
 
 
 _BOOLS = ("fused_sdpa", "cudnn_graphs", "hopper", "pack_keys", "pack_heads")
-_INTS = ("window_min_keys", "graph_window_min_keys", "dkdv_split")
+_INTS = ("window_min_keys", "graph_window_min_keys", "dkdv_split", "dkdv_scratch")
 _CONFIGS = tuple(f"{kind}_config" for kind in CONFIG_KINDS)
 _KEYS = ("route", *_BOOLS, *_INTS, *_CONFIGS)
 
@@ -105,6 +108,7 @@ class Tuning:
     window_min_keys: int = WINDOW_MIN_KEYS
     graph_window_min_keys: int = GRAPH_WINDOW_MIN_KEYS
     dkdv_split: int | None = None
+    dkdv_scratch: int = SPLIT_SCRATCH_RATIO
     fwd_config: Config | None = None
     dq_config: Config | None = None
     dkdv_config: Config | None = None
