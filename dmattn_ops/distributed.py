@@ -66,7 +66,8 @@ LAYOUTS = ("zigzag", "contiguous")
 # scratch, not the library's four: a rank already holds float32 dQ, dK and dV accumulators and
 # the arriving dK/dV, and the split's scratch was the largest thing alive at its peak (2 x H200,
 # DMA L65536, per (query chunk, key chunk) call: 26.78 ms and 0.553x of one GPU's peak with
-# four, 26.76 ms and 0.501x with two; bench/NOTES.md 169).
+# four, 26.76 ms and 0.501x with two; with one, 0.449x but 28.50 ms: the key-list dK/dV kernel
+# needs the split's programs, since only the listed quarter of its key tiles has work).
 RING_BACKWARD_OPTIONS = "dkdv_scratch=2"
 
 
