@@ -21,6 +21,10 @@ DMA blocks (hidden 2048, H16 Hkv4 D128, window L/4, B1), on one GPU against the 
 `parallelize` on R (global top-k and the ring in every layer), compiled with fullgraph=True
 (``--eager``: not compiled); step ms and peak memory as above.
 
+``--census`` (GPUs): what is alive at each rank's peak in one ring step (and the one process's):
+the step's allocations recorded (torch.cuda.memory._record_memory_history), replayed to their
+highest point, the live blocks summed by the line of this repository that allocated them.
+
 ``--fit GIB`` (GPUs): the longest L whose forward+backward fits in GIB per GPU (the process's
 memory capped with `torch.cuda.set_per_process_memory_fraction`), for one GPU and for the ring.
 One GPU: a doubling search then bisection, OOM caught. The ring cannot search so: a rank that
@@ -190,6 +194,62 @@ def rank_time(wall: float, issue: float, comm, compute) -> dict:
 
 
 KERNELS_SHOWN = 14  # --overlap: rank 0's GPU kernels by total time, the longest first
+CENSUS_SHOWN = 10  # --census: the sites holding the most at the peak
+
+
+def _site(frames) -> str:
+    """Where a block was allocated: the innermost frame in this repository's code
+    (dmattn_ops/, bench/), as file:line:function, else the innermost frame's function."""
+    for f in frames:
+        if "dmattn_ops" in f["filename"] or "/bench/" in f["filename"]:
+            return f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}"
+    return f"({frames[0]['name']})" if frames else "(unknown)"
+
+
+def peak_census(trace) -> tuple[int, dict[str, int]]:
+    """(bytes, {site: bytes}): the highest point of one device's recorded allocations (the
+    events of torch.cuda.memory._snapshot()["device_traces"][i], in order) above what was
+    allocated before the recording began, and what was alive there by allocating site."""
+    live, total, peak, at = {}, 0, 0, -1
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+        elif e["action"] == "free_completed":
+            total -= live.pop(e["addr"], 0)
+        if total > peak:
+            peak, at = total, i
+    held, sizes = {}, {}
+    for e in trace[: at + 1]:
+        if e["action"] == "alloc":
+            held[e["addr"]] = _site(e.get("frames", []))
+            sizes[e["addr"]] = e["size"]
+        elif e["action"] == "free_completed":
+            held.pop(e["addr"], None)
+    census: dict[str, int] = {}
+    for addr, site in held.items():
+        census[site] = census.get(site, 0) + sizes[addr]
+    return peak, census
+
+
+def _census(row: dict, name: str, step, device) -> None:
+    """row[name + "_census"]: (GiB allocated before, GiB at the peak, [(site, MiB)]) of one
+    step after a warm one."""
+    step()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize(device)
+        trace = torch.cuda.memory._snapshot()["device_traces"][device.index]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, census = peak_census(trace)
+    top = sorted(census.items(), key=lambda kv: -kv[1])[:CENSUS_SHOWN]
+    row[name + "_census"] = (before / 2**30, (before + peak) / 2**30,
+                             [(site, size / 2**20) for site, size in top])  # fmt: skip
 
 
 def _profile_overlap(row: dict, step, device) -> None:
@@ -244,7 +304,7 @@ def _largest_peak(row: dict, device) -> None:
         row["ring_gib"] = peak.item()
 
 
-def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, doc, results):
+def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, doc, census, results):
     device, dtype = _join(rank, world, rendezvous)
     cuda = device.type == "cuda"
     from dmattn_ops import distributed as cp
@@ -261,6 +321,8 @@ def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, doc, resul
                     whole, ring = packed.whole, packed.ring
                 if rank == 0:  # one process, the whole sequence
                     _measure(row, "one", whole, (q, k, v, mask, bias), device)
+                    if cuda and census and row["one_ms"] != "OOM":
+                        _census(row, "one", _step(whole, (q, k, v, mask, bias)), device)
                 dist.barrier()
                 part = [cp.shard(t, 1, layout=layout) for t in (q, k, v)]
                 m_part = cp.shard(mask, 3, layout=layout) if mask is not None else None
@@ -269,6 +331,11 @@ def _worker(rank, world, rendezvous, lengths, kinds, profile_overlap, doc, resul
                 _measure(row, "ring", ring, (*part, m_part, b_part), device)
                 if cuda and profile_overlap and row["ring_ms"] != "OOM":
                     _profile_overlap(row, _step(ring, (*part, m_part, b_part)), device)
+                if cuda and census and row["ring_ms"] != "OOM":
+                    _census(row, "ring", _step(ring, (*part, m_part, b_part)), device)
+                    every = [None] * world
+                    dist.all_gather_object(every, row.pop("ring_census"))
+                    row["ring_census"] = every
                 _largest_peak(row, device)
                 if rank == 0:
                     results.put(row)
@@ -451,8 +518,18 @@ def _spawn(worker, world: int, *args) -> list[dict]:
     return rows
 
 
-def run(world: int, lengths, kinds, profile_overlap: bool = False, doc=None) -> list[dict]:
-    return _spawn(_worker, world, lengths, kinds, profile_overlap, doc)
+def run(world: int, lengths, kinds, profile_overlap: bool = False, doc=None,
+        census: bool = False) -> list[dict]:  # fmt: skip
+    return _spawn(_worker, world, lengths, kinds, profile_overlap, doc, census)
+
+
+def census_lines(title: str, census) -> list[str]:
+    """--census's lines for one process: its GiB before the step and at its peak, then the
+    sites holding the most there."""
+    before, peak, sites = census
+    lines = [f"{title}: {before:.3f} GiB allocated before the step, {peak:.3f} at its peak"]
+    lines += [f"    {mib:9.1f} MiB  {site}" for site, mib in sites]
+    return lines
 
 
 def table(rows, world: int) -> str:
@@ -514,6 +591,11 @@ def main(argv=None) -> int:
         "that compute kernels overlap (GPUs)",
     )
     p.add_argument(
+        "--census",
+        action="store_true",
+        help="what is alive at each process's memory peak in one step, by allocating line (GPUs)",
+    )
+    p.add_argument(
         "--model",
         action="store_true",
         help="a whole training step of bench.model's DMA stack instead of one call",
@@ -546,8 +628,15 @@ def main(argv=None) -> int:
         return 0
     if args.docs is not None:
         print(f"packed documents of {args.docs} tokens; the ring on the contiguous layout")
-    rows = run(args.world, lengths, args.kinds.split(","), args.overlap, args.docs)
+    rows = run(args.world, lengths, args.kinds.split(","), args.overlap, args.docs, args.census)
     print(table(rows, args.world))
+    for r in rows:
+        if r.get("ring_census"):
+            print(f"\n{r['kind']} L{r['length']}: what is alive at the peak of one step")
+            if r.get("one_census"):
+                print("\n".join(census_lines("one process", r["one_census"])))
+            for rank, census in enumerate(r["ring_census"]):
+                print("\n".join(census_lines(f"rank {rank}", census)))
     for r in rows:
         if r.get("kernels"):
             print(f"\n{r['kind']} L{r['length']}: rank 0's kernels in one ring step")

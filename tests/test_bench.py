@@ -176,6 +176,42 @@ def test_overlap_counts_transfer_time_under_compute():
     assert overlap([(0, 1), (5, 6)], [(1, 5)]) == (2, 0)
 
 
+def test_peak_census_replays_allocations_to_their_highest_point():
+    """bench.cp's peak_census: the recorded events replayed in order, the highest total above
+    the start and the blocks alive there summed by the repository line that allocated them
+    (a frame outside this repository's code names its function); blocks freed before the
+    peak, or allocated after it, do not count, nor do frees of blocks from before the
+    recording."""
+    from bench.cp import census_lines, peak_census
+
+    def frame(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+
+    ring = [frame("/x/dmattn_ops/distributed.py", 10, "_ring_backward")]
+    kernel = [frame("/t/torch/functional.py", 3, "empty"), frame("/x/bench/cp.py", 7, "run")]
+    other = [frame("/t/torch/autograd.py", 1, "backward")]
+
+    def alloc(addr, size, frames):
+        return {"action": "alloc", "addr": addr, "size": size, "frames": frames}
+
+    def free(addr):
+        return {"action": "free_completed", "addr": addr, "size": 0}
+
+    events = [
+        free(99),  # a block from before the recording
+        alloc(1, 100, ring), alloc(2, 50, kernel), free(2), alloc(3, 70, ring),
+        alloc(4, 30, other),  # the peak: 100 + 70 + 30
+        free(1), alloc(5, 60, kernel),  # after it: 160
+    ]  # fmt: skip
+    peak, census = peak_census(events)
+    assert peak == 200
+    assert census == {"distributed.py:10:_ring_backward": 170, "(backward)": 30}
+    assert peak_census([]) == (0, {})
+    lines = census_lines("rank 0", (0.5, 0.75, [("distributed.py:10:_ring_backward", 1.5)]))
+    assert lines[0] == "rank 0: 0.500 GiB allocated before the step, 0.750 at its peak"
+    assert lines[1].split() == ["1.5", "MiB", "distributed.py:10:_ring_backward"]
+
+
 def test_host_cpu_times_the_python_of_an_eager_call():
     """bench.host_cpu (our Python's host time with the launches stubbed) runs anywhere and
     prints its line, through Triton's launch path and through the kept kernels'."""
