@@ -289,6 +289,27 @@ def _unequal_worker(rank: int, world: int, rendezvous: str, failures) -> None:
             assert rank == 1 or "rank(s) [1] refused" in str(e), str(e)
         else:
             raise AssertionError("a refused call ran")
+        # A group whose backend takes no CPU tensors (NCCL's, as it reports itself): the
+        # agreement runs on a gloo group over the same ranks, made at the first call, and
+        # refuses as before; a call all ranks accept runs.
+        group = dist.new_group([0, 1])
+        backend = cp.dist.get_backend
+        cp.dist.get_backend = lambda g=None: "nccl" if g is group else backend(g)
+        try:
+            q = torch.randn(1, 4 if rank == 0 else 6, 2, 8)
+            try:
+                cp.ring_attention(q, q[:, :, :1], q[:, :, :1], group=group, layout="contiguous")
+            except ValueError as e:
+                assert "every rank must hold the same shapes" in str(e), str(e)
+            else:
+                raise AssertionError("unequal lengths were accepted")
+            host = cp._HOST_GROUPS[group]
+            assert host is not group and dist.get_process_group_ranks(host) == [0, 1]
+            q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+            out = cp.ring_attention(q, q, q, group=group, layout="contiguous")
+            assert out.shape == q.shape and torch.isfinite(out).all()
+        finally:
+            cp.dist.get_backend = backend
 
 
 def test_ring_attention_refuses_unequal_lengths_on_every_rank(tmp_path):
