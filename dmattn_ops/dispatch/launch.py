@@ -815,7 +815,7 @@ def _split(ops: Operands, p: plan.Plan, dkdv_lists) -> int:
         ops.b * hkv * ops.lk * (query.shape[3] + ops.value.shape[3]) * 4,
         query.numel() * query.element_size(), listed=dkdv_lists is not None,
         query_tiles=cdiv(ops.span_q, hopper.DKDV_BLOCK_M if p.hopper else p.configs.dkdv.block_m),
-        scratch_ratio=p.tuning.dkdv_scratch if p.tuning else configs.SPLIT_SCRATCH_RATIO,
+        scratch_ratio=p.tuning.dkdv_scratch,
     )  # fmt: skip
 
 
