@@ -25,7 +25,9 @@ Compiled graphs launch our kernels themselves (dmattn_ops/registration/inductor.
 the graph and run our Python launchers. A ``+pt`` suffix (``dma-w4+pt``) runs it with
 DMATTN_DT_BIAS=0: the layer's bias in PyTorch, not through the op dmattn::dt_bias
 (dmattn_ops/dt_bias.py). A ``+split1`` suffix runs it inside ``dmattn_ops.kernel_options(
-dkdv_split=1)``: the dK/dV kernel unsplit, without the reduce kernel a split launches.
+dkdv_split=1)``: the dK/dV kernel unsplit, without the reduce kernel a split launches;
+``+triton`` and ``+hopper`` with kernel option hopper False (no Gluon kernel) and True (the
+Gluon forward and dK/dV kernels wherever they apply) instead of its default.
 
 ``profile``: cProfile of those calls (forward+backward), the functions by own time.
 
@@ -279,7 +281,13 @@ def _compiled_step(variant: str, shape: str, mode: str):
 # A variant's suffix: kernel options its calls take (dmattn_ops.kernel_options blocks, which
 # compiled graphs carry and Dynamo guards on). "split1": the dK/dV kernel unsplit, one
 # launch fewer a layer where the split's reduce kernel would run.
-SUFFIX_OPTIONS = {"split1": {"dkdv_split": 1}}
+# "triton": every kernel on Triton (kernel option hopper=False: long calls' forwards leave the
+# Gluon kernel); "hopper": the forward and dK/dV pass of every key-list call on Gluon (sm_90).
+SUFFIX_OPTIONS = {
+    "split1": {"dkdv_split": 1},
+    "triton": {"hopper": False},
+    "hopper": {"hopper": True},
+}
 
 
 def _switches(variant: str):

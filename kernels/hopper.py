@@ -58,17 +58,26 @@ def _fwd_item(t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready,
-                v_ready, kv_empty, KEY_END, end_stride_b, n_items, n_bh, H, G, NQ, mask_hdiv,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+def _fwd_loader(q_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, k_smem, v_smem, kcol_smem,
+                bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, KEY_END, end_stride_b,
+                keys_rows_b, bias_heads, bias_head_mul, n_items, n_bh, H, G, NQ, mask_hdiv, Lk,
+                HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr):  # fmt: skip
     """For each work item of this program: both consumers' Q tiles (once each consumer released
-    its previous one), then the K and V tiles of list positions [0, n_tiles * BLOCK_N) into a
-    STAGES-deep ring shared across items; a slot is reused once both consumers released it.
-    So the next item's loads run under the current item's last products and epilogue."""
+    its previous one), then for list positions [0, n_tiles * BLOCK_N) the K tile with its list
+    columns (the keys' positions and biases, flat 1-D boxes: a box running past its row reads
+    the next row's, which only masked columns hold) and the V tile, into a STAGES-deep ring
+    shared across items; a slot is reused once both consumers released it. So the next item's
+    loads run under the current item's last products and epilogue, and the consumers read the
+    columns from shared memory instead of carrying them in registers."""
+    k_bytes: gl.constexpr = (
+        k_desc.block_type.nbytes + keys_desc.block_type.nbytes
+        + (bias_desc.block_type.nbytes if HAS_BIAS else 0)
+    )  # fmt: skip
     it = 0
     i = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, hk, _, pid_m, n_tiles = _fwd_item(
+        b, h, hk, hm, pid_m, n_tiles = _fwd_item(
             t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N
         )
         m0 = pid_m * (2 * BLOCK_M)
@@ -78,13 +87,22 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty,
             tma.async_copy_global_to_shared(
                 q_desc, [b, m0 + c * BLOCK_M, h, 0], q_bars.index(c), q_smem.index(c)
             )
+        keys0 = (b * keys_rows_b + hm) * Lk
+        bias0 = ((b * (H // G) + hk) * bias_heads + (h % G) * bias_head_mul) * Lk
         for j in range(n_tiles):
             slot = it % STAGES
             mbarrier.wait(kv_empty.index(slot), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            mbarrier.expect(k_ready.index(slot), k_bytes)
             tma.async_copy_global_to_shared(
                 k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(slot), k_smem.index(slot)
             )
+            tma.async_copy_global_to_shared(
+                keys_desc, [keys0 + j * BLOCK_N], k_ready.index(slot), kcol_smem.index(slot)
+            )
+            if HAS_BIAS:
+                tma.async_copy_global_to_shared(
+                    bias_desc, [bias0 + j * BLOCK_N], k_ready.index(slot), bcol_smem.index(slot)
+                )
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
                 v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(slot), v_smem.index(slot)
@@ -94,43 +112,93 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty,
 
 
 @gluon.jit
-def _fwd_tile_keys(j, keys, bias, count, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
-                   s_layout: gl.constexpr):  # fmt: skip
-    """List tile j's (list index, key position, bias) columns (the consumer loads them a tile
-    ahead of their use)."""
-    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    pos = gl.load(keys + cols, mask=cols < count, other=0)
-    b_col = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, s_layout))
-    if HAS_BIAS:
-        b_col = gl.load(bias + cols, mask=cols < count, other=0.0).to(gl.float32)
-    return cols, pos, b_col
-
-
-@gluon.jit
-def _fwd_scores(s, cols, pos, b_col, count, rows, off, scale, IS_CAUSAL: gl.constexpr,
-                HAS_BIAS: gl.constexpr):  # fmt: skip
-    """The natural-unit scores of a list tile, -inf where the key is past the list or (causal)
-    after the row's position."""
+def _fwd_logits(s, slot, j, kcol_smem, bcol_smem, count, rows, off, scale,
+                MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                BLOCK_N: gl.constexpr):  # fmt: skip
+    """The natural-unit scores of list tile j (ring slot `slot`): s * scale plus the keys'
+    biases; MASKED: -inf where the key is past the list or (causal) after the row's position
+    (a tile every row sees whole needs neither test)."""
+    col_layout: gl.constexpr = gl.SliceLayout(0, s.type.layout)
     x = s * scale
     if HAS_BIAS:
-        x = x + b_col[None, :]
-    ok = (cols < count)[None, :]
-    if IS_CAUSAL:
-        ok = ok & (pos[None, :] <= rows[:, None] + off)
-    return gl.where(ok, x, float("-inf"))
+        x = x + bcol_smem.index(slot).load(col_layout).to(gl.float32)[None, :]
+    if MASKED:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        ok = (cols < count)[None, :]
+        if IS_CAUSAL:
+            pos = kcol_smem.index(slot).load(col_layout)
+            ok = ok & (pos[None, :] <= rows[:, None] + off)
+        x = gl.where(ok, x, float("-inf"))
+    return x
 
 
 @gluon.jit
-def _fwd_consumer(OUT, LSE, LSE_REM, BIAS, KEYS, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
-                  q_bars, q_empty, k_ready, v_ready, kv_empty, n_items, n_bh, H, G, NQ,
-                  mask_hdiv, Lq, Lk, scale, stride_ob, stride_om, stride_oh, keys_stride_b,
-                  keys_stride_h, end_stride_b, count_stride_b, bias_heads, bias_head_mul,
-                  C: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr):  # fmt: skip
-    """Rows C * BLOCK_M onwards of each work item's query pair. Per key tile j: S_j = Q K_j^T
-    and O += P_{j-1} V_{j-1} issued back to back, then the softmax of S_j while P_{j-1} V_{j-1}
-    runs; Q's slot is released once the item's last S is done, before its epilogue."""
+def _fwd_turn(pp, C: gl.constexpr, k, PINGPONG: gl.constexpr):
+    """Ping-pong: before consumer C issues its k-th products it waits for the other consumer's
+    issue of its own (k - 1)-th (consumer 0 goes first), so the tensor cores alternate."""
+    if PINGPONG:
+        mbarrier.wait(pp.index(C), (k & 1) ^ (1 - C))
+
+
+@gluon.jit
+def _fwd_pass(pp, C: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: consumer C has issued; the other's turn."""
+    if PINGPONG:
+        mbarrier.arrive(pp.index(1 - C), count=1)
+
+
+@gluon.jit
+def _fwd_step(j, it, q2, k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty, pp,
+              ppk, o, p16, m_i, l_i, count, rows, off, scale, C: gl.constexpr,
+              MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
+              PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Key tile j >= 1 of an item: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued back to back,
+    the softmax of S_j while the second product runs, then slot j - 1 released."""
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    slot = (it + j) % STAGES
+    prev = (it + j - 1) % STAGES
+    mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+    _fwd_turn(pp, C, ppk, PINGPONG)
+    s = warpgroup_mma(
+        q2, k_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
+        gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True,
+    )  # fmt: skip
+    o = warpgroup_mma(p16, v_smem.index(prev).reshape([BLOCK_N, D]), o, is_async=True)
+    _fwd_pass(pp, C, PINGPONG)
+    s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_{j-1} V_{j-1} may still run
+    x = _fwd_logits(s, slot, j, kcol_smem, bcol_smem, count, rows, off, scale, MASKED,
+                    IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
+    m_new = gl.maximum(m_i, gl.max(x, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    # Subtract first, then scale by log2(e): (x - m) * log2e cannot overflow for finite x and
+    # m, where x * log2e can (a bias of finfo.min).
+    alpha = gl.exp2((m_i - m_safe) * LOG2E)
+    p = gl.exp2((x - m_safe[:, None]) * LOG2E)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    o, p16 = warpgroup_mma_wait(0, deps=[o, p16])
+    mbarrier.arrive(kv_empty.index(prev), count=1)
+    o = o * gl.convert_layout(alpha, row_o)[:, None]
+    p16 = gl.convert_layout(p.to(p16.dtype), p_layout)
+    return o, p16, m_new, l_i
+
+
+@gluon.jit
+def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem, kcol_smem,
+                  bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, pp, n_items, n_bh, H,
+                  G, NQ, mask_hdiv, Lq, Lk, scale, stride_ob, stride_om, stride_oh,
+                  end_stride_b, count_stride_b, C: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Rows C * BLOCK_M onwards of each work item's query pair, key tile by key tile
+    (_fwd_step): first the tiles every row of this consumer sees whole (their keys all precede
+    its first row: the previous query tile's key_end; without causality the whole list) with
+    no mask, then the rest masked. Q's slot is released once the item's last S is done, before
+    its epilogue."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -142,76 +210,65 @@ def _fwd_consumer(OUT, LSE, LSE_REM, BIAS, KEYS, KEY_END, KEY_COUNT, q_smem, k_s
     q2 = q_smem.index(C).reshape([BLOCK_M, D])
     it = 0
     i = 0
+    ppk = 0  # issues made (ping-pong turns taken)
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, hk, hm, pid_m, n_tiles = _fwd_item(
+        b, h, _, hm, pid_m, n_tiles = _fwd_item(
             t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N
         )
         count = gl.load(KEY_COUNT + b * count_stride_b + hm)
-        keys = KEYS + b * keys_stride_b + hm * keys_stride_h
-        bias = BIAS
-        if HAS_BIAS:
-            row = (b * (H // G) + hk) * bias_heads + (h % G) * bias_head_mul
-            bias = BIAS + row.to(gl.int64) * Lk
-        mr = pid_m * (2 * BLOCK_M) + C * BLOCK_M
+        qt = pid_m * 2 + C  # this consumer's query tile
+        if IS_CAUSAL:
+            seen = gl.load(KEY_END + b * end_stride_b + hm * NQ + gl.maximum(qt - 1, 0))
+            seen = gl.where(qt > 0, seen, 0)
+        else:
+            seen = count
+        n_whole = gl.minimum(seen // BLOCK_N, n_tiles)
+        mr = qt * BLOCK_M
         rows = mr + gl.arange(0, BLOCK_M, layout=row_s)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
         o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
         mbarrier.wait(q_bars.index(C), i & 1)
         if n_tiles > 0:
-            cols, pos, b_col = _fwd_tile_keys(0, keys, bias, count, HAS_BIAS, BLOCK_N, s_layout)
-            # The next tile's columns are loaded one tile ahead: their latency (an L2 round
-            # trip) would otherwise sit between each S and its softmax.
-            n_cols, n_pos, n_bcol = _fwd_tile_keys(
-                1, keys, bias, count, HAS_BIAS, BLOCK_N, s_layout
-            )
             slot = it % STAGES
             mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+            _fwd_turn(pp, C, ppk, PINGPONG)
             s = warpgroup_mma(
                 q2, k_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
                 gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
                 is_async=True,
             )  # fmt: skip
+            _fwd_pass(pp, C, PINGPONG)
+            ppk += 1
             s = warpgroup_mma_wait(0, deps=[s])
-            x = _fwd_scores(s, cols, pos, b_col, count, rows, off, scale, IS_CAUSAL, HAS_BIAS)
+            x = _fwd_logits(s, slot, 0, kcol_smem, bcol_smem, count, rows, off, scale, True,
+                            IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
             m_i = gl.max(x, axis=1)
             m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
             p = gl.exp2((x - m_safe[:, None]) * LOG2E)
             l_i = gl.sum(p, axis=1)
             p16 = gl.convert_layout(p.to(dtype), p_layout)
-            for j in range(1, n_tiles):
-                slot = (it + j) % STAGES
-                prev = (it + j - 1) % STAGES
-                cols, pos, b_col = n_cols, n_pos, n_bcol
-                n_cols, n_pos, n_bcol = _fwd_tile_keys(
-                    j + 1, keys, bias, count, HAS_BIAS, BLOCK_N, s_layout
-                )
-                mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
-                s = warpgroup_mma(
-                    q2, k_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
-                    gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                    is_async=True,
+            for j in range(1, n_whole):
+                o, p16, m_i, l_i = _fwd_step(
+                    j, it, q2, k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty,
+                    pp, ppk, o, p16, m_i, l_i, count, rows, off, scale, C, False, IS_CAUSAL,
+                    HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
-                mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
-                o = warpgroup_mma(p16, v_smem.index(prev).reshape([BLOCK_N, D]), o, is_async=True)
-                s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_{j-1} V_{j-1} may still run
-                x = _fwd_scores(s, cols, pos, b_col, count, rows, off, scale, IS_CAUSAL, HAS_BIAS)
-                m_new = gl.maximum(m_i, gl.max(x, axis=1))
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                # Subtract first, then scale by log2(e): (x - m) * log2e cannot overflow for
-                # finite x and m, where x * log2e can (a bias of finfo.min).
-                alpha = gl.exp2((m_i - m_safe) * LOG2E)
-                p = gl.exp2((x - m_safe[:, None]) * LOG2E)
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
-                o, p16 = warpgroup_mma_wait(0, deps=[o, p16])
-                mbarrier.arrive(kv_empty.index(prev), count=1)
-                o = o * gl.convert_layout(alpha, row_o)[:, None]
-                p16 = gl.convert_layout(p.to(dtype), p_layout)
+                ppk += 1
+            for j in range(gl.maximum(n_whole, 1), n_tiles):
+                o, p16, m_i, l_i = _fwd_step(
+                    j, it, q2, k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty,
+                    pp, ppk, o, p16, m_i, l_i, count, rows, off, scale, C, True, IS_CAUSAL,
+                    HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
+                )  # fmt: skip
+                ppk += 1
             mbarrier.arrive(q_empty.index(C), count=1)  # the item's last S is done
             last = (it + n_tiles - 1) % STAGES
             mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
+            _fwd_turn(pp, C, ppk, PINGPONG)
             o = warpgroup_mma(p16, v_smem.index(last).reshape([BLOCK_N, D]), o, is_async=True)
+            _fwd_pass(pp, C, PINGPONG)
+            ppk += 1
             o, p16 = warpgroup_mma_wait(0, deps=[o, p16])
             mbarrier.arrive(kv_empty.index(last), count=1)
         else:
@@ -242,15 +299,17 @@ def _fwd_consumer(OUT, LSE, LSE_REM, BIAS, KEYS, KEY_END, KEY_COUNT, q_smem, k_s
 
 
 @gluon.jit
-def hopper_fwd_kernel(q_desc, k_desc, v_desc, OUT, LSE, LSE_REM, BIAS, KEYS, KEY_END, KEY_COUNT,
-                      stride_ob, stride_om, stride_oh, keys_stride_b, keys_stride_h,
-                      end_stride_b, count_stride_b, bias_heads, bias_head_mul, H, G, Lq, Lk, NQ,
-                      mask_hdiv, scale, n_items, IS_CAUSAL: gl.constexpr,
-                      HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def hopper_fwd_kernel(q_desc, k_desc, v_desc, keys_desc, bias_desc, OUT, LSE, LSE_REM, KEY_END,
+                      KEY_COUNT, stride_ob, stride_om, stride_oh, keys_rows_b, end_stride_b,
+                      count_stride_b, bias_heads, bias_head_mul, H, G, Lq, Lk, NQ, mask_hdiv,
+                      scale, n_items, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """A persistent program: work items (2 * BLOCK_M queries of one (batch, head) against its KV
     group's key list, KEY_END counted per BLOCK_M-row tile) t = program_id, + num_programs, ...
-    of n_items = cdiv(NQ, 2) * B * H. Writes out, lse and lse_rem."""
+    of n_items = cdiv(NQ, 2) * B * H. keys_desc, bias_desc: flat 1-D views of the lists
+    (Bm * Hm * Lk) and of the packed bias (rows of Lk; without a bias, keys_desc again, unread).
+    Writes out, lse and lse_rem."""
     gl.static_assert(num_warps == 4)
     n_bh = n_items // gl.cdiv(NQ, 2)
     dtype: gl.constexpr = q_desc.dtype
@@ -258,35 +317,43 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, OUT, LSE, LSE_REM, BIAS, KEYS, KEY
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    kcol_smem = gl.allocate_shared_memory(
+        keys_desc.dtype, [STAGES] + keys_desc.block_type.shape, keys_desc.layout
+    )
+    bcol_smem = gl.allocate_shared_memory(
+        bias_desc.dtype, [STAGES if HAS_BIAS else 1] + bias_desc.block_type.shape,
+        bias_desc.layout,
+    )  # fmt: skip
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pp = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
+        mbarrier.init(pp.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
 
     gl.warp_specialize([
-        (_fwd_consumer, (OUT, LSE, LSE_REM, BIAS, KEYS, KEY_END, KEY_COUNT, q_smem, k_smem,
-                         v_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, n_items, n_bh, H,
-                         G, NQ, mask_hdiv, Lq, Lk, scale, stride_ob, stride_om, stride_oh,
-                         keys_stride_b, keys_stride_h, end_stride_b, count_stride_b, bias_heads,
-                         bias_head_mul, 0, IS_CAUSAL, HAS_BIAS, BLOCK_M,
-                         BLOCK_N, D, STAGES)),
-        (_fwd_consumer, (OUT, LSE, LSE_REM, BIAS, KEYS, KEY_END, KEY_COUNT, q_smem, k_smem,
-                         v_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, n_items, n_bh, H,
-                         G, NQ, mask_hdiv, Lq, Lk, scale, stride_ob, stride_om, stride_oh,
-                         keys_stride_b, keys_stride_h, end_stride_b, count_stride_b, bias_heads,
-                         bias_head_mul, 1, IS_CAUSAL, HAS_BIAS, BLOCK_M,
-                         BLOCK_N, D, STAGES)),
-        (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready,
-                       v_ready, kv_empty, KEY_END, end_stride_b, n_items, n_bh, H, G, NQ,
-                       mask_hdiv, BLOCK_M, BLOCK_N, STAGES)),
+        (_fwd_consumer, (OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
+                         kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, pp,
+                         n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale, stride_ob,
+                         stride_om, stride_oh, end_stride_b, count_stride_b, 0, IS_CAUSAL,
+                         HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)),
+        (_fwd_consumer, (OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
+                         kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, pp,
+                         n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale, stride_ob,
+                         stride_om, stride_oh, end_stride_b, count_stride_b, 1, IS_CAUSAL,
+                         HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)),
+        (_fwd_loader, (q_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, k_smem, v_smem,
+                       kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty,
+                       KEY_END, end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items,
+                       n_bh, H, G, NQ, mask_hdiv, Lk, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip
 
 

@@ -12,6 +12,7 @@ import dmattn_ops
 from dmattn_ops import reference
 from dmattn_ops.core.problem import Options, Problem
 from dmattn_ops.dispatch import plan
+from dmattn_ops.executors import hopper as hopper_exec
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
@@ -46,7 +47,7 @@ def backward_plan(q, k, v, mask, bias, is_causal):
 
 
 def test_plan_takes_hopper_only_where_it_applies(monkeypatch):
-    c = Case(2, 300, 300, 8, 2, 128, 128)
+    c = Case(2, 300, 304, 8, 2, 128, 128)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.randn(c.b, c.lq, c.h, c.d, dtype=torch.bfloat16, device=dev)
     k = torch.randn(c.b, c.lk, c.hkv, c.d, dtype=torch.bfloat16, device=dev)
@@ -63,20 +64,30 @@ def test_plan_takes_hopper_only_where_it_applies(monkeypatch):
     assert not forward_plan(q[..., :64], k[..., :64], k[..., :64], *args[3:]).hopper
     per_entry = bias.expand(c.b, c.hkv, c.lq, c.lk).contiguous()
     assert not forward_plan(*args[:4], per_entry, *args[5:]).hopper
+    # Lk not a multiple of 8: the forward's TMA boxes over the list rows would start unaligned.
+    k300, bias300 = k[:, :300], bias[..., :300].contiguous()
+    assert not forward_plan(q, k300, k300, mask[..., :300], bias300, True, 0.0, None).hopper
     monkeypatch.setenv("DMATTN_HOPPER", "0")
     assert not forward_plan(*args).hopper
-    monkeypatch.delenv("DMATTN_HOPPER")  # the default
-    assert not forward_plan(*args).hopper
+    monkeypatch.delenv("DMATTN_HOPPER")  # the default: the forward from FORWARD_MIN_LK keys
+    assert not forward_plan(*args).hopper and not backward_plan(*args[:6]).hopper
+    long = hopper_exec.FORWARD_MIN_LK
+    k_long = torch.empty(c.b, long, c.hkv, c.d, dtype=torch.bfloat16, device=dev)
+    long_args = (q, k_long, k_long, topk_mask(c.b, c.hkv, long, 64, dev),
+                 torch.empty(c.b, c.hkv, 1, long, dtype=torch.bfloat16, device=dev), True)  # fmt: skip
+    assert forward_plan(*long_args).hopper == ON_HOPPER
+    assert not backward_plan(*long_args).hopper
     with dmattn_ops.kernel_options(hopper=False):
-        assert not forward_plan(*args).hopper
+        assert not forward_plan(*args).hopper and not forward_plan(*long_args).hopper
 
 
 CASES = [
     # (case, mask batch, bias pattern, causal)
-    pytest.param(Case(2, 300, 300, 8, 2, 128, 128), 2, "group", True, id="gqa-causal"),
-    pytest.param(Case(1, 200, 333, 4, 1, 128, 128), 1, "head", True, id="lq<lk-bias-per-head"),
-    pytest.param(Case(2, 257, 190, 4, 4, 128, 128), 1, None, False, id="mha-full-shared-mask"),
-    pytest.param(Case(1, 700, 700, 16, 4, 128, 128), 1, "group", True, id="long-lists"),
+    # Lk a multiple of 8 (hopper.LK_MULTIPLE), none of 64: every list ends in a partial tile.
+    pytest.param(Case(2, 296, 296, 8, 2, 128, 128), 2, "group", True, id="gqa-causal"),
+    pytest.param(Case(1, 200, 336, 4, 1, 128, 128), 1, "head", True, id="lq<lk-bias-per-head"),
+    pytest.param(Case(2, 257, 200, 4, 4, 128, 128), 1, None, False, id="mha-full-shared-mask"),
+    pytest.param(Case(1, 700, 712, 16, 4, 128, 128), 1, "group", True, id="long-lists"),
 ]
 
 
@@ -169,6 +180,49 @@ def test_hopper_matches_the_triton_kernels_at_the_model_shape(monkeypatch):
         assert not a.isnan().any(), name
         err = (a.float() - t.float()).abs().max().item()
         assert err <= 0.02 * t.float().abs().max().item(), f"{name}: {err}"
+
+
+@hopper_only
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32, None], ids=str)
+def test_hopper_forward_at_long_lists(bias_dtype, monkeypatch):
+    """The forward's long-list tiles (FWD_LONG: 128 keys, ping-pong; 2 stages under a float32
+    bias), taken by default from FORWARD_MIN_LK keys: out and lse within bf16 roundings of the
+    Triton forward's, rows before every listed key empty, with NaN in K and V past each list
+    and a bias of finfo.min at some listed keys; the backward of the same call (on the Triton
+    kernels) within the oracle's bounds of the Triton path's."""
+    monkeypatch.delenv("DMATTN_HOPPER")
+    torch.manual_seed(5)
+    b, L, h, hkv, d = 1, hopper_exec.FORWARD_MIN_LK + 72, 8, 2, 128
+    q = torch.randn(b, L, h, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    k = torch.randn(b, L, hkv, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(b, L, hkv, d, dtype=torch.bfloat16, device="cuda")
+    mask = topk_mask(b, hkv, L, L // 4 + 5, "cuda", skip_first=150)
+    unlisted = (~mask[:, :, 0, :]).transpose(1, 2)[..., None]
+    k, v = torch.where(unlisted, math.nan, k), torch.where(unlisted, math.nan, v)
+    bias = None
+    if bias_dtype is not None:
+        bias = torch.randn(b, hkv, 1, L, dtype=bias_dtype, device="cuda")
+        listed = mask[:, :, 0, :].nonzero()
+        bias[listed[::11, 0], listed[::11, 1], 0, listed[::11, 2]] = torch.finfo(bias_dtype).min
+    go = torch.randn_like(q)
+    assert forward_plan(q, k, v, mask, bias, True).hopper
+
+    def run():
+        out, lse = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, return_lse=True,
+                                        backend="triton")  # fmt: skip
+        return out, lse, torch.autograd.grad(out, q, go)[0]
+
+    ours = run()
+    with dmattn_ops.kernel_options(hopper=False):
+        assert not forward_plan(q, k, v, mask, bias, True).hopper
+        triton = run()
+    for name, a, t in zip(("out", "lse", "dq"), ours, triton):
+        finite = t.isfinite()
+        assert not a.isnan().any() and torch.equal(finite, a.isfinite()), name
+        err = (a[finite].float() - t[finite].float()).abs().max().item()
+        assert err <= 0.02 * t[finite].float().abs().max().item(), f"{name}: {err}"
+    empty = ours[1] == -math.inf
+    assert empty.any() and (ours[0].transpose(1, 2)[empty] == 0).all()
 
 
 @hopper_only

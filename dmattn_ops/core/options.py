@@ -57,7 +57,9 @@ class KernelOptions(TypedDict, total=False):
     fused_sdpa: let dense fp16/bf16 CUDA calls take PyTorch's fused kernels (default True;
         environment DMATTN_DENSE_SDPA).
     cudnn_graphs: let causal windows take cuDNN's own graphs (default True; DMATTN_CUDNN_GRAPHS).
-    hopper: run packed key-list calls on the Gluon sm_90 kernels (default False; DMATTN_HOPPER).
+    hopper: run packed key-list calls on the Gluon sm_90 kernels: True both passes wherever
+        they apply, False never, default: the forward of calls of at least 8192 keys
+        (executors/hopper.py FORWARD_MIN_LK; DMATTN_HOPPER=1 / 0 set True / False).
     pack_keys: key-list calls copy their keys' K, V and per-key bias rows in list order for
         the forward and dq kernels (default True).
     pack_heads: a packed key-list call's forward and dq programs take a KV group's query heads
@@ -102,7 +104,7 @@ class Tuning:
     route: str | None = None
     fused_sdpa: bool = True
     cudnn_graphs: bool = True
-    hopper: bool = False
+    hopper: bool | None = None
     pack_keys: bool = True
     pack_heads: bool | None = None
     window_min_keys: int = WINDOW_MIN_KEYS
@@ -316,7 +318,7 @@ def tuning(encoded: str | None = None) -> Tuning:
         base = Tuning(
             fused_sdpa=switch("DMATTN_DENSE_SDPA", True),
             cudnn_graphs=switch("DMATTN_CUDNN_GRAPHS", True),
-            hopper=switch("DMATTN_HOPPER", False),
+            hopper=switch("DMATTN_HOPPER", None),
         )
         merged = {**_blocks(), **decode(encoded)}
         found = replace(base, **merged) if merged else base

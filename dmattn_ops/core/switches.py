@@ -62,8 +62,9 @@ def getenv(name: str) -> str | None:
     return value
 
 
-def switch(name: str, default: bool) -> bool:
-    """The boolean value of environment variable `name` (see the module docstring)."""
+def switch(name: str, default: bool | None) -> bool | None:
+    """The boolean value of environment variable `name` (see the module docstring); `default`
+    where it is unset (None for a tri-state option such as kernel option hopper)."""
     raw = getenv(name)
     if raw is None or not raw.strip():
         return default

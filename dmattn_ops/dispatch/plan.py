@@ -369,7 +369,9 @@ def _plan(problem: Problem, opts: Options, tuning, p: _Pass, first: str | None) 
         return plan
     pack = route == KEY_LISTS and _packs(problem, tuning, p)
     keys = _key_reads(route, pack)
-    on_hopper = pack and not hopper.reasons(problem, band, opts.softcap, p.dbias, tuning.hopper)
+    on_hopper = pack and not hopper.reasons(
+        problem, band, opts.softcap, p.dbias, tuning.hopper, p.direction == FORWARD
+    )
     lq = problem.lq
     if p.direction == FORWARD:
         cfg = config("fwd", problem, tuning, lq, band, keys)

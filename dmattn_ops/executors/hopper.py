@@ -1,23 +1,23 @@
-"""Key-list calls on Hopper through warp-specialised Gluon kernels (kernels/hopper.py): opt-in.
+"""Key-list calls on Hopper through warp-specialised Gluon kernels (kernels/hopper.py).
 
-On an sm_90 GPU with DMATTN_HOPPER=1, the forward and the dK/dV pass of key-list calls with
-packed keys (the DMA pattern: a mask shared by all queries with one key list per KV group,
-causal or not, a per-key bias or none) run FlashAttention-3-shaped kernels: a TMA loader warp
-and two consumer warpgroups per program. The dq pass, the key lists, the packing and the
-reduction of split dK/dV parts stay on the Triton kernels.
+On an sm_90 GPU, the forward of key-list calls with packed keys (the DMA pattern: a mask shared
+by all queries with one key list per KV group, causal or not, a per-key bias or none) of at
+least FORWARD_MIN_LK keys runs a FlashAttention-3-shaped kernel: a TMA loader warp and two
+consumer warpgroups per program. With kernel option hopper=True (DMATTN_HOPPER=1) every such
+call's forward and its dK/dV pass do; hopper=False (DMATTN_HOPPER=0) none. The dq pass, the key
+lists, the packing and the reduction of split dK/dV parts stay on the Triton kernels.
 
 Both kernels are persistent: one program per SM loops over work items, longest first, and its
-loader warp fetches the next item's tiles while the consumers finish the current one.
+loader warp fetches the next item's tiles (K, V and, for the forward, the list columns: the keys'
+positions and biases) while the consumers finish the current one.
 
-Why opt-in: on dense calls these kernels' prototypes run 1.25-1.35x the
-TFLOP/s of our Triton kernels (the forward at cuDNN's rate). On key-list calls they are now level
-with the Triton kernels at the model's call (kernel ms, Triton's in parentheses: forward 0.096
-(0.097), dK/dV 0.179 (0.206)) and behind at long lists (case C: 0.478 (0.439) and 1.31 (1.07)),
-and a compiled model step that takes them is not faster (B4 L2048: 8.49 ms against 6.86 in
-one run, level to +1.7 ms in others): each launch is an extern call of ~65 us of host time
-where Inductor launches a Triton kernel in ~15, and the rest of the difference is not yet
-explained. They are exact (tests/test_hopper.py, on the GPU), and the plumbing (plan flag, ops,
-packed V rows zeroed past each list) is what the next kernels plug into.
+Where they pay (H200, torch 2.11, Triton 3.6; bench/NOTES.md 175): the forward runs 1.15-1.34x
+the Triton forward's rate at long lists (M-L32768: 2.02 ms against 2.71) since its list columns
+come through shared memory (carried in registers they spilled at 128-key tiles), the tiles every
+row sees whole skip the masks, and the consumers' issues alternate. The dK/dV kernel is behind
+the Triton one at long lists (NOTES 76), and a compiled step of short calls pays each launch's
+~65 us of host time as an extern call (Inductor launches a Triton kernel in ~15): so the dK/dV
+pass is opt-in, and the forward the default only from FORWARD_MIN_LK keys.
 
 Gluon kernels cannot go through `torch.library.wrap_triton` (Inductor re-emits a user kernel's
 source under `@triton.jit`), so each launch is an op of its own, `dmattn::_hopper_forward` and
@@ -32,7 +32,6 @@ import importlib.util
 import torch
 
 from dmattn_ops.core.device import cdiv, sm_count
-from dmattn_ops.core.switches import switch
 from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
 # Tiles: a consumer warpgroup takes BLOCK_M query rows (forward; a program has two) or
@@ -40,17 +39,27 @@ from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 # Shared memory: forward 32 KB of Q + 4 x 32 KB of K and V; dK/dV 64 KB of K and V + 2 x 16 KB.
 # 32-query dK/dV tiles: at 64 the consumers spill 880 bytes.
 BLOCK_M = 64
-FWD_BLOCK_N, FWD_STAGES = 64, 4
+# The forward's (BLOCK_N, STAGES, PINGPONG) by the call's length: 128-key tiles in 3 stages with
+# the consumers' issues alternating (ping-pong) from FORWARD_MIN_LK keys on (kernel ms on the
+# H200 against the Triton forward: M-L32768 2.024 against 2.712, M-L8192 0.183 against 0.210),
+# 64-key tiles in 4 stages below it (M: B4 L2048, 0.081 against 0.090; 128-key tiles 0.091).
+# A float32 bias's columns take 3 x 256 more bytes of shared memory than 3 stages leave: 2.
+FWD_SHORT, FWD_LONG = (64, 4, False), (128, 3, True)
+# Key-list calls with at least this many keys run their forward on the Gluon kernel by default
+# (kernel option hopper unset): it is 1.15-1.34x the Triton forward there, and its extern launch
+# (~65 us of host time, the module docstring) is small beside the call. The dK/dV kernel stays
+# opt-in (hopper=True): at long lists it is slower than the Triton one (bench/NOTES.md 76).
+FORWARD_MIN_LK = 8192
 DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 32, 64, 2
 HEAD_DIMS = (128,)
 DTYPES = (torch.float16, torch.bfloat16)
+# The forward reads rows of the key lists and of the packed bias (Lk each) by TMA, whose boxes
+# must start 16-byte aligned: Lk a multiple of 8 keeps every row's start aligned (int32 lists,
+# 16- and 32-bit biases). A box that starts unaligned is an illegal instruction, not a slower
+# read (measured on the H200 at Lk 298 and 300).
+LK_MULTIPLE = 8
 # kernels/hopper.py's register split: the loader warp gives its registers to the consumers.
 MAXNREG = 168
-
-
-def enabled() -> bool:
-    """On where DMATTN_HOPPER=1 (read per call); off by default (module docstring)."""
-    return switch("DMATTN_HOPPER", False)
 
 
 # Eager launches go through LazyKernel's launch cache, which skips Triton's binder (~100 us a
@@ -93,15 +102,21 @@ def _tma_ready(t: torch.Tensor) -> bool:
     )
 
 
-def reasons(problem, band, softcap: float, dbias: str | None, on: bool) -> list[str]:
+def reasons(
+    problem, band, softcap: float, dbias: str | None, on: bool | None, forward: bool = True
+) -> list[str]:
     """Why a key-list call with packed keys (the plan's KEY_LISTS with pack) does not take the
-    Hopper kernels; empty when it does: the kernel option hopper (DMATTN_HOPPER=1), CUDA sm_90
+    Hopper kernels; empty when it does: the kernel option hopper (`on`: True, or unset for the
+    forward of a call of at least FORWARD_MIN_LK keys; DMATTN_HOPPER sets it), CUDA sm_90
     with Gluon, fp16/bf16, D = Dv = 128, no window, softcap, sinks or seqused_k, a per-key bias
     shared by a KV group's heads or per head, dbias none or "group", and TMA-ready Q (the
-    packed K/V are). dbias: the backward's mode, or None."""
+    packed K/V are), Lk a multiple of LK_MULTIPLE. dbias: the backward's mode, or None."""
     query = problem.query
-    if not on:
-        return ["off (kernel option hopper, DMATTN_HOPPER=1 turns it on)"]
+    if on is False:
+        return ["off (kernel option hopper=False, DMATTN_HOPPER=0)"]
+    if on is None and (not forward or problem.lk < FORWARD_MIN_LK):
+        pass_ = "the dK/dV pass" if not forward else f"a forward of Lk < {FORWARD_MIN_LK}"
+        return [f"{pass_} takes the Gluon kernels with kernel option hopper=True only"]
     if not query.is_cuda or interpreter_on():
         return ["needs CUDA without the Triton interpreter"]
     found = []
@@ -116,6 +131,8 @@ def reasons(problem, band, softcap: float, dbias: str | None, on: bool) -> list[
     ):  # fmt: skip
         if present:
             found.append(f"{name}: not in the Hopper kernels")
+    if problem.lk % LK_MULTIPLE:
+        found.append(f"Lk {problem.lk}: takes Lk a multiple of {LK_MULTIPLE} (TMA list rows)")
     bias = problem.bias
     if bias is not None and bias.shape[1] not in (1, problem.kv_heads, problem.heads):
         found.append("a bias head dim other than 1, Hkv or H")
@@ -144,6 +161,24 @@ def _descriptor(t: torch.Tensor, rows: int):
             block, gdt
         )
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _flat_descriptor(t: torch.Tensor, block: int):
+    """A TMA descriptor of contiguous t read as one flat row, with [block] boxes: the key lists
+    (Bm, Hm, Lk) and the packed bias (B, Hkv * heads, 1, Lk), whose rows of Lk need not be
+    16-byte multiples this way (a box may run into the next row; the kernel masks those
+    columns)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = _LAYOUTS.get((t.dtype, block))
+    if layout is None:
+        from triton.experimental.gluon import language as gl
+
+        gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+               torch.int32: gl.int32}[t.dtype]  # fmt: skip
+        layout = _LAYOUTS[(t.dtype, block)] = gl.NVMMASharedLayout.get_default_for([block], gdt)
+    flat = t.view(-1)
+    return TensorDescriptor(flat, [flat.numel()], [1], [block], layout)
 
 
 def _batch_stride(t: torch.Tensor) -> int:
@@ -188,15 +223,20 @@ def _hopper_forward(
     lk, hkv = key.shape[1], key.shape[2]
     bias_heads, bias_mul = _bias_rows(bias, hkv)
     n_items = cdiv(lq, 2 * BLOCK_M) * b * h
+    block_n, stages, pingpong = FWD_LONG if lk >= FORWARD_MIN_LK else FWD_SHORT
+    if bias is not None and bias.element_size() > 2:
+        stages = min(stages, 2)
+    keys_desc = _flat_descriptor(keys, block_n)
     _FORWARD_KERNEL[(min(n_items, sm_count(query.device)),)](
-        _descriptor(query, BLOCK_M), _descriptor(key, FWD_BLOCK_N),
-        _descriptor(value, FWD_BLOCK_N), out, lse, lse_rem, _or(bias, keys), keys, key_end,
-        key_count,
-        out.stride(0), out.stride(1), out.stride(2), _batch_stride(keys), keys.stride(1),
-        _batch_stride(key_end), _batch_stride(key_count),
+        _descriptor(query, BLOCK_M), _descriptor(key, block_n),
+        _descriptor(value, block_n), keys_desc,
+        keys_desc if bias is None else _flat_descriptor(bias, block_n), out, lse, lse_rem,
+        key_end, key_count, out.stride(0), out.stride(1), out.stride(2),
+        _batch_stride(keys) // lk, _batch_stride(key_end), _batch_stride(key_count),
         bias_heads, bias_mul, h, h // hkv, lq, lk, key_end.shape[2], mask_div, float(scale),
-        n_items, IS_CAUSAL=is_causal, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
-        BLOCK_N=FWD_BLOCK_N, D=d, STAGES=FWD_STAGES, num_warps=4, maxnreg=MAXNREG,
+        n_items, IS_CAUSAL=is_causal, HAS_BIAS=bias is not None, PINGPONG=pingpong,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
+        maxnreg=MAXNREG,
     )  # fmt: skip
 
 
