@@ -49,7 +49,7 @@ FWD_SHORT, FWD_LONG = (64, 4, False), (128, 3, True)
 # (kernel option hopper unset): it is 1.15-1.34x the Triton forward there, and its extern launch
 # (~65 us of host time, the module docstring) is small beside the call. The dK/dV kernel stays
 # opt-in (hopper=True): at long lists it is slower than the Triton one (bench/NOTES.md 76).
-FORWARD_MIN_LK = 8192
+FORWARD_MIN_LK = 16384
 DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 32, 64, 2
 HEAD_DIMS = (128,)
 DTYPES = (torch.float16, torch.bfloat16)
