@@ -62,6 +62,7 @@ from dmattn_ops.nn import DynamicMaskAttention
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 2048, 16, 4, 128, 4
 SHAPES = {"B4-L2048": (4, 2048), "B16-L512": (16, 512), "B1-L8192": (1, 8192),
+          "B1-L16384": (1, 16384),
           "B1-L32768": (1, 32768)}  # fmt: skip
 VARIANTS = ("sdpa", "ours-dense", "ours-dense-triton", "dma-w4", "dma-w8", "dma-flex",
             "sdpa-plain", "dma-w4-plain")  # fmt: skip
