@@ -148,13 +148,16 @@ def _fwd_pass(pp, C: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _fwd_step(j, it, q2, k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty, pp,
-              ppk, o, p16, m_i, l_i, count, rows, off, scale, C: gl.constexpr,
+def _fwd_step(j, it, ppk, q2, ring, state, count, rows, off, scale, C: gl.constexpr,
               MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
               PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """Key tile j >= 1 of an item: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued back to back,
-    the softmax of S_j while the second product runs, then slot j - 1 released."""
+    the softmax of S_j while the second product runs, then slot j - 1 released. ring: the
+    shared buffers and barriers (k, v, list columns, bias columns, k_ready, v_ready, kv_empty,
+    ping-pong); state: (o, p16, m_i, l_i), returned updated."""
+    k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty, pp = ring
+    o, p16, m_i, l_i = state
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -208,6 +211,7 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
 
     off = Lk - Lq
     q2 = q_smem.index(C).reshape([BLOCK_M, D])
+    ring = (k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty, pp)
     it = 0
     i = 0
     ppk = 0  # issues made (ping-pong turns taken)
@@ -250,16 +254,14 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
             p16 = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, n_whole):
                 o, p16, m_i, l_i = _fwd_step(
-                    j, it, q2, k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty,
-                    pp, ppk, o, p16, m_i, l_i, count, rows, off, scale, C, False, IS_CAUSAL,
-                    HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
+                    j, it, ppk, q2, ring, (o, p16, m_i, l_i), count, rows, off, scale, C, False,
+                    IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
                 ppk += 1
             for j in range(gl.maximum(n_whole, 1), n_tiles):
                 o, p16, m_i, l_i = _fwd_step(
-                    j, it, q2, k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty,
-                    pp, ppk, o, p16, m_i, l_i, count, rows, off, scale, C, True, IS_CAUSAL,
-                    HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
+                    j, it, ppk, q2, ring, (o, p16, m_i, l_i), count, rows, off, scale, C, True,
+                    IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
                 ppk += 1
             mbarrier.arrive(q_empty.index(C), count=1)  # the item's last S is done
