@@ -186,10 +186,12 @@ def test_hopper_matches_the_triton_kernels_at_the_model_shape(monkeypatch):
 @pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32, None], ids=str)
 def test_hopper_forward_at_long_lists(bias_dtype, monkeypatch):
     """The forward's long-list tiles (FWD_LONG: 128 keys, ping-pong; 2 stages under a float32
-    bias), taken by default from FORWARD_MIN_LK keys: out and lse within bf16 roundings of the
-    Triton forward's, rows before every listed key empty, with NaN in K and V past each list
-    and a bias of finfo.min at some listed keys; the backward of the same call (on the Triton
-    kernels) within the oracle's bounds of the Triton path's."""
+    bias), taken by default from FORWARD_MIN_LK keys, with NaN in K and V past each list and a
+    bias of finfo.min at some listed keys: out, lse and the dq of the backward that follows (on
+    the Triton kernels) within bf16 roundings of the all-Triton path's (which test_triton
+    checks against the float64 oracle at this length, test_long_sequence_broadcast_bias_and_mask,
+    whose call this forward now runs), the same entries non-finite, no NaN, rows before every
+    listed key empty."""
     monkeypatch.delenv("DMATTN_HOPPER")
     torch.manual_seed(5)
     b, L, h, hkv, d = 1, hopper_exec.FORWARD_MIN_LK + 72, 8, 2, 128

@@ -58,7 +58,7 @@ class KernelOptions(TypedDict, total=False):
         environment DMATTN_DENSE_SDPA).
     cudnn_graphs: let causal windows take cuDNN's own graphs (default True; DMATTN_CUDNN_GRAPHS).
     hopper: run packed key-list calls on the Gluon sm_90 kernels: True both passes wherever
-        they apply, False never, default: the forward of calls of at least 8192 keys
+        they apply, False never, default: the forward of calls of at least 16384 keys
         (executors/hopper.py FORWARD_MIN_LK; DMATTN_HOPPER=1 / 0 set True / False).
     pack_keys: key-list calls copy their keys' K, V and per-key bias rows in list order for
         the forward and dq kernels (default True).

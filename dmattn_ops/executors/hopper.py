@@ -36,15 +36,18 @@ from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
 # Tiles: a consumer warpgroup takes BLOCK_M query rows (forward; a program has two) or
 # DKDV_BLOCK_N keys (dK/dV); the ring of K/V (forward) or Q/dO (dK/dV) tiles has STAGES slots.
-# Shared memory: forward 32 KB of Q + 4 x 32 KB of K and V; dK/dV 64 KB of K and V + 2 x 16 KB.
+# Shared memory: forward 32 KB of Q + STAGES x (K, V and list columns of a key tile): 4 x 33 KB
+# at 64-key tiles, 3 x 65.5 KB at 128 (226.7 KB of 227); dK/dV 64 KB of K and V + 2 x 16 KB.
 # 32-query dK/dV tiles: at 64 the consumers spill 880 bytes.
 BLOCK_M = 64
 # The forward's (BLOCK_N, STAGES, PINGPONG) by the call's length: 128-key tiles in 3 stages with
-# the consumers' issues alternating (ping-pong) from FORWARD_MIN_LK keys on (kernel ms on the
-# H200 against the Triton forward: M-L32768 2.024 against 2.712, M-L8192 0.183 against 0.210),
-# 64-key tiles in 4 stages below it (M: B4 L2048, 0.081 against 0.090; 128-key tiles 0.091).
-# A float32 bias's columns take 3 x 256 more bytes of shared memory than 3 stages leave: 2.
+# the consumers' issues alternating (ping-pong) from LONG_TILES_MIN_LK keys on (kernel ms on the
+# H200 against the Triton forward: M-L32768 2.024 against 2.712, M-L8192 0.183 against 0.210;
+# 64-key tiles 2.257 and 0.193), 64-key tiles in 4 stages below it (M: B4 L2048, 0.081 against
+# 0.090; 128-key tiles 0.091). A float32 bias's columns take 3 x 256 more bytes of shared memory
+# than 3 stages leave: 2.
 FWD_SHORT, FWD_LONG = (64, 4, False), (128, 3, True)
+LONG_TILES_MIN_LK = 8192
 # Key-list calls with at least this many keys run their forward on the Gluon kernel by default
 # (kernel option hopper unset): it is 1.15-1.34x the Triton forward there, and its extern launch
 # (~65 us of host time, the module docstring) is small beside the call. The dK/dV kernel stays
@@ -165,9 +168,9 @@ def _descriptor(t: torch.Tensor, rows: int):
 
 def _flat_descriptor(t: torch.Tensor, block: int):
     """A TMA descriptor of contiguous t read as one flat row, with [block] boxes: the key lists
-    (Bm, Hm, Lk) and the packed bias (B, Hkv * heads, 1, Lk), whose rows of Lk need not be
-    16-byte multiples this way (a box may run into the next row; the kernel masks those
-    columns)."""
+    (Bm, Hm, Lk) and the packed bias (B, Hkv * heads, 1, Lk). A box may run into the next row
+    (the kernel masks those columns); each must start 16-byte aligned, which Lk a multiple of
+    LK_MULTIPLE gives (reasons)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     layout = _LAYOUTS.get((t.dtype, block))
@@ -223,7 +226,7 @@ def _hopper_forward(
     lk, hkv = key.shape[1], key.shape[2]
     bias_heads, bias_mul = _bias_rows(bias, hkv)
     n_items = cdiv(lq, 2 * BLOCK_M) * b * h
-    block_n, stages, pingpong = FWD_LONG if lk >= FORWARD_MIN_LK else FWD_SHORT
+    block_n, stages, pingpong = FWD_LONG if lk >= LONG_TILES_MIN_LK else FWD_SHORT
     if bias is not None and bias.element_size() > 2:
         stages = min(stages, 2)
     keys_desc = _flat_descriptor(keys, block_n)
