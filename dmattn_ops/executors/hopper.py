@@ -106,14 +106,15 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def reasons(
-    problem, band, softcap: float, dbias: str | None, on: bool | None, forward: bool = True
+    problem, band, softcap: float, dbias: str | None, on: bool | None, forward: bool
 ) -> list[str]:
     """Why a key-list call with packed keys (the plan's KEY_LISTS with pack) does not take the
     Hopper kernels; empty when it does: the kernel option hopper (`on`: True, or unset for the
     forward of a call of at least FORWARD_MIN_LK keys; DMATTN_HOPPER sets it), CUDA sm_90
     with Gluon, fp16/bf16, D = Dv = 128, no window, softcap, sinks or seqused_k, a per-key bias
     shared by a KV group's heads or per head, dbias none or "group", and TMA-ready Q (the
-    packed K/V are), Lk a multiple of LK_MULTIPLE. dbias: the backward's mode, or None."""
+    packed K/V are), Lk a multiple of LK_MULTIPLE. dbias: the backward's mode, or None;
+    forward: the plan is the forward's."""
     query = problem.query
     if on is False:
         return ["off (kernel option hopper=False, DMATTN_HOPPER=0)"]
@@ -144,26 +145,32 @@ def reasons(
     return found
 
 
-_LAYOUTS: dict = {}  # (dtype, rows, D) -> the shared-memory layout of a [1, rows, 1, D] box
+_LAYOUTS: dict = {}  # (dtype, box) -> the shared-memory layout of a TMA box
+
+
+def _layout(dtype: torch.dtype, block: tuple):
+    """Gluon's default shared-memory layout of a box of this dtype, made once per box (its
+    get_default_for takes ~10 us a call)."""
+    layout = _LAYOUTS.get((dtype, block))
+    if layout is None:
+        from triton.experimental.gluon import language as gl
+
+        gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+               torch.int32: gl.int32}[dtype]  # fmt: skip
+        layout = _LAYOUTS[(dtype, block)] = gl.NVMMASharedLayout.get_default_for(list(block), gdt)
+    return layout
 
 
 def _descriptor(t: torch.Tensor, rows: int):
-    """A TMA descriptor of 4-D t (B, L, heads, D) with [1, rows, 1, D] boxes. Layouts are made
-    once per box (Gluon's get_default_for takes ~10 us a call)."""
+    """A TMA descriptor of 4-D t (B, L, heads, D) with [1, rows, 1, D] boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if not _tma_ready(t):
         t = t.contiguous()
-    block = [1, rows, 1, t.shape[3]]
-    layout = _LAYOUTS.get((t.dtype, rows, t.shape[3]))
-    if layout is None:
-        from triton.experimental.gluon import language as gl
-
-        gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
-        layout = _LAYOUTS[(t.dtype, rows, t.shape[3])] = gl.NVMMASharedLayout.get_default_for(
-            block, gdt
-        )
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    block = (1, rows, 1, t.shape[3])
+    return TensorDescriptor(
+        t, list(t.shape), list(t.stride()), list(block), _layout(t.dtype, block)
+    )
 
 
 def _flat_descriptor(t: torch.Tensor, block: int):
@@ -173,15 +180,8 @@ def _flat_descriptor(t: torch.Tensor, block: int):
     LK_MULTIPLE gives (reasons)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = _LAYOUTS.get((t.dtype, block))
-    if layout is None:
-        from triton.experimental.gluon import language as gl
-
-        gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
-               torch.int32: gl.int32}[t.dtype]  # fmt: skip
-        layout = _LAYOUTS[(t.dtype, block)] = gl.NVMMASharedLayout.get_default_for([block], gdt)
     flat = t.view(-1)
-    return TensorDescriptor(flat, [flat.numel()], [1], [block], layout)
+    return TensorDescriptor(flat, [flat.numel()], [1], [block], _layout(t.dtype, (block,)))
 
 
 def _batch_stride(t: torch.Tensor) -> int:
