@@ -398,30 +398,47 @@ def _dkdv_step(i, hk, G, g0, t_lo, steps, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _dkdv_stats(STATS, b, hk, G, g0, H, Lq, t_lo, steps, n_steps, i, BLOCK_M: gl.constexpr,
-                query_l: gl.constexpr):  # fmt: skip
-    """Row statistics [lse, lse_rem, delta] of an item's step i of n_steps (the dq kernel's
-    (B, H, Lq, 4) buffer, launch.RowStats); rows past Lq, and a step past the last, read
-    zeros."""
-    h, m0 = _dkdv_step(i, hk, G, g0, t_lo, steps, BLOCK_M)
-    rows = m0 + gl.arange(0, BLOCK_M, layout=query_l)
-    ok = (rows < Lq) & (i < n_steps)
-    p_stats = STATS + ((b * H + h).to(gl.int64) * Lq + rows) * 4
-    lse = gl.load(p_stats, mask=ok, other=0.0)
-    lse_rem = gl.load(p_stats + 1, mask=ok, other=0.0)
-    delta = gl.load(p_stats + 2, mask=ok, other=0.0)
+def _dkdv_stats(stats_smem, slot, query_l: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Row statistics (lse, lse_rem, delta) of the query tile in ring slot `slot`, one value
+    per row, converted to the step's layout where used (_dkdv_row): the dq kernel's (B, H,
+    Lq, 4) rows [lse, lse_rem, delta, 0] (launch.RowStats), brought by the loader with Q; rows
+    past Lq hold another head's or zeros, and are masked by the caller."""
+    row4: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0])
+    st = stats_smem.index(slot).load(row4)  # [BLOCK_M, 4]
+    even, odd = gl.split(st.reshape([BLOCK_M, 2, 2]))  # columns (0, 2) and (1, 3)
+    lse, delta = gl.split(even)
+    lse_rem, _ = gl.split(odd)
     return lse, lse_rem, delta
 
 
 @gluon.jit
-def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar,
-                 kv_empty, q_ready, do_ready, qdo_empty, KEYS, KEY_COUNT, keys_stride_b,
-                 keys_stride_h, count_stride_b, mask_hdiv, n_items, n_parts, n_bg, hkv, G,
-                 SPLIT, Lq, Lk, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+def _dkdv_row(v, query_l: gl.constexpr):
+    return gl.convert_layout(v, query_l)
+
+
+@gluon.jit
+def _dkdv_ok(in_list, m0, Lq, pos, off, query_l: gl.constexpr, IS_CAUSAL: gl.constexpr,
+             BLOCK_M: gl.constexpr):  # fmt: skip
+    """[keys, queries m0...]: the key is listed, the row below Lq and (causal) not before the
+    key (made where a step needs it: its row vectors would otherwise stay live)."""
+    rows = m0 + gl.arange(0, BLOCK_M, layout=query_l)
+    ok = in_list[:, None] & (rows < Lq)[None, :]
+    if IS_CAUSAL:
+        ok = ok & (pos[:, None] <= rows[None, :] + off)
+    return ok
+
+
+@gluon.jit
+def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_smem, do_smem,
+                 stats_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, KEYS, KEY_COUNT,
+                 keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items, n_parts,
+                 n_bg, hkv, H, G, SPLIT, Lq, Lk, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """For each work item with query tiles to visit: both consumers' packed K and V rows (once
-    both released the previous item's), then the Q and dO tiles of its heads and query tiles
-    into a STAGES-deep ring shared across items. Items with nothing to visit load nothing."""
+    both released the previous item's), then the Q tiles with their row statistics and the dO
+    tiles of its heads and query tiles into a STAGES-deep ring shared across items. Items with
+    nothing to visit load nothing."""
+    q_bytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes
     it = 0
     n_kv = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -445,10 +462,14 @@ def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_sme
                 h, m0 = _dkdv_step(i, hk, G, g0, t_lo, steps, BLOCK_M)
                 slot = it % STAGES
                 mbarrier.wait(qdo_empty.index(slot), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+                mbarrier.expect(q_ready.index(slot), q_bytes)
                 tma.async_copy_global_to_shared(
                     q_desc, [b, m0, h, 0], q_ready.index(slot), q_smem.index(slot)
                 )
+                tma.async_copy_global_to_shared(
+                    stats_desc, [(b * H + h) * Lq + m0, 0], q_ready.index(slot),
+                    stats_smem.index(slot),
+                )  # fmt: skip
                 mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(
                     do_desc, [b, m0, h, 0], do_ready.index(slot), do_smem.index(slot)
@@ -457,21 +478,21 @@ def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_sme
 
 
 @gluon.jit
-def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COUNT,
-                   k_smem, v_smem, q_smem, do_smem, kv_bar, kv_empty, q_ready, do_ready,
-                   qdo_empty, keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items,
-                   n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads, bias_head_mul,
-                   stride_dkb, stride_dkm, stride_dkh, stride_dvb, stride_dvm, stride_dvh,
-                   dbias_stride_b, dbias_stride_h, C: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, DBIAS_COLS: gl.constexpr, PARTIAL: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                   STAGES: gl.constexpr):  # fmt: skip
+def _dkdv_consumer(DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COUNT, k_smem, v_smem,
+                   q_smem, do_smem, stats_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
+                   keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items, n_parts, n_bg,
+                   hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads, bias_head_mul, stride_dkb,
+                   stride_dkm, stride_dkh, stride_dvb, stride_dvm, stride_dvh, dbias_stride_b,
+                   dbias_stride_h, C: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   DBIAS_COLS: gl.constexpr, PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """List positions n0 + C * BLOCK_N onwards of each work item: S^T = K Q^T and
     dP^T = V dO^T per query tile, P^T = exp(S^T - lse), dV += P^T dO,
     dS^T = P^T (dP^T - delta), dK += dS^T Q, with dK, dV (and the dbias column sums) in
     registers; stored at the keys' positions (zeros for the list positions past the count), or
-    as float32 parts at list positions (PARTIAL). K and V are released before the epilogue, so
-    the next item's loads run under it."""
+    as float32 parts at list positions (PARTIAL). A step whose rows all see all its keys (all
+    listed, rows below Lq, the last key's position at or before the first row's) skips the
+    masks. K and V are released before the epilogue, so the next item's loads run under it."""
     st_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(D)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -495,6 +516,9 @@ def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, 
         r = n0 + C * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
         in_list = r < count
         pos = gl.load(keys + r, mask=r < Lk, other=0)
+        n_end = n0 + C * BLOCK_N + BLOCK_N  # this consumer's keys are list positions < n_end
+        last_pos = gl.load(keys + gl.minimum(n_end, Lk) - 1)
+        keys_whole = n_end <= count
         bias_base = BIAS
         b_row = gl.zeros([BLOCK_N], gl.float32, key_l)
         if HAS_BIAS:
@@ -504,11 +528,6 @@ def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, 
         dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
         db = gl.zeros([BLOCK_N], gl.float32, key_l)
         if steps > 0:
-            # Row statistics are loaded one step ahead: their latency would otherwise sit
-            # between each S^T and its exponentials.
-            n_lse, n_rem, n_delta = _dkdv_stats(
-                STATS, b, hk, G, g0, H, Lq, t_lo, steps, n_heads * steps, 0, BLOCK_M, query_l
-            )
             mbarrier.wait(kv_bar, n_kv & 1)
             for i in range(n_heads * steps):
                 h, m0 = _dkdv_step(i, hk, G, g0, t_lo, steps, BLOCK_M)
@@ -516,18 +535,15 @@ def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, 
                 phase = (it // STAGES) & 1
                 q2 = q_smem.index(slot).reshape([BLOCK_M, D])
                 do2 = do_smem.index(slot).reshape([BLOCK_M, D])
-                rows = m0 + gl.arange(0, BLOCK_M, layout=query_l)
-                in_q = rows < Lq
-                lse, lse_rem, delta = n_lse, n_rem, n_delta
-                n_lse, n_rem, n_delta = _dkdv_stats(
-                    STATS, b, hk, G, g0, H, Lq, t_lo, steps, n_heads * steps, i + 1, BLOCK_M,
-                    query_l,
-                )  # fmt: skip
+                whole = keys_whole & (m0 + BLOCK_M <= Lq)
+                if IS_CAUSAL:
+                    whole = whole & (last_pos <= m0 + off)
                 if HAS_BIAS:  # noqa: SIM102 (a constexpr test, then a runtime one)
                     if bias_head_mul != 0:
                         p_bias = bias_base + (h % G).to(gl.int64) * Lk
                         b_row = gl.load(p_bias + r, mask=in_list, other=0.0).to(gl.float32)
                 mbarrier.wait(q_ready.index(slot), phase)
+                lse, lse_rem, delta = _dkdv_stats(stats_smem, slot, query_l, BLOCK_M)
                 st = warpgroup_mma(kc, q2.permute((1, 0)),
                                    gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                                    use_acc=False, is_async=True)  # fmt: skip
@@ -535,18 +551,27 @@ def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, 
                 dpt = warpgroup_mma(vc, do2.permute((1, 0)),
                                     gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                                     use_acc=False, is_async=True)  # fmt: skip
-                ok = in_list[:, None] & in_q[None, :]
-                if IS_CAUSAL:
-                    ok = ok & (pos[:, None] <= rows[None, :] + off)
                 st = warpgroup_mma_wait(1, deps=[st])
                 x = st * scale
                 if HAS_BIAS:
                     x = x + b_row[:, None]
-                pt = gl.where(ok, gl.exp2(((x - lse[None, :]) - lse_rem[None, :]) * LOG2E), 0.0)
+                pt = gl.exp2(
+                    ((x - _dkdv_row(lse, query_l)[None, :]) - _dkdv_row(lse_rem, query_l)[None, :])
+                    * LOG2E
+                )  # fmt: skip
+                if not whole:
+                    pt = gl.where(
+                        _dkdv_ok(in_list, m0, Lq, pos, off, query_l, IS_CAUSAL, BLOCK_M), pt, 0.0
+                    )
                 pt16 = gl.convert_layout(pt.to(dtype), a_layout)
                 dv = warpgroup_mma(pt16, do2, dv, is_async=True)
                 dpt = warpgroup_mma_wait(1, deps=[dpt])
-                dst = gl.where(ok, pt * (dpt - delta[None, :]), 0.0)
+                # dS^T keeps its own select: 0 * (dP^T - delta) is 0 only where both are finite.
+                dst = pt * (dpt - _dkdv_row(delta, query_l)[None, :])
+                if not whole:
+                    dst = gl.where(
+                        _dkdv_ok(in_list, m0, Lq, pos, off, query_l, IS_CAUSAL, BLOCK_M), dst, 0.0
+                    )
                 if DBIAS_COLS:
                     db += gl.sum(dst, axis=1)
                 ds16 = gl.convert_layout(dst.to(dtype), a_layout)
@@ -580,7 +605,7 @@ def _dkdv_consumer(STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, 
 
 
 @gluon.jit
-def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, STATS, BIAS, KEYS, KEY_COUNT, DK, DV,
+def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, stats_desc, BIAS, KEYS, KEY_COUNT, DK, DV,
                        DBIAS, PART_DK, PART_DV, PART_DB, stride_dkb, stride_dkm, stride_dkh,
                        stride_dvb, stride_dvm, stride_dvh, dbias_stride_b, dbias_stride_h,
                        keys_stride_b, keys_stride_h, count_stride_b, bias_heads, bias_head_mul,
@@ -601,6 +626,9 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, STATS, BIAS, KEYS, KEY_C
     v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    stats_smem = gl.allocate_shared_memory(
+        gl.float32, [STAGES] + stats_desc.block_type.shape, stats_desc.layout
+    )
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -614,25 +642,23 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, STATS, BIAS, KEYS, KEY_C
         mbarrier.init(qdo_empty.index(i), count=2)
 
     gl.warp_specialize([
-        (_dkdv_consumer, (STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS,
-                          KEY_COUNT, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_empty, q_ready,
-                          do_ready, qdo_empty, keys_stride_b, keys_stride_h, count_stride_b,
-                          mask_hdiv, n_items, n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale,
-                          bias_heads, bias_head_mul, stride_dkb, stride_dkm, stride_dkh,
-                          stride_dvb, stride_dvm, stride_dvh, dbias_stride_b, dbias_stride_h, 0,
-                          IS_CAUSAL, HAS_BIAS, DBIAS_COLS, PARTIAL, BLOCK_M, BLOCK_N, D,
-                          STAGES)),
-        (_dkdv_consumer, (STATS, DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS,
-                          KEY_COUNT, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_empty, q_ready,
-                          do_ready, qdo_empty, keys_stride_b, keys_stride_h, count_stride_b,
-                          mask_hdiv, n_items, n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale,
-                          bias_heads, bias_head_mul, stride_dkb, stride_dkm, stride_dkh,
-                          stride_dvb, stride_dvm, stride_dvh, dbias_stride_b, dbias_stride_h, 1,
-                          IS_CAUSAL, HAS_BIAS, DBIAS_COLS, PARTIAL, BLOCK_M, BLOCK_N, D,
-                          STAGES)),
-        (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem,
-                        kv_bar, kv_empty, q_ready, do_ready, qdo_empty, KEYS, KEY_COUNT,
-                        keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items,
-                        n_parts, n_bg, hkv, G, SPLIT, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N,
-                        STAGES)),
+        (_dkdv_consumer, (DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COUNT, k_smem,
+                          v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_empty, q_ready, do_ready,
+                          qdo_empty, keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv,
+                          n_items, n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads,
+                          bias_head_mul, stride_dkb, stride_dkm, stride_dkh, stride_dvb, stride_dvm,
+                          stride_dvh, dbias_stride_b, dbias_stride_h, 0, IS_CAUSAL, HAS_BIAS,
+                          DBIAS_COLS, PARTIAL, BLOCK_M, BLOCK_N, D, STAGES)),
+        (_dkdv_consumer, (DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COUNT, k_smem,
+                          v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_empty, q_ready, do_ready,
+                          qdo_empty, keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv,
+                          n_items, n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads,
+                          bias_head_mul, stride_dkb, stride_dkm, stride_dkh, stride_dvb, stride_dvm,
+                          stride_dvh, dbias_stride_b, dbias_stride_h, 1, IS_CAUSAL, HAS_BIAS,
+                          DBIAS_COLS, PARTIAL, BLOCK_M, BLOCK_N, D, STAGES)),
+        (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_smem,
+                        do_smem, stats_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
+                        KEYS, KEY_COUNT, keys_stride_b, keys_stride_h, count_stride_b,
+                        mask_hdiv, n_items, n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, IS_CAUSAL,
+                        BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip

@@ -184,6 +184,21 @@ def _flat_descriptor(t: torch.Tensor, block: int):
     return TensorDescriptor(flat, [flat.numel()], [1], [block], _layout(t.dtype, (block,)))
 
 
+def _rows_descriptor(stats: torch.Tensor, block: int):
+    """A TMA descriptor of the backward's row statistics (B, H, Lq, 4) float32 (launch.RowStats)
+    as rows of 16 bytes, with [block, 4] boxes."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = _LAYOUTS.get((torch.float32, block, 4, "rows"))
+    if layout is None:
+        from triton.experimental.gluon import language as gl
+
+        layout = gl.NVMMASharedLayout.get_default_for([block, 4], gl.float32)
+        _LAYOUTS[(torch.float32, block, 4, "rows")] = layout
+    rows = stats.view(-1, 4)
+    return TensorDescriptor(rows, list(rows.shape), [4, 1], [block, 4], layout)
+
+
 def _batch_stride(t: torch.Tensor) -> int:
     """A key-list tensor's batch stride (tiles.KeyLists), 0 on a broadcast batch."""
     return t.stride(0) if t.shape[0] > 1 else 0
@@ -275,7 +290,8 @@ def _hopper_dkdv(
     n_items = dkdv_programs(lk) * n_parts
     _DKDV_KERNEL[(min(n_items, sm_count(query.device)),)](
         _descriptor(query, DKDV_BLOCK_M), _descriptor(key, DKDV_BLOCK_N),
-        _descriptor(value, DKDV_BLOCK_N), _descriptor(grad_out, DKDV_BLOCK_M), stats,
+        _descriptor(value, DKDV_BLOCK_N), _descriptor(grad_out, DKDV_BLOCK_M),
+        _rows_descriptor(stats, DKDV_BLOCK_M),
         _or(bias, keys), keys, key_count, dk, dv, _or(dbias, dk), _or(part_dk, stats),
         _or(part_dv, stats), _or(part_db, stats),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
