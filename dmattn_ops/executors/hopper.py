@@ -37,8 +37,10 @@ from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 # Tiles: a consumer warpgroup takes BLOCK_M query rows (forward; a program has two) or
 # DKDV_BLOCK_N keys (dK/dV); the ring of K/V (forward) or Q/dO (dK/dV) tiles has STAGES slots.
 # Shared memory: forward 32 KB of Q + STAGES x (K, V and list columns of a key tile): 4 x 33 KB
-# at 64-key tiles, 3 x 65.5 KB at 128 (226.7 KB of 227); dK/dV 64 KB of K and V + 2 x 16 KB.
-# 32-query dK/dV tiles: at 64 the consumers spill 880 bytes.
+# at 64-key tiles, 3 x 65.5 KB at 128 (226.7 KB of 227); dK/dV 64 KB of K and V + 2 x 33 KB of
+# Q, dO and row statistics. 64-query dK/dV tiles, since the statistics come through shared
+# memory (144 bytes of spills, 880 before; H200 M-L32768 4.740 ms against the Triton dk/dv
+# kernel's 5.073, 32-query tiles 5.992; M 0.140 against 0.142).
 BLOCK_M = 64
 # The forward's (BLOCK_N, STAGES, PINGPONG) by the call's length: 128-key tiles in 3 stages with
 # the consumers' issues alternating (ping-pong) from LONG_TILES_MIN_LK keys on (kernel ms on the
@@ -53,7 +55,7 @@ LONG_TILES_MIN_LK = 8192
 # (~65 us of host time, the module docstring) is small beside the call. The dK/dV kernel stays
 # opt-in (hopper=True): at long lists it is slower than the Triton one (bench/NOTES.md 76).
 FORWARD_MIN_LK = 16384
-DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 32, 64, 2
+DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 64, 64, 2
 HEAD_DIMS = (128,)
 DTYPES = (torch.float16, torch.bfloat16)
 # The forward reads rows of the key lists and of the packed bias (Lk each) by TMA, whose boxes
