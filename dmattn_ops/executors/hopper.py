@@ -191,14 +191,10 @@ def _rows_descriptor(stats: torch.Tensor, block: int):
     as rows of 16 bytes, with [block, 4] boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = _LAYOUTS.get((torch.float32, block, 4, "rows"))
-    if layout is None:
-        from triton.experimental.gluon import language as gl
-
-        layout = gl.NVMMASharedLayout.get_default_for([block, 4], gl.float32)
-        _LAYOUTS[(torch.float32, block, 4, "rows")] = layout
     rows = stats.view(-1, 4)
-    return TensorDescriptor(rows, list(rows.shape), [4, 1], [block, 4], layout)
+    return TensorDescriptor(
+        rows, list(rows.shape), [4, 1], [block, 4], _layout(torch.float32, (block, 4))
+    )
 
 
 def _batch_stride(t: torch.Tensor) -> int:
