@@ -3,8 +3,9 @@
 torch.topk on a (B, Hkv, L, L) bias sorts (or radix-selects) every row and then needs a
 scatter into a fresh mask: about 3-4 ms at B2 Hkv4 L4096 on an H100, as long as the attention
 it feeds. Here the k-th largest value is found by bisection on an order-preserving integer image
-of the scores (16 counting passes for 16-bit biases, 32 for float32), and the mask row is
-written directly. Ties at the threshold go to the lowest key indices, so exactly k keys are
+of the scores (16 counting passes for 16-bit biases, 32 for float32; int32 images, whose
+range holds every float32 image and the sentinels below -inf's), and the mask row is written
+directly. Ties at the threshold go to the lowest key indices, so exactly k keys are
 selected, deterministically.
 
 A row of at most BLOCK keys is loaded once and held in registers. A longer row (CHUNKED; the
@@ -37,13 +38,13 @@ def _rank_keys(
         # Through float32 and back: Triton's interpreter bitcasts bfloat16 wrongly otherwise.
         x16 = x.to(tl.float32).to(p_bias.dtype.element_ty)
         bits = x16.to(tl.int16, bitcast=True).to(tl.int32)
-        key = (bits ^ ((bits >> 15) & 0x7FFF)).to(tl.int64)
+        key = bits ^ ((bits >> 15) & 0x7FFF)
         neg_inf = tl.full([], float("-inf"), tl.float32).to(p_bias.dtype.element_ty)
-        inf_key = (neg_inf.to(tl.int16, bitcast=True).to(tl.int32) ^ 0x7FFF).to(tl.int64)
+        inf_key = neg_inf.to(tl.int16, bitcast=True).to(tl.int32) ^ 0x7FFF
     else:
         bits = x.to(tl.float32).to(tl.int32, bitcast=True)
-        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-        inf_key = tl.full([], -2139095041, tl.int64)  # -inf: 0xFF800000 ^ 0x7FFFFFFF
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        inf_key = tl.full([], -2139095041, tl.int32)  # -inf: 0xFF800000 ^ 0x7FFFFFFF
     x32 = x.to(tl.float32)
     key = tl.where(x32 != x32, inf_key - 1, key)
     key = tl.where(allowed, key, inf_key - 2)
@@ -121,36 +122,40 @@ def topk_mask_kernel(
             p_bias, p_mask, stride_bn, stride_mn, 0, Lk, HAS_MASK, BLOCK
         )
     # The largest t with #{key >= t} >= k, by bisection over the integer range.
+    # lo and hi in int64 (their sum overflows int32); the keys compare in int32 with mid, which
+    # lies in [lo + 1, hi], inside int32's range.
     for _ in range(steps):
         mid = (lo + hi + 1) // 2
+        mid32 = mid.to(tl.int32)
         if CHUNKED:
             count = tl.full([], 0, tl.int32)
             for j0 in range(0, Lk, BLOCK):
                 key, valid, allowed = _rank_keys(
                     p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK, BLOCK
                 )
-                count += tl.sum(tl.where(valid & (key >= mid), 1, 0), 0)
+                count += tl.sum(tl.where(valid & (key >= mid32), 1, 0), 0)
         else:
-            count = tl.sum(tl.where(valid & (key >= mid), 1, 0), 0)
+            count = tl.sum(tl.where(valid & (key >= mid32), 1, 0), 0)
         take = count >= k
         lo = tl.where(take, mid, lo)
         hi = tl.where(take, hi, mid - 1)
     # Every key above lo is selected; of those at lo, the first `need` in key order.
+    lo32 = lo.to(tl.int32)
     if CHUNKED:
         greater = tl.full([], 0, tl.int32)
         for j0 in range(0, Lk, BLOCK):
             key, valid, allowed = _rank_keys(
                 p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK, BLOCK
             )
-            greater += tl.sum((valid & (key > lo)).to(tl.int32), 0)
+            greater += tl.sum((valid & (key > lo32)).to(tl.int32), 0)
         seen = tl.full([], 0, tl.int32)
         for j0 in range(0, Lk, BLOCK):
             key, valid, allowed = _rank_keys(
                 p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK, BLOCK
             )
             seen += _select_store(
-                p_out, j0, key, valid, allowed, lo, k - greater, seen, BLOCK, SMOOTH
+                p_out, j0, key, valid, allowed, lo32, k - greater, seen, BLOCK, SMOOTH
             )
     else:
-        need = k - tl.sum((valid & (key > lo)).to(tl.int32), 0)
-        _select_store(p_out, 0, key, valid, allowed, lo, need, 0, BLOCK, SMOOTH)
+        need = k - tl.sum((valid & (key > lo32)).to(tl.int32), 0)
+        _select_store(p_out, 0, key, valid, allowed, lo32, need, 0, BLOCK, SMOOTH)
