@@ -123,7 +123,9 @@ def topk_mask_kernel(
         )
     # The largest t with #{key >= t} >= k, by bisection over the integer range.
     # lo and hi in int64 (their sum overflows int32); the keys compare in int32 with mid, which
-    # lies in [lo + 1, hi], inside int32's range.
+    # lies in [lo + 1, hi], inside int32's range. `above` = #{key > hi}: the count at the last
+    # midpoint rejected (hi = mid - 1 then), 0 while hi is the range's top.
+    above = tl.full([], 0, tl.int32)
     for _ in range(steps):
         mid = (lo + hi + 1) // 2
         mid32 = mid.to(tl.int32)
@@ -139,23 +141,18 @@ def topk_mask_kernel(
         take = count >= k
         lo = tl.where(take, mid, lo)
         hi = tl.where(take, hi, mid - 1)
-    # Every key above lo is selected; of those at lo, the first `need` in key order.
+        above = tl.where(take, above, count)
+    # lo == hi now: every key above lo is selected (`above` of them), and of those at lo the
+    # first k - above in key order.
     lo32 = lo.to(tl.int32)
     if CHUNKED:
-        greater = tl.full([], 0, tl.int32)
-        for j0 in range(0, Lk, BLOCK):
-            key, valid, allowed = _rank_keys(
-                p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK, BLOCK
-            )
-            greater += tl.sum((valid & (key > lo32)).to(tl.int32), 0)
         seen = tl.full([], 0, tl.int32)
         for j0 in range(0, Lk, BLOCK):
             key, valid, allowed = _rank_keys(
                 p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK, BLOCK
             )
             seen += _select_store(
-                p_out, j0, key, valid, allowed, lo32, k - greater, seen, BLOCK, SMOOTH
+                p_out, j0, key, valid, allowed, lo32, k - above, seen, BLOCK, SMOOTH
             )
     else:
-        need = k - tl.sum((valid & (key > lo32)).to(tl.int32), 0)
-        _select_store(p_out, 0, key, valid, allowed, lo32, need, 0, BLOCK, SMOOTH)
+        _select_store(p_out, 0, key, valid, allowed, lo32, k - above, 0, BLOCK, SMOOTH)
