@@ -58,15 +58,17 @@ def _fwd_item(t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _fwd_loader(q_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, k_smem, v_smem, kcol_smem,
-                bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, KEY_END, end_stride_b,
-                keys_rows_b, bias_heads, bias_head_mul, n_items, n_bh, H, G, NQ, mask_hdiv, Lk,
-                HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr):  # fmt: skip
-    """For each work item of this program: both consumers' Q tiles (once each consumer released
-    its previous one), then for list positions [0, n_tiles * BLOCK_N) the K tile with its list
-    columns (the keys' positions and biases, flat 1-D boxes: a box running past its row reads
-    the next row's, which only masked columns hold) and the V tile, into a STAGES-deep ring
+def _fwd_loader(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, do_smem, k_smem,
+                v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty,
+                KEY_END, end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items, n_bh, H,
+                G, NQ, mask_hdiv, Lk, WITH_DO: gl.constexpr, HAS_BIAS: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """The loader of the forward and dQ kernels. For each work item of this program: both
+    consumers' Q tiles (with WITH_DO, the dQ kernel's, their dO tiles on the same barrier; once
+    each consumer released its previous ones), then for list positions [0, n_tiles * BLOCK_N)
+    the K tile with its list columns (the keys' positions and biases, flat 1-D boxes: a box
+    running past its row reads the next row's, which only masked columns hold) and the V tile,
+    into a STAGES-deep ring
     shared across items; a slot is reused once both consumers released it. So the next item's
     loads run under the current item's last products and epilogue, and the consumers read the
     columns from shared memory instead of carrying them in registers."""
@@ -74,6 +76,7 @@ def _fwd_loader(q_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, k_smem, v_
         k_desc.block_type.nbytes + keys_desc.block_type.nbytes
         + (bias_desc.block_type.nbytes if HAS_BIAS else 0)
     )  # fmt: skip
+    q_bytes: gl.constexpr = q_desc.block_type.nbytes * (2 if WITH_DO else 1)
     it = 0
     i = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -83,10 +86,14 @@ def _fwd_loader(q_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, k_smem, v_
         m0 = pid_m * (2 * BLOCK_M)
         for c in gl.static_range(2):
             mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)
-            mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+            mbarrier.expect(q_bars.index(c), q_bytes)
             tma.async_copy_global_to_shared(
                 q_desc, [b, m0 + c * BLOCK_M, h, 0], q_bars.index(c), q_smem.index(c)
             )
+            if WITH_DO:
+                tma.async_copy_global_to_shared(
+                    do_desc, [b, m0 + c * BLOCK_M, h, 0], q_bars.index(c), do_smem.index(c)
+                )
         keys0 = (b * keys_rows_b + hm) * Lk
         bias0 = ((b * (H // G) + hk) * bias_heads + (h % G) * bias_head_mul) * Lk
         for j in range(n_tiles):
@@ -123,13 +130,23 @@ def _fwd_logits(s, slot, j, kcol_smem, bcol_smem, count, rows, off, scale,
     if HAS_BIAS:
         x = x + bcol_smem.index(slot).load(col_layout).to(gl.float32)[None, :]
     if MASKED:
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        ok = (cols < count)[None, :]
-        if IS_CAUSAL:
-            pos = kcol_smem.index(slot).load(col_layout)
-            ok = ok & (pos[None, :] <= rows[:, None] + off)
+        ok = _fwd_allowed(slot, j, kcol_smem, count, rows, off, IS_CAUSAL, BLOCK_N)
         x = gl.where(ok, x, float("-inf"))
     return x
+
+
+@gluon.jit
+def _fwd_allowed(slot, j, kcol_smem, count, rows, off, IS_CAUSAL: gl.constexpr,
+                 BLOCK_N: gl.constexpr):  # fmt: skip
+    """[rows, keys of list tile j]: the key is listed and (causal) not after the row (rows: a
+    slice of the scores' layout)."""
+    col_layout: gl.constexpr = gl.SliceLayout(0, rows.type.layout.parent)
+    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+    ok = (cols < count)[None, :]
+    if IS_CAUSAL:
+        pos = kcol_smem.index(slot).load(col_layout)
+        ok = ok & (pos[None, :] <= rows[:, None] + off)
+    return ok
 
 
 @gluon.jit
@@ -301,6 +318,27 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
 
 
 @gluon.jit
+def _fwd_barriers(STAGES: gl.constexpr):
+    """The forward's and dQ kernel's mbarriers, initialised: (q_bars, q_empty, pp) per consumer,
+    (k_ready, v_ready, kv_empty) per ring slot (kv_empty: both consumers release a slot)."""
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pp = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+        mbarrier.init(pp.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    return q_bars, q_empty, pp, k_ready, v_ready, kv_empty
+
+
+@gluon.jit
 def hopper_fwd_kernel(q_desc, k_desc, v_desc, keys_desc, bias_desc, OUT, LSE, LSE_REM, KEY_END,
                       KEY_COUNT, stride_ob, stride_om, stride_oh, keys_rows_b, end_stride_b,
                       count_stride_b, bias_heads, bias_head_mul, H, G, Lq, Lk, NQ, mask_hdiv,
@@ -326,20 +364,7 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, keys_desc, bias_desc, OUT, LSE, LS
         bias_desc.dtype, [STAGES if HAS_BIAS else 1] + bias_desc.block_type.shape,
         bias_desc.layout,
     )  # fmt: skip
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    pp = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bars.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=1)
-        mbarrier.init(pp.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
+    q_bars, q_empty, pp, k_ready, v_ready, kv_empty = _fwd_barriers(STAGES)
 
     gl.warp_specialize([
         (_fwd_consumer, (OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
@@ -352,10 +377,239 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, keys_desc, bias_desc, OUT, LSE, LS
                          n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale, stride_ob,
                          stride_om, stride_oh, end_stride_b, count_stride_b, 1, IS_CAUSAL,
                          HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)),
-        (_fwd_loader, (q_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, k_smem, v_smem,
-                       kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty,
-                       KEY_END, end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items,
-                       n_bh, H, G, NQ, mask_hdiv, Lk, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
+        (_fwd_loader, (q_desc, q_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, q_smem,
+                       k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready,
+                       kv_empty, KEY_END, end_stride_b, keys_rows_b, bias_heads, bias_head_mul,
+                       n_items, n_bh, H, G, NQ, mask_hdiv, Lk, False, HAS_BIAS, BLOCK_M, BLOCK_N,
+                       STAGES)),
+    ], [4, 1], [240, 24])  # fmt: skip
+
+
+# dQ --------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _dq_stats(STATS, OUT, LSE, LSE_REM, do2, b, h, mr, H, Lq, stride_ob, stride_om, stride_oh,
+              row_l: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):  # fmt: skip
+    """The backward's row statistics of query rows mr... of head h (launch.RowStats): delta =
+    rowsum(dO * O) from dO in shared memory and O from global, lse (0 where the forward stored
+    -inf) and lse_rem; stored as float32 rows [lse, lse_rem, delta, 0] of STATS for the dK/dV
+    kernel launched after this one, and returned in layout row_l."""
+    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    rows = mr + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, tile_l))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, tile_l))
+    in_q = rows < Lq
+    p_o = OUT + b.to(gl.int64) * stride_ob + h * stride_oh + rows.to(gl.int64)[:, None] * stride_om
+    o = gl.load(p_o + cols[None, :], mask=in_q[:, None], other=0.0).to(gl.float32)
+    delta = gl.sum(o * do2.load(tile_l).to(gl.float32), axis=1)
+    o_row = (b * H + h).to(gl.int64) * Lq + rows
+    lse = gl.load(LSE + o_row, mask=in_q, other=0.0)
+    lse = gl.where(lse == float("-inf"), 0.0, lse)
+    lse_rem = gl.load(LSE_REM + o_row, mask=in_q, other=0.0)
+    gl.store(STATS + o_row * 4, lse, mask=in_q)
+    gl.store(STATS + o_row * 4 + 1, lse_rem, mask=in_q)
+    gl.store(STATS + o_row * 4 + 2, delta, mask=in_q)
+    gl.store(STATS + o_row * 4 + 3, gl.zeros_like(delta), mask=in_q)
+    return (gl.convert_layout(lse, row_l), gl.convert_layout(lse_rem, row_l),
+            gl.convert_layout(delta, row_l))  # fmt: skip
+
+
+@gluon.jit
+def _dq_scores(s, dp, slot, j, kcol_smem, bcol_smem, stats, count, rows, off, scale,
+               MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
+               BLOCK_N: gl.constexpr):  # fmt: skip
+    """dS of key tile j from S and dP: P = exp((s - lse) - lse_rem) (the exponent clamped at 0,
+    as kernels/attention_bwd_stats.py _probs), dS = P (dP - delta); MASKED: 0 where the key is
+    past the list or (causal) after the row (a select: P there may be anything, dP NaN)."""
+    lse, lse_rem, delta = stats
+    x = _fwd_logits(s, slot, j, kcol_smem, bcol_smem, count, rows, off, scale, False,
+                    IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
+    p = gl.exp2(gl.minimum((x - lse[:, None]) - lse_rem[:, None], 0.0) * LOG2E)
+    ds = p * (dp - delta[:, None])
+    if MASKED:
+        ok = _fwd_allowed(slot, j, kcol_smem, count, rows, off, IS_CAUSAL, BLOCK_N)
+        ds = gl.where(ok, ds, 0.0)
+    return ds
+
+
+@gluon.jit
+def _dq_step(j, it, ppk, q2, do2, ring, dq, ds16, stats, count, rows, off, scale,
+             C: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+             HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Key tile j >= 1 of an item: S_j = Q K_j^T, dP_j = dO V_j^T and dQ += dS_{j-1} K_{j-1}
+    issued back to back, dS_j computed while the last two run, then slot j - 1 released."""
+    k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty, pp = ring
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(D),
+                                                  k_width=2)  # fmt: skip
+    slot = (it + j) % STAGES
+    prev = (it + j - 1) % STAGES
+    phase = ((it + j) // STAGES) & 1
+    mbarrier.wait(k_ready.index(slot), phase)
+    mbarrier.wait(v_ready.index(slot), phase)
+    _fwd_turn(pp, C, ppk, PINGPONG)
+    s = warpgroup_mma(
+        q2, k_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
+        gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True,
+    )  # fmt: skip
+    dp = warpgroup_mma(
+        do2, v_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
+        gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True,
+    )  # fmt: skip
+    dq = warpgroup_mma(ds16, k_smem.index(prev).reshape([BLOCK_N, D]), dq, is_async=True)
+    _fwd_pass(pp, C, PINGPONG)
+    s = warpgroup_mma_wait(2, deps=[s])
+    dp = warpgroup_mma_wait(1, deps=[dp])
+    ds = _dq_scores(s, dp, slot, j, kcol_smem, bcol_smem, stats, count, rows, off, scale, MASKED,
+                    IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
+    dq, ds16 = warpgroup_mma_wait(0, deps=[dq, ds16])
+    mbarrier.arrive(kv_empty.index(prev), count=1)
+    return dq, gl.convert_layout(ds.to(ds16.dtype), ds_layout)
+
+
+@gluon.jit
+def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_smem, k_smem,
+                 v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, pp,
+                 n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale, stride_dqb, stride_dqm,
+                 stride_dqh, stride_ob, stride_om, stride_oh, end_stride_b, count_stride_b,
+                 C: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Rows C * BLOCK_M onwards of each work item's query pair: their row statistics
+    (_dq_stats), then key tile by key tile (_dq_step; the tiles every row sees whole first,
+    unmasked, as in the forward) dQ = scale * sum dS K, stored in DQ's dtype. Q's and dO's
+    slot is released once the item's last products that read them are done."""
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    acc_layout: gl.constexpr = _mma_layout(D)
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    off = Lk - Lq
+    q2 = q_smem.index(C).reshape([BLOCK_M, D])
+    do2 = do_smem.index(C).reshape([BLOCK_M, D])
+    ring = (k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty, pp)
+    it = 0
+    i = 0
+    ppk = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, _, hm, pid_m, n_tiles = _fwd_item(
+            t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N
+        )
+        count = gl.load(KEY_COUNT + b * count_stride_b + hm)
+        qt = pid_m * 2 + C
+        if IS_CAUSAL:
+            seen = gl.load(KEY_END + b * end_stride_b + hm * NQ + gl.maximum(qt - 1, 0))
+            seen = gl.where(qt > 0, seen, 0)
+        else:
+            seen = count
+        n_whole = gl.minimum(seen // BLOCK_N, n_tiles)
+        mr = qt * BLOCK_M
+        rows = mr + gl.arange(0, BLOCK_M, layout=row_s)
+        dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
+        mbarrier.wait(q_bars.index(C), i & 1)
+        stats = _dq_stats(STATS, OUT, LSE, LSE_REM, do2, b, h, mr, H, Lq, stride_ob, stride_om,
+                          stride_oh, row_s, BLOCK_M, D)  # fmt: skip
+        if n_tiles > 0:
+            slot = it % STAGES
+            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+            mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
+            _fwd_turn(pp, C, ppk, PINGPONG)
+            s = warpgroup_mma(
+                q2, k_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
+                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                is_async=True,
+            )  # fmt: skip
+            dp = warpgroup_mma(
+                do2, v_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
+                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                is_async=True,
+            )  # fmt: skip
+            _fwd_pass(pp, C, PINGPONG)
+            ppk += 1
+            s, dp = warpgroup_mma_wait(0, deps=[s, dp])
+            ds = _dq_scores(s, dp, slot, 0, kcol_smem, bcol_smem, stats, count, rows, off, scale,
+                            True, IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
+            ds16 = gl.convert_layout(ds.to(dtype), ds_layout)
+            for j in range(1, n_whole):
+                dq, ds16 = _dq_step(
+                    j, it, ppk, q2, do2, ring, dq, ds16, stats, count, rows, off, scale, C,
+                    False, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
+                )  # fmt: skip
+                ppk += 1
+            for j in range(gl.maximum(n_whole, 1), n_tiles):
+                dq, ds16 = _dq_step(
+                    j, it, ppk, q2, do2, ring, dq, ds16, stats, count, rows, off, scale, C,
+                    True, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
+                )  # fmt: skip
+                ppk += 1
+            mbarrier.arrive(q_empty.index(C), count=1)  # the item's last S and dP are done
+            last = (it + n_tiles - 1) % STAGES
+            _fwd_turn(pp, C, ppk, PINGPONG)
+            dq = warpgroup_mma(ds16, k_smem.index(last).reshape([BLOCK_N, D]), dq, is_async=True)
+            _fwd_pass(pp, C, PINGPONG)
+            ppk += 1
+            dq, ds16 = warpgroup_mma_wait(0, deps=[dq, ds16])
+            mbarrier.arrive(kv_empty.index(last), count=1)
+        else:
+            mbarrier.arrive(q_empty.index(C), count=1)
+        it += n_tiles
+        i += 1  # noqa: SIM113 (Gluon loops take no enumerate)
+
+        rows_a = mr + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        cols_a = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        p_dq = DQ + b.to(gl.int64) * stride_dqb + h * stride_dqh
+        p_dq = p_dq + rows_a.to(gl.int64)[:, None] * stride_dqm + cols_a[None, :]
+        gl.store(p_dq, (dq * scale).to(dtype), mask=(rows_a < Lq)[:, None])
+
+
+@gluon.jit
+def hopper_dq_kernel(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, DQ, STATS, OUT, LSE,
+                     LSE_REM, KEY_END, KEY_COUNT, stride_dqb, stride_dqm, stride_dqh, stride_ob,
+                     stride_om, stride_oh, keys_rows_b, end_stride_b, count_stride_b,
+                     bias_heads, bias_head_mul, H, G, Lq, Lk, NQ, mask_hdiv, scale, n_items,
+                     IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                     STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """The forward's persistent programs and work items (hopper_fwd_kernel), each computing
+    dQ of its two query tiles and their row statistics: K and V (packed, both zero past each
+    list: dS = 0 there meets K) through the forward's loader, dO with Q. Writes DQ and STATS."""
+    gl.static_assert(num_warps == 4)
+    n_bh = n_items // gl.cdiv(NQ, 2)
+    dtype: gl.constexpr = q_desc.dtype
+
+    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    kcol_smem = gl.allocate_shared_memory(
+        keys_desc.dtype, [STAGES] + keys_desc.block_type.shape, keys_desc.layout
+    )
+    bcol_smem = gl.allocate_shared_memory(
+        bias_desc.dtype, [STAGES if HAS_BIAS else 1] + bias_desc.block_type.shape,
+        bias_desc.layout,
+    )  # fmt: skip
+    q_bars, q_empty, pp, k_ready, v_ready, kv_empty = _fwd_barriers(STAGES)
+
+    gl.warp_specialize([
+        (_dq_consumer, (DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_smem,
+                        k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready,
+                        kv_empty, pp, n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale,
+                        stride_dqb, stride_dqm, stride_dqh, stride_ob, stride_om, stride_oh,
+                        end_stride_b, count_stride_b, 0, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M,
+                        BLOCK_N, D, STAGES)),
+        (_dq_consumer, (DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_smem,
+                        k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready,
+                        kv_empty, pp, n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale,
+                        stride_dqb, stride_dqm, stride_dqh, stride_ob, stride_om, stride_oh,
+                        end_stride_b, count_stride_b, 1, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M,
+                        BLOCK_N, D, STAGES)),
+        (_fwd_loader, (q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, do_smem,
+                       k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready,
+                       kv_empty, KEY_END, end_stride_b, keys_rows_b, bias_heads, bias_head_mul,
+                       n_items, n_bh, H, G, NQ, mask_hdiv, Lk, True, HAS_BIAS, BLOCK_M, BLOCK_N,
+                       STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip
 
 

@@ -117,8 +117,8 @@ def key_lists_kernel(
     list positions of K_OUT / V_OUT (contiguous, the same shapes), and the per-key bias of each
     query head the group's bias rows serve to BIAS_OUT (contiguous (B, Hkv * BIAS_HEADS, Lk)).
     Positions at or past the count are not written: the Triton kernels never read them; with
-    ZERO_TAIL, V_OUT's rows there are zeros (kernels/hopper.py loads whole tiles by TMA, and its
-    P = 0 there must not meet NaN in a product)."""
+    ZERO_TAIL, K_OUT's and V_OUT's rows there are zeros (kernels/hopper.py loads whole tiles by
+    TMA, and its P = 0 and dS = 0 there must not meet NaN in a product: P V, dS K)."""
     i_c = tl.program_id(0)
     i_bg = tl.program_id(1)
     i_b = (i_bg // Hkv).to(tl.int64)
@@ -172,11 +172,17 @@ def key_lists_kernel(
             # (placed from the end) or a listed one at or past n.
             m_z = in_k & ((a == 0) | (j >= n))
             o_z = tl.where(a != 0, inclusive - 1, Lk - (j + 1 - inclusive)).to(tl.int64)
+            i_d = tl.arange(0, BLOCK_D)
+            tl.store(
+                K_OUT + (i_b * Lk * Hkv + i_g) * D + o_z[:, None] * (Hkv * D) + i_d[None, :],
+                tl.zeros([CHUNK, BLOCK_D], dtype=K_OUT.dtype.element_ty),
+                mask=m_z[:, None] & (i_d[None, :] < D),
+            )  # fmt: skip
             i_dv = tl.arange(0, BLOCK_DV)
-            zeros = tl.zeros([CHUNK, BLOCK_DV], dtype=V_OUT.dtype.element_ty)
             tl.store(
                 V_OUT + (i_b * Lk * Hkv + i_g) * Dv + o_z[:, None] * (Hkv * Dv) + i_dv[None, :],
-                zeros, mask=m_z[:, None] & (i_dv[None, :] < Dv),
+                tl.zeros([CHUNK, BLOCK_DV], dtype=V_OUT.dtype.element_ty),
+                mask=m_z[:, None] & (i_dv[None, :] < Dv),
             )  # fmt: skip
 
     i_t = i_b * end_stride_b + i_hm * NQ

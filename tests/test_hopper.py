@@ -40,10 +40,12 @@ def forward_plan(q, k, v, mask, bias, is_causal, softcap=0.0, seqused_k=None, wi
     return plan.plan(problem, Options(0.125, is_causal, softcap, window=window))
 
 
-def backward_plan(q, k, v, mask, bias, is_causal):
+def backward_plan(q, k, v, mask, bias, is_causal, grad_lse=False):
     problem = Problem(q, k, v, mask, bias).collapsed(grad_bias=bias is not None)
     opts = Options(0.125, is_causal)
-    return plan.plan(problem, opts, plan.BACKWARD, compute_dbias=bias is not None)
+    return plan.plan(
+        problem, opts, plan.BACKWARD, grad_lse=grad_lse, compute_dbias=bias is not None
+    )
 
 
 def test_plan_takes_hopper_only_where_it_applies(monkeypatch):
@@ -57,7 +59,8 @@ def test_plan_takes_hopper_only_where_it_applies(monkeypatch):
     p = forward_plan(*args)
     assert p.route == plan.KEY_LISTS and p.pack and p.hopper == ON_HOPPER
     assert backward_plan(*args[:6]).hopper == ON_HOPPER
-    # What keeps a call on the Triton kernels.
+    # What keeps a call on the Triton kernels: the dQ kernel takes no gradient of lse.
+    assert not backward_plan(*args[:6], grad_lse=True).hopper
     assert not forward_plan(*args[:6], 30.0, None).hopper  # softcap
     assert not forward_plan(*args, window=(64, 0)).hopper
     assert not forward_plan(q.float(), k.float(), k.float(), *args[3:]).hopper
@@ -126,8 +129,8 @@ def test_hopper_key_lists_match_the_oracle(case, mask_b, bias_kind, is_causal, s
 def test_hopper_never_reads_unlisted_keys(dtype):
     """K and V hold NaN at every key outside the lists, the bias finfo.min at some listed keys:
     a finite result equal to the oracle's (run on clean K/V) shows the unlisted rows never
-    reached a product, and the packed V rows past each list are zeros (conftest fills fresh
-    buffers with NaN)."""
+    reached a product, and the packed K and V rows past each list are zeros (conftest fills
+    fresh buffers with NaN; the dQ kernel's dS = 0 there meets K)."""
     c = Case(2, 384, 384, 8, 2, 128, 128)
     mask = topk_mask(c.b, c.hkv, c.lk, 100, "cuda", skip_first=3)
     k = torch.randn(c.b, c.lk, c.hkv, c.d, dtype=dtype, device="cuda")

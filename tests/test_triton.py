@@ -866,7 +866,7 @@ def test_key_lists_pack_listed_rows(mask_heads, bias_heads, zero_tail):
     """Packed rows are K, V and the bias at the listed keys in list order, for every batch and
     KV group, up to the count below seqused_k: a mask per KV group, or one shared by all heads
     and broadcast over the batch; a bias per KV group, per query head, or none. With
-    zero_tail (the Hopper kernels' packing), V's rows past the count are zeros (conftest fills
+    zero_tail (the Hopper kernels' packing), K's and V's rows past the count are zeros (conftest fills
     fresh buffers with NaN, so an unwritten row shows)."""
     if DEVICE == "cpu" and not launch.interpreter_on():
         pytest.skip("needs CUDA or the interpreter")
@@ -894,6 +894,7 @@ def test_key_lists_pack_listed_rows(mask_heads, bias_heads, zero_tail):
             assert torch.equal(packed.key[i, :n, group].cpu(), k[i, keys, group])
             assert torch.equal(packed.value[i, :n, group].cpu(), v[i, keys, group])
             if zero_tail:
+                assert (packed.key[i, n:, group] == 0).all()
                 assert (packed.value[i, n:, group] == 0).all()
             for j in range(per_group if bias is not None else 0):
                 src = bias[i, group * per_group + j if bias_heads == h else group, 0]

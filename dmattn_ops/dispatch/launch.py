@@ -510,9 +510,10 @@ def backward(
     band, dbias_mode, cfgs = p.band, p.dbias, p.configs
     tables = dq_tables = lists = None
     if p.route == KEY_LISTS:
+        on_dq = p.hopper and hopper.DQ  # hopper_dq_kernel reads the forward's lists
         lists = _key_lists(
-            kept, inputs, problem, p, cfgs.dq.block_m // p.heads,
-            PackFrom(key, value, bias, h) if p.pack else None,
+            kept, inputs, problem, p, hopper.BLOCK_M if on_dq else cfgs.dq.block_m // p.heads,
+            PackFrom(key, value, bias, h, zero_tail=on_dq) if p.pack else None,
         )  # fmt: skip
     elif p.route == TILE_TABLES:
         seen = _seen_buffer(mask, lk)
@@ -706,15 +707,21 @@ def _launch_backward(
     launches = p.launches
     dq_key, dq_value, dq_bias, compact = _key_operands(ops.key, ops.value, ops.bias, lists)
     scored = scored_mask(ops.mask, lists)
-    args = prepared(
-        launches, ("dq", *layout),
-        lambda: _dq_args(ops, grad_out, rows, grads, dq_tables, lists, dq_bias, compact, p, opts),
-    )  # fmt: skip
-    attention_bwd_dq_kernel.run(args, (
-        ops.query, dq_key, dq_value, grad_out, scored, dq_bias, ops.seqused_k, ops.cu_q, ops.cu_k,
-        rows.stats, rows.out, rows.grad_lse, rows.lse, rows.lse_rem, *_table_rows(dq_tables),
-        *_list_rows(lists), dq, dbias_direct,
-    ))  # fmt: skip
+    mask_div = head_div(ops.mask, ops.query.shape[2], ops.key.shape[2]) if p.hopper else 1
+    if p.hopper and hopper.DQ:
+        hopper.dq(ops.query, grad_out, rows, lists, dq, opts.scale, p.band.is_causal, mask_div)
+    else:
+        args = prepared(
+            launches, ("dq", *layout),
+            lambda: _dq_args(
+                ops, grad_out, rows, grads, dq_tables, lists, dq_bias, compact, p, opts
+            ),
+        )  # fmt: skip
+        attention_bwd_dq_kernel.run(args, (
+            ops.query, dq_key, dq_value, grad_out, scored, dq_bias, ops.seqused_k, ops.cu_q,
+            ops.cu_k, rows.stats, rows.out, rows.grad_lse, rows.lse, rows.lse_rem,
+            *_table_rows(dq_tables), *_list_rows(lists), dq, dbias_direct,
+        ))  # fmt: skip
 
     split, parts = prepared(launches, ("split", *layout), lambda: _dkdv_split(ops, p, dkdv_lists))
     part_dk = part_dv = part_db = None
@@ -725,7 +732,7 @@ def _launch_backward(
         hopper.dkdv(
             ops.query, grad_out, rows.stats, dkdv_lists, dk, dv,
             None if split > 1 else dbias_cols, (part_dk, part_dv, part_db), opts.scale,
-            p.band.is_causal, head_div(ops.mask, ops.query.shape[2], ops.key.shape[2]), split,
+            p.band.is_causal, mask_div, split,
         )  # fmt: skip
     else:
         dkdv_scored = scored_mask(ops.mask, dkdv_lists)

@@ -370,7 +370,7 @@ def _plan(problem: Problem, opts: Options, tuning, p: _Pass, first: str | None) 
     pack = route == KEY_LISTS and _packs(problem, tuning, p)
     keys = _key_reads(route, pack)
     on_hopper = pack and not hopper.reasons(
-        problem, band, opts.softcap, p.dbias, tuning.hopper, p.direction == FORWARD
+        problem, band, opts.softcap, p.dbias, tuning.hopper, p.direction == FORWARD, p.grad_lse
     )
     lq = problem.lq
     if p.direction == FORWARD:
@@ -382,7 +382,7 @@ def _plan(problem: Problem, opts: Options, tuning, p: _Pass, first: str | None) 
         config("dkdv", problem, tuning, lq, band, keys),
         config("dq", problem, tuning, lq, band, keys),
     )
-    heads = _pack_heads(problem, cfgs.dq, tuning) if pack else 1
+    heads = _pack_heads(problem, cfgs.dq, tuning) if pack and not on_hopper else 1
     return Plan(
         route, band, BACKWARD, pack=pack, hopper=on_hopper, configs=cfgs, heads=heads,
         dbias=p.dbias, split=tuning.dkdv_split, tuning=tuning,

@@ -56,6 +56,12 @@ LONG_TILES_MIN_LK = 8192
 # opt-in (hopper=True): at long lists it is slower than the Triton one (bench/NOTES.md 76).
 FORWARD_MIN_LK = 16384
 DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 64, 64, 2
+# The dQ kernel's (BLOCK_N, STAGES, PINGPONG): the forward's programs and loader with dO beside
+# Q; 64-key tiles (its S, dP, dS and dQ in registers: 128-key tiles spill 504 bytes).
+DQ_TILES = (64, 4, True)
+# Whether the backward of a call on the Hopper kernels runs its dq pass on hopper_dq_kernel
+# (else on the Triton dq kernel, over lists of its own tiles).
+DQ = True
 HEAD_DIMS = (128,)
 DTYPES = (torch.float16, torch.bfloat16)
 # The forward reads rows of the key lists and of the packed bias (Lk each) by TMA, whose boxes
@@ -78,6 +84,7 @@ def _kernels() -> tuple:
 
 _FORWARD_KERNEL = LazyKernel(_kernels, "hopper_fwd_kernel")
 _DKDV_KERNEL = LazyKernel(_kernels, "hopper_dkdv_kernel")
+_DQ_KERNEL = LazyKernel(_kernels, "hopper_dq_kernel")
 
 _GLUON: list[bool] = []  # found or not, once asked (a plain global: see _triton._FOUND)
 
@@ -108,15 +115,16 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def reasons(
-    problem, band, softcap: float, dbias: str | None, on: bool | None, forward: bool
-) -> list[str]:
+    problem, band, softcap: float, dbias: str | None, on: bool | None, forward: bool,
+    grad_lse: bool = False,
+) -> list[str]:  # fmt: skip
     """Why a key-list call with packed keys (the plan's KEY_LISTS with pack) does not take the
     Hopper kernels; empty when it does: the kernel option hopper (`on`: True, or unset for the
     forward of a call of at least FORWARD_MIN_LK keys; DMATTN_HOPPER sets it), CUDA sm_90
     with Gluon, fp16/bf16, D = Dv = 128, no window, softcap, sinks or seqused_k, a per-key bias
     shared by a KV group's heads or per head, dbias none or "group", and TMA-ready Q (the
     packed K/V are), Lk a multiple of LK_MULTIPLE. dbias: the backward's mode, or None;
-    forward: the plan is the forward's."""
+    forward: the plan is the forward's; grad_lse: the backward's has a gradient of lse."""
     query = problem.query
     if on is False:
         return ["off (kernel option hopper=False, DMATTN_HOPPER=0)"]
@@ -134,6 +142,7 @@ def reasons(
         ("a window", band.has_window), ("softcap", softcap > 0),
         ("sinks", problem.sinks is not None), ("seqused_k", problem.seqused_k is not None),
         (f"dbias mode {dbias!r}", dbias not in (None, "group")),
+        ("a gradient of lse", grad_lse and DQ),
     ):  # fmt: skip
         if present:
             found.append(f"{name}: not in the Hopper kernels")
@@ -302,6 +311,48 @@ def _hopper_dkdv(
     )  # fmt: skip
 
 
+def _hopper_dq(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    lse_rem: torch.Tensor,
+    bias: torch.Tensor | None,
+    keys: torch.Tensor,
+    key_end: torch.Tensor,
+    key_count: torch.Tensor,
+    dq: torch.Tensor,
+    stats: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    mask_div: int,
+) -> None:
+    """kernels/hopper.py hopper_dq_kernel: the forward's operands (_hopper_forward; K and V
+    packed with zero tails) with grad_out and the forward's out (B, Lq, H, D), lse and lse_rem;
+    writes dq (B, Lq, H, D) and the row statistics stats (B, H, Lq, 4) (launch.RowStats)."""
+    b, lq, h, d = query.shape
+    lk, hkv = key.shape[1], key.shape[2]
+    bias_heads, bias_mul = _bias_rows(bias, hkv)
+    n_items = cdiv(lq, 2 * BLOCK_M) * b * h
+    block_n, stages, pingpong = DQ_TILES
+    if out.stride(3) != 1:
+        out = out.contiguous()
+    keys_desc = _flat_descriptor(keys, block_n)
+    _DQ_KERNEL[(min(n_items, sm_count(query.device)),)](
+        _descriptor(query, BLOCK_M), _descriptor(grad_out, BLOCK_M), _descriptor(key, block_n),
+        _descriptor(value, block_n), keys_desc,
+        keys_desc if bias is None else _flat_descriptor(bias, block_n), dq, stats, out, lse,
+        lse_rem, key_end, key_count, dq.stride(0), dq.stride(1), dq.stride(2), out.stride(0),
+        out.stride(1), out.stride(2), _batch_stride(keys) // lk, _batch_stride(key_end),
+        _batch_stride(key_count), bias_heads, bias_mul, h, h // hkv, lq, lk, key_end.shape[2],
+        mask_div, float(scale), n_items, IS_CAUSAL=is_causal, HAS_BIAS=bias is not None,
+        PINGPONG=pingpong, BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
+        maxnreg=MAXNREG,
+    )  # fmt: skip
+
+
 # Registered through torch.library.Library rather than custom_op, whose Python wrappers around
 # mutated arguments cost ~60 us a call, paid again at each launch that a
 # compiled graph makes.
@@ -317,7 +368,13 @@ _lib.define(
     "Tensor(c!)? dbias, Tensor(d!)? part_dk, Tensor(e!)? part_dv, Tensor(f!)? part_db, "
     "float scale, bool is_causal, int mask_div, int split) -> ()"
 )
+_lib.define(
+    "_hopper_dq(Tensor query, Tensor key, Tensor value, Tensor grad_out, Tensor out, Tensor lse, "
+    "Tensor lse_rem, Tensor? bias, Tensor keys, Tensor key_end, Tensor key_count, "
+    "Tensor(a!) dq, Tensor(b!) stats, float scale, bool is_causal, int mask_div) -> ()"
+)
 _lib.impl("_hopper_forward", _hopper_forward, "CUDA")
+_lib.impl("_hopper_dq", _hopper_dq, "CUDA")
 _lib.impl("_hopper_dkdv", _hopper_dkdv, "CUDA")
 
 
@@ -331,6 +388,11 @@ def _(*args) -> None:
     return None
 
 
+@torch.library.register_fake("dmattn::_hopper_dq")
+def _(*args) -> None:
+    return None
+
+
 def forward(query, lists, out, lse, lse_rem, scale, is_causal, mask_div) -> None:
     """The forward of a key-list call whose lists were built with BLOCK_M-row tiles and packed
     with PackFrom(zero_tail=True)."""
@@ -338,6 +400,17 @@ def forward(query, lists, out, lse, lse_rem, scale, is_causal, mask_div) -> None
     torch.ops.dmattn._hopper_forward(
         query, packed.key, packed.value, packed.bias, lists.keys, lists.key_end,
         lists.key_count, out, lse, lse_rem, float(scale), bool(is_causal), int(mask_div),
+    )  # fmt: skip
+
+
+def dq(query, grad_out, rows, lists, dq, scale, is_causal, mask_div) -> None:
+    """The dq pass of a key-list call whose lists were built as the forward's (forward), and
+    the row statistics rows.stats (launch.RowStats; no gradient of lse: reasons)."""
+    packed = lists.packed
+    torch.ops.dmattn._hopper_dq(
+        query, packed.key, packed.value, grad_out, rows.out, rows.lse, rows.lse_rem, packed.bias,
+        lists.keys, lists.key_end, lists.key_count, dq, rows.stats, float(scale),
+        bool(is_causal), int(mask_div),
     )  # fmt: skip
 
 

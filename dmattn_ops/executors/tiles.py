@@ -157,7 +157,7 @@ class Packed:
     """K, V and the per-key bias rows of a key-list call in list order (build_key_lists with
     `pack`): what the forward and dq kernels read in place of key, value and bias (their
     COMPACT=PACKED). Rows past each list's count are unwritten and never read by the Triton
-    kernels (V's are zeros where PackFrom.zero_tail asked for them)."""
+    kernels (K's and V's are zeros where PackFrom.zero_tail asked for them)."""
 
     key: torch.Tensor  # (B, Lk, Hkv, D), contiguous
     value: torch.Tensor  # (B, Lk, Hkv, Dv), contiguous
@@ -166,8 +166,8 @@ class Packed:
 
 class PackFrom(NamedTuple):
     """What build_key_lists packs: key and value (B, Lk, Hkv, D|Dv), the per-key bias (or None)
-    and the query heads H; zero_tail: the packed V rows past each list are zeros (the Hopper
-    kernels read whole tiles of them)."""
+    and the query heads H; zero_tail: the packed K and V rows past each list are zeros (the
+    Hopper kernels read whole tiles of them)."""
 
     key: torch.Tensor
     value: torch.Tensor
