@@ -283,7 +283,7 @@ def _compiled_step(variant: str, shape: str, mode: str):
 # compiled graphs carry and Dynamo guards on). "split1": the dK/dV kernel unsplit, one
 # launch fewer a layer where the split's reduce kernel would run.
 # "triton": every kernel on Triton (kernel option hopper=False: long calls' forwards leave the
-# Gluon kernel); "hopper": the forward and dK/dV pass of every key-list call on Gluon (sm_90).
+# Gluon kernels); "hopper": both passes of every key-list call on Gluon (sm_90).
 SUFFIX_OPTIONS = {
     "split1": {"dkdv_split": 1},
     "triton": {"hopper": False},

@@ -1,5 +1,6 @@
-"""Warp-specialised Hopper (sm_90) kernels in Gluon for key-list calls with packed keys
-(opt-in through DMATTN_HOPPER=1: dmattn_ops/executors/hopper.py says why).
+"""Warp-specialised Hopper (sm_90) kernels in Gluon for key-list calls with packed keys: the
+forward, dQ (with the backward's row statistics) and dK/dV (dmattn_ops/executors/hopper.py says
+which calls take them).
 
 Triton's `tl.dot` kernels software-pipeline one warpgroup's loads and products; on the H100 they
 stop at 60-80% of cuDNN's TFLOP/s. These kernels split each program
@@ -11,10 +12,11 @@ into FlashAttention-3's roles with `gl.warp_specialize`:
   as asynchronous wgmma, the softmax of one tile overlapping the products of the other
   consumer and their own previous product; registers move from the loader to them.
 
-Both kernels take the calls of tiles.KeyLists with packed rows (the DMA pattern: one sorted key
+The kernels take the calls of tiles.KeyLists with packed rows (the DMA pattern: one sorted key
 list per batch and KV group, causal by the keys' positions): K, V (B, Lk, Hkv, D) and the
 per-key bias (B, Hkv * BIAS_HEADS, Lk) in list order, which key_lists_kernel packs (with
-ZERO_TAIL, V's rows past each list are zeros: a TMA tile reads them, and 0 * V must stay 0).
+ZERO_TAIL, K's and V's rows past each list are zeros: a TMA tile reads them, and P V and dS K
+must stay 0 there).
 Numerics are the Triton kernels': scores in natural units, s = q.k * scale + bias, the max
 subtracted before the scaling by log2(e), (lse, lse_rem) by TwoSum, and every disallowed
 score replaced by a select, so NaN or Inf outside the lists never reaches a result.

@@ -72,16 +72,24 @@ def test_plan_takes_hopper_only_where_it_applies(monkeypatch):
     assert not forward_plan(q, k300, k300, mask[..., :300], bias300, True, 0.0, None).hopper
     monkeypatch.setenv("DMATTN_HOPPER", "0")
     assert not forward_plan(*args).hopper
-    monkeypatch.delenv("DMATTN_HOPPER")  # the default: the forward from FORWARD_MIN_LK keys
+    # The default: the forward from FORWARD_MIN_LK keys, the backward from BACKWARD_MIN_LK.
+    monkeypatch.delenv("DMATTN_HOPPER")
     assert not forward_plan(*args).hopper and not backward_plan(*args[:6]).hopper
-    long = hopper_exec.FORWARD_MIN_LK
-    k_long = torch.empty(c.b, long, c.hkv, c.d, dtype=torch.bfloat16, device=dev)
-    long_args = (q, k_long, k_long, topk_mask(c.b, c.hkv, long, 64, dev),
-                 torch.empty(c.b, c.hkv, 1, long, dtype=torch.bfloat16, device=dev), True)  # fmt: skip
-    assert forward_plan(*long_args).hopper == ON_HOPPER
-    assert not backward_plan(*long_args).hopper
+
+    def long_args(lk):
+        k_long = torch.empty(c.b, lk, c.hkv, c.d, dtype=torch.bfloat16, device=dev)
+        return (q, k_long, k_long, topk_mask(c.b, c.hkv, lk, 64, dev),
+                torch.empty(c.b, c.hkv, 1, lk, dtype=torch.bfloat16, device=dev), True)  # fmt: skip
+
+    forward_long, backward_long = (long_args(n) for n in (
+        hopper_exec.FORWARD_MIN_LK, hopper_exec.BACKWARD_MIN_LK))  # fmt: skip
+    assert forward_plan(*forward_long).hopper == ON_HOPPER
+    assert not backward_plan(*forward_long).hopper
+    assert backward_plan(*backward_long).hopper == ON_HOPPER
+    assert not backward_plan(*backward_long, grad_lse=True).hopper
     with dmattn_ops.kernel_options(hopper=False):
-        assert not forward_plan(*args).hopper and not forward_plan(*long_args).hopper
+        assert not forward_plan(*args).hopper and not forward_plan(*forward_long).hopper
+        assert not backward_plan(*backward_long).hopper
 
 
 CASES = [
@@ -187,41 +195,49 @@ def test_hopper_matches_the_triton_kernels_at_the_model_shape(monkeypatch):
 
 @hopper_only
 @pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32, None], ids=str)
-def test_hopper_forward_at_long_lists(bias_dtype, monkeypatch):
-    """The forward's long-list tiles (FWD_LONG: 128 keys, ping-pong; 2 stages under a float32
-    bias), taken by default from FORWARD_MIN_LK keys, with NaN in K and V past each list and a
-    bias of finfo.min at some listed keys: out, lse and the dq of the backward that follows (on
-    the Triton kernels) within bf16 roundings of the all-Triton path's (which test_triton
-    checks against the float64 oracle at this length, test_long_sequence_broadcast_bias_and_mask,
-    whose call this forward now runs), the same entries non-finite, no NaN, rows before every
-    listed key empty."""
+@pytest.mark.parametrize("passes", ["forward", "both"])
+def test_hopper_at_long_lists(passes, bias_dtype, monkeypatch):
+    """The long-list tiles (FWD_LONG: 128 keys, ping-pong; 2 stages under a float32 bias) of the
+    forward, taken by default from FORWARD_MIN_LK keys, and the dQ and dK/dV kernels, from
+    BACKWARD_MIN_LK, with NaN in K and V past each list and a bias of finfo.min at some listed
+    keys: out, lse and the gradients within bf16 roundings of the all-Triton path's (which
+    test_triton checks against the float64 oracle at 16384 keys,
+    test_long_sequence_broadcast_bias_and_mask), the same entries non-finite, no NaN, rows
+    before every listed key empty, dK and dV zero at the unlisted keys."""
     monkeypatch.delenv("DMATTN_HOPPER")
     torch.manual_seed(5)
-    b, L, h, hkv, d = 1, hopper_exec.FORWARD_MIN_LK + 72, 8, 2, 128
+    least = hopper_exec.FORWARD_MIN_LK if passes == "forward" else hopper_exec.BACKWARD_MIN_LK
+    b, L, h, hkv, d = 1, least + 72, 8, 2, 128
     q = torch.randn(b, L, h, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     k = torch.randn(b, L, hkv, d, dtype=torch.bfloat16, device="cuda")
     v = torch.randn(b, L, hkv, d, dtype=torch.bfloat16, device="cuda")
     mask = topk_mask(b, hkv, L, L // 4 + 5, "cuda", skip_first=150)
     unlisted = (~mask[:, :, 0, :]).transpose(1, 2)[..., None]
-    k, v = torch.where(unlisted, math.nan, k), torch.where(unlisted, math.nan, v)
+    k = torch.where(unlisted, math.nan, k).requires_grad_()
+    v = torch.where(unlisted, math.nan, v).requires_grad_()
     bias = None
     if bias_dtype is not None:
         bias = torch.randn(b, hkv, 1, L, dtype=bias_dtype, device="cuda")
         listed = mask[:, :, 0, :].nonzero()
         bias[listed[::11, 0], listed[::11, 1], 0, listed[::11, 2]] = torch.finfo(bias_dtype).min
+        bias.requires_grad_()
+    leaves = [t for t in (q, k, v, bias) if t is not None]
     go = torch.randn_like(q)
     assert forward_plan(q, k, v, mask, bias, True).hopper
+    assert backward_plan(q, k, v, mask, bias, True).hopper == (passes == "both")
 
     def run():
         out, lse = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, return_lse=True,
                                         backend="triton")  # fmt: skip
-        return out, lse, torch.autograd.grad(out, q, go)[0]
+        return out, lse, *torch.autograd.grad(out, leaves, go)
 
     ours = run()
     with dmattn_ops.kernel_options(hopper=False):
         assert not forward_plan(q, k, v, mask, bias, True).hopper
         triton = run()
-    for name, a, t in zip(("out", "lse", "dq"), ours, triton):
+    unlisted_rows = unlisted.expand_as(k)
+    assert (ours[3][unlisted_rows] == 0).all() and (ours[4][unlisted_rows] == 0).all()
+    for name, a, t in zip(("out", "lse", "dq", "dk", "dv", "dbias"), ours, triton):
         finite = t.isfinite()
         assert not a.isnan().any() and torch.equal(finite, a.isfinite()), name
         err = (a[finite].float() - t[finite].float()).abs().max().item()

@@ -17,8 +17,8 @@ operators the same way); each answers `reasons(...)`, empty when it can compute 
 * KEY_LISTS: a mask shared by all queries (B|1, Hkv|1, 1, Lk), or one per head without GQA:
   the kernels step over the sorted list of its allowed keys (tiles.build_key_lists); with
   `pack`, the forward and dq kernels read those keys' K, V and per-key bias rows copied in list
-  order (packed keys); with `hopper`, the forward and the dK/dV pass run the warp-specialised
-  Gluon kernels of hopper.py on them (sm_90).
+  order (packed keys); with `hopper`, the pass runs the warp-specialised Gluon kernels of
+  hopper.py on them (sm_90; the backward's dQ and dK/dV).
 * TILE_TABLES: any mask: tables of the tiles it allows (tiles.build_tables).
 * DENSE: no mask: every key tile the band (causality, a window) lets a query tile see.
 * PYTORCH: chunked.py, plain PyTorch on any device and dtype; where Triton cannot run (float64,

@@ -3,26 +3,29 @@
 On an sm_90 GPU, the forward of key-list calls with packed keys (the DMA pattern: a mask shared
 by all queries with one key list per KV group, causal or not, a per-key bias or none) of at
 least FORWARD_MIN_LK keys runs a FlashAttention-3-shaped kernel: a TMA loader warp and two
-consumer warpgroups per program. With kernel option hopper=True (DMATTN_HOPPER=1) every such
-call's forward and its dK/dV pass do; hopper=False (DMATTN_HOPPER=0) none. The dq pass, the key
-lists, the packing and the reduction of split dK/dV parts stay on the Triton kernels.
+consumer warpgroups per program; the backward of those of at least BACKWARD_MIN_LK keys runs
+two more, dQ (which also writes the row statistics) and dK/dV. With kernel option hopper=True
+(DMATTN_HOPPER=1) every such call's passes do; hopper=False (DMATTN_HOPPER=0) none. The key
+lists, the packing and the reduction of split dK/dV parts stay on the Triton kernels; the dQ
+kernel reads the forward's lists and packed rows (kept for the backward: launch.KeptLists).
 
-Both kernels are persistent: one program per SM loops over work items, longest first, and its
-loader warp fetches the next item's tiles (K, V and, for the forward, the list columns: the keys'
-positions and biases) while the consumers finish the current one.
+The kernels are persistent: one program per SM loops over work items, longest first, and its
+loader warp fetches the next item's tiles (K, V and, for the forward and dQ, the list columns:
+the keys' positions and biases) while the consumers finish the current one.
 
-Where they pay (H200, torch 2.11, Triton 3.6; bench/NOTES.md 175): the forward runs 1.15-1.34x
-the Triton forward's rate at long lists (M-L32768: 2.02 ms against 2.71) since its list columns
-come through shared memory (carried in registers they spilled at 128-key tiles), the tiles every
-row sees whole skip the masks, and the consumers' issues alternate. The dK/dV kernel is behind
-the Triton one at long lists (NOTES 76), and a compiled step of short calls pays each launch's
-~65 us of host time as an extern call (Inductor launches a Triton kernel in ~15): so the dK/dV
-pass is opt-in, and the forward the default only from FORWARD_MIN_LK keys.
+Where they pay (H200, torch 2.11, Triton 3.6; bench/NOTES.md 175, 178-179): the forward runs
+1.15-1.34x the Triton forward's rate at long lists (M-L32768: 2.02 ms against 2.71) since its
+list columns come through shared memory (carried in registers they spilled at 128-key tiles),
+the tiles every row sees whole skip the masks, and the consumers' issues alternate. The dQ
+kernel, the forward's structure with dO beside Q, runs M-L32768 in 2.70 ms against 3.03, the
+dK/dV kernel 4.66 against 5.05; at 8192 keys the dK/dV kernel is behind (0.40 against 0.36),
+and a compiled step of short calls pays each launch's ~65 us of host time as an extern call
+(Inductor launches a Triton kernel in ~15): hence the two lengths.
 
 Gluon kernels cannot go through `torch.library.wrap_triton` (Inductor re-emits a user kernel's
-source under `@triton.jit`), so each launch is an op of its own, `dmattn::_hopper_forward` and
-`dmattn::_hopper_dkdv`, mutating the buffers the launcher allocated: eagerly a direct call, and
-in a compiled graph one extern node each.
+source under `@triton.jit`), so each launch is an op of its own, `dmattn::_hopper_forward`,
+`dmattn::_hopper_dq` and `dmattn::_hopper_dkdv`, mutating the buffers the launcher allocated:
+eagerly a direct call, and in a compiled graph one extern node each.
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ LONG_TILES_MIN_LK = 8192
 # (~65 us of host time, the module docstring) is small beside the call. The dK/dV kernel stays
 # opt-in (hopper=True): at long lists it is slower than the Triton one (bench/NOTES.md 76).
 FORWARD_MIN_LK = 16384
+# ... and their backward from this many (dQ and dK/dV kernels): the compiled B1 L32768 step
+# 59.47 -> 56.32 ms on the H200 (bench/NOTES.md 179); at 8192 keys the dK/dV kernel is behind
+# the Triton one (0.40 against 0.36 ms) by more than the dQ kernel gains (0.23 against 0.25).
+BACKWARD_MIN_LK = 32768
 DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 64, 64, 2
 # The dQ kernel's (BLOCK_N, STAGES, PINGPONG): the forward's programs and loader with dO beside
 # Q; 64-key tiles (its S, dP, dS and dQ in registers: 128-key tiles spill 504 bytes).
@@ -120,7 +127,8 @@ def reasons(
 ) -> list[str]:  # fmt: skip
     """Why a key-list call with packed keys (the plan's KEY_LISTS with pack) does not take the
     Hopper kernels; empty when it does: the kernel option hopper (`on`: True, or unset for the
-    forward of a call of at least FORWARD_MIN_LK keys; DMATTN_HOPPER sets it), CUDA sm_90
+    forward of a call of at least FORWARD_MIN_LK keys and the backward of one of at least
+    BACKWARD_MIN_LK; DMATTN_HOPPER sets it), CUDA sm_90
     with Gluon, fp16/bf16, D = Dv = 128, no window, softcap, sinks or seqused_k, a per-key bias
     shared by a KV group's heads or per head, dbias none or "group", and TMA-ready Q (the
     packed K/V are), Lk a multiple of LK_MULTIPLE. dbias: the backward's mode, or None;
@@ -128,9 +136,10 @@ def reasons(
     query = problem.query
     if on is False:
         return ["off (kernel option hopper=False, DMATTN_HOPPER=0)"]
-    if on is None and (not forward or problem.lk < FORWARD_MIN_LK):
-        pass_ = "the dK/dV pass" if not forward else f"a forward of Lk < {FORWARD_MIN_LK}"
-        return [f"{pass_} takes the Gluon kernels with kernel option hopper=True only"]
+    least = FORWARD_MIN_LK if forward else BACKWARD_MIN_LK
+    if on is None and problem.lk < least:
+        pass_ = "forward" if forward else "backward"
+        return [f"a {pass_} of Lk < {least} takes the Gluon kernels with hopper=True only"]
     if not query.is_cuda or interpreter_on():
         return ["needs CUDA without the Triton interpreter"]
     found = []
