@@ -510,10 +510,10 @@ def backward(
     band, dbias_mode, cfgs = p.band, p.dbias, p.configs
     tables = dq_tables = lists = None
     if p.route == KEY_LISTS:
-        on_dq = p.hopper and hopper.DQ  # hopper_dq_kernel reads the forward's lists
+        # hopper_dq_kernel reads lists made as the forward's (those kept, where it made them).
         lists = _key_lists(
-            kept, inputs, problem, p, hopper.BLOCK_M if on_dq else cfgs.dq.block_m // p.heads,
-            PackFrom(key, value, bias, h, zero_tail=on_dq) if p.pack else None,
+            kept, inputs, problem, p, hopper.BLOCK_M if p.hopper else cfgs.dq.block_m // p.heads,
+            PackFrom(key, value, bias, h, zero_tail=p.hopper) if p.pack else None,
         )  # fmt: skip
     elif p.route == TILE_TABLES:
         seen = _seen_buffer(mask, lk)
@@ -693,8 +693,8 @@ def _launch_backward(
     KV group is needed). The plan's "group" dbias mode: grads.dbias_cols is the bias gradient
     (B, Hkv, 1, Lk) itself, summed over each KV group's heads by the kernels. Key lists with
     packed rows (no DBIAS_DIRECT): the dq kernel reads those (PACKED); the dk/dv kernels read
-    key, value and bias through the lists, or (p.hopper) hopper.py's dK/dV kernel reads the
-    packed rows. The arguments besides the tensors are made once per plan and layout of the
+    key, value and bias through the lists; or (p.hopper) hopper.py's dQ and dK/dV kernels read
+    the packed rows. The arguments besides the tensors are made once per plan and layout of the
     tensors the plan does not fix (grad_out, grad_lse, out): _dq_args, _dkdv_args."""
     dq, dk, dv, dbias_cols, dbias_direct = grads
     # What the plan does not fix: the caller's gradient and output tensors' layouts, and which
@@ -705,12 +705,12 @@ def _launch_backward(
         lists is None, dkdv_lists is None,
     )  # fmt: skip
     launches = p.launches
-    dq_key, dq_value, dq_bias, compact = _key_operands(ops.key, ops.value, ops.bias, lists)
-    scored = scored_mask(ops.mask, lists)
     mask_div = head_div(ops.mask, ops.query.shape[2], ops.key.shape[2]) if p.hopper else 1
-    if p.hopper and hopper.DQ:
+    if p.hopper:
         hopper.dq(ops.query, grad_out, rows, lists, dq, opts.scale, p.band.is_causal, mask_div)
     else:
+        dq_key, dq_value, dq_bias, compact = _key_operands(ops.key, ops.value, ops.bias, lists)
+        scored = scored_mask(ops.mask, lists)
         args = prepared(
             launches, ("dq", *layout),
             lambda: _dq_args(

@@ -66,9 +66,6 @@ DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 64, 64, 2
 # The dQ kernel's (BLOCK_N, STAGES, PINGPONG): the forward's programs and loader with dO beside
 # Q; 64-key tiles (its S, dP, dS and dQ in registers: 128-key tiles spill 504 bytes).
 DQ_TILES = (64, 4, True)
-# Whether the backward of a call on the Hopper kernels runs its dq pass on hopper_dq_kernel
-# (else on the Triton dq kernel, over lists of its own tiles).
-DQ = True
 HEAD_DIMS = (128,)
 DTYPES = (torch.float16, torch.bfloat16)
 # The forward reads rows of the key lists and of the packed bias (Lk each) by TMA, whose boxes
@@ -151,7 +148,7 @@ def reasons(
         ("a window", band.has_window), ("softcap", softcap > 0),
         ("sinks", problem.sinks is not None), ("seqused_k", problem.seqused_k is not None),
         (f"dbias mode {dbias!r}", dbias not in (None, "group")),
-        ("a gradient of lse", grad_lse and DQ),
+        ("a gradient of lse (the dQ kernel's delta has none)", grad_lse),
     ):  # fmt: skip
         if present:
             found.append(f"{name}: not in the Hopper kernels")
