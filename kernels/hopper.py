@@ -152,6 +152,37 @@ def _fwd_allowed(slot, j, kcol_smem, count, rows, off, IS_CAUSAL: gl.constexpr,
 
 
 @gluon.jit
+def _product_t(a2, ring_smem, slot, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               D: gl.constexpr):  # fmt: skip
+    """A B^T into a fresh float32 accumulator, issued asynchronously: a2 (BLOCK_M, D) and the
+    ring slot's tile B (BLOCK_N, D) in shared memory (S = Q K^T, dP = dO V^T)."""
+    return warpgroup_mma(
+        a2, ring_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
+        gl.zeros([BLOCK_M, BLOCK_N], gl.float32, _mma_layout(BLOCK_N)), use_acc=False,
+        is_async=True,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _item_rows(KEY_END, KEY_COUNT, b, hm, pid_m, n_tiles, end_stride_b, count_stride_b, NQ,
+               row_l: gl.constexpr, C: gl.constexpr, IS_CAUSAL: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """Consumer C's share of a forward or dQ work item: (count, n_whole, first row, rows in
+    layout row_l): the list's count and how many of the item's key tiles every row of the
+    consumer sees whole (their keys all precede its first row: the previous query tile's
+    key_end; without causality the whole list)."""
+    count = gl.load(KEY_COUNT + b * count_stride_b + hm)
+    qt = pid_m * 2 + C  # this consumer's query tile
+    if IS_CAUSAL:
+        seen = gl.load(KEY_END + b * end_stride_b + hm * NQ + gl.maximum(qt - 1, 0))
+        seen = gl.where(qt > 0, seen, 0)
+    else:
+        seen = count
+    mr = qt * BLOCK_M
+    return count, gl.minimum(seen // BLOCK_N, n_tiles), mr, mr + gl.arange(0, BLOCK_M, layout=row_l)
+
+
+@gluon.jit
 def _fwd_turn(pp, C: gl.constexpr, k, PINGPONG: gl.constexpr):
     """Ping-pong: before consumer C issues its k-th products it waits for the other consumer's
     issue of its own (k - 1)-th (consumer 0 goes first), so the tensor cores alternate."""
@@ -177,7 +208,6 @@ def _fwd_step(j, it, ppk, q2, ring, state, count, rows, off, scale, C: gl.conste
     ping-pong); state: (o, p16, m_i, l_i), returned updated."""
     k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty, pp = ring
     o, p16, m_i, l_i = state
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -186,10 +216,7 @@ def _fwd_step(j, it, ppk, q2, ring, state, count, rows, off, scale, C: gl.conste
     mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
     _fwd_turn(pp, C, ppk, PINGPONG)
-    s = warpgroup_mma(
-        q2, k_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
-        gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True,
-    )  # fmt: skip
+    s = _product_t(q2, k_smem, slot, BLOCK_M, BLOCK_N, D)
     o = warpgroup_mma(p16, v_smem.index(prev).reshape([BLOCK_N, D]), o, is_async=True)
     _fwd_pass(pp, C, PINGPONG)
     s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_{j-1} V_{j-1} may still run
@@ -238,16 +265,10 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
         b, h, _, hm, pid_m, n_tiles = _fwd_item(
             t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N
         )
-        count = gl.load(KEY_COUNT + b * count_stride_b + hm)
-        qt = pid_m * 2 + C  # this consumer's query tile
-        if IS_CAUSAL:
-            seen = gl.load(KEY_END + b * end_stride_b + hm * NQ + gl.maximum(qt - 1, 0))
-            seen = gl.where(qt > 0, seen, 0)
-        else:
-            seen = count
-        n_whole = gl.minimum(seen // BLOCK_N, n_tiles)
-        mr = qt * BLOCK_M
-        rows = mr + gl.arange(0, BLOCK_M, layout=row_s)
+        count, n_whole, mr, rows = _item_rows(
+            KEY_END, KEY_COUNT, b, hm, pid_m, n_tiles, end_stride_b, count_stride_b, NQ, row_s,
+            C, IS_CAUSAL, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
         o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
@@ -256,11 +277,7 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
             slot = it % STAGES
             mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
             _fwd_turn(pp, C, ppk, PINGPONG)
-            s = warpgroup_mma(
-                q2, k_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
-                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                is_async=True,
-            )  # fmt: skip
+            s = _product_t(q2, k_smem, slot, BLOCK_M, BLOCK_N, D)
             _fwd_pass(pp, C, PINGPONG)
             ppk += 1
             s = warpgroup_mma_wait(0, deps=[s])
@@ -442,7 +459,6 @@ def _dq_step(j, it, ppk, q2, do2, ring, dq, ds16, stats, count, rows, off, scale
     """Key tile j >= 1 of an item: S_j = Q K_j^T, dP_j = dO V_j^T and dQ += dS_{j-1} K_{j-1}
     issued back to back, dS_j computed while the last two run, then slot j - 1 released."""
     k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty, pp = ring
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(D),
                                                   k_width=2)  # fmt: skip
     slot = (it + j) % STAGES
@@ -451,14 +467,8 @@ def _dq_step(j, it, ppk, q2, do2, ring, dq, ds16, stats, count, rows, off, scale
     mbarrier.wait(k_ready.index(slot), phase)
     mbarrier.wait(v_ready.index(slot), phase)
     _fwd_turn(pp, C, ppk, PINGPONG)
-    s = warpgroup_mma(
-        q2, k_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
-        gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True,
-    )  # fmt: skip
-    dp = warpgroup_mma(
-        do2, v_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
-        gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True,
-    )  # fmt: skip
+    s = _product_t(q2, k_smem, slot, BLOCK_M, BLOCK_N, D)
+    dp = _product_t(do2, v_smem, slot, BLOCK_M, BLOCK_N, D)
     dq = warpgroup_mma(ds16, k_smem.index(prev).reshape([BLOCK_N, D]), dq, is_async=True)
     _fwd_pass(pp, C, PINGPONG)
     s = warpgroup_mma_wait(2, deps=[s])
@@ -499,16 +509,10 @@ def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_sm
         b, h, _, hm, pid_m, n_tiles = _fwd_item(
             t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N
         )
-        count = gl.load(KEY_COUNT + b * count_stride_b + hm)
-        qt = pid_m * 2 + C
-        if IS_CAUSAL:
-            seen = gl.load(KEY_END + b * end_stride_b + hm * NQ + gl.maximum(qt - 1, 0))
-            seen = gl.where(qt > 0, seen, 0)
-        else:
-            seen = count
-        n_whole = gl.minimum(seen // BLOCK_N, n_tiles)
-        mr = qt * BLOCK_M
-        rows = mr + gl.arange(0, BLOCK_M, layout=row_s)
+        count, n_whole, mr, rows = _item_rows(
+            KEY_END, KEY_COUNT, b, hm, pid_m, n_tiles, end_stride_b, count_stride_b, NQ, row_s,
+            C, IS_CAUSAL, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
         dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
         mbarrier.wait(q_bars.index(C), i & 1)
         stats = _dq_stats(STATS, OUT, LSE, LSE_REM, do2, b, h, mr, H, Lq, stride_ob, stride_om,
@@ -518,16 +522,8 @@ def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_sm
             mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
             mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
             _fwd_turn(pp, C, ppk, PINGPONG)
-            s = warpgroup_mma(
-                q2, k_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
-                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                is_async=True,
-            )  # fmt: skip
-            dp = warpgroup_mma(
-                do2, v_smem.index(slot).reshape([BLOCK_N, D]).permute((1, 0)),
-                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                is_async=True,
-            )  # fmt: skip
+            s = _product_t(q2, k_smem, slot, BLOCK_M, BLOCK_N, D)
+            dp = _product_t(do2, v_smem, slot, BLOCK_M, BLOCK_N, D)
             _fwd_pass(pp, C, PINGPONG)
             ppk += 1
             s, dp = warpgroup_mma_wait(0, deps=[s, dp])
