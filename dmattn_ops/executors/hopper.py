@@ -13,7 +13,7 @@ The kernels are persistent: one program per SM loops over work items, longest fi
 loader warp fetches the next item's tiles (K, V and, for the forward and dQ, the list columns:
 the keys' positions and biases) while the consumers finish the current one.
 
-Where they pay (H200, torch 2.11, Triton 3.6; bench/NOTES.md 175, 178-179): the forward runs
+Where they pay (H200, torch 2.11, Triton 3.6, kernel ms of bench.tune's cases): the forward runs
 1.15-1.34x the Triton forward's rate at long lists (M-L32768: 2.02 ms against 2.71) since its
 list columns come through shared memory (carried in registers they spilled at 128-key tiles),
 the tiles every row sees whole skip the masks, and the consumers' issues alternate. The dQ
@@ -55,12 +55,13 @@ FWD_SHORT, FWD_LONG = (64, 4, False), (128, 3, True)
 LONG_TILES_MIN_LK = 8192
 # Key-list calls with at least this many keys run their forward on the Gluon kernel by default
 # (kernel option hopper unset): it is 1.15-1.34x the Triton forward there, and its extern launch
-# (~65 us of host time, the module docstring) is small beside the call. The dK/dV kernel stays
-# opt-in (hopper=True): at long lists it is slower than the Triton one (bench/NOTES.md 76).
+# (~65 us of host time, the module docstring) is small beside the call (at B1 L8192 it cost the
+# compiled step 1.1 ms: 9.25 against 8.11).
 FORWARD_MIN_LK = 16384
 # ... and their backward from this many (dQ and dK/dV kernels): the compiled B1 L32768 step
-# 59.47 -> 56.32 ms on the H200 (bench/NOTES.md 179); at 8192 keys the dK/dV kernel is behind
-# the Triton one (0.40 against 0.36 ms) by more than the dQ kernel gains (0.23 against 0.25).
+# 59.47 -> 56.32 ms on the H200; at 8192 keys the dK/dV kernel is behind the Triton one (0.40
+# against 0.36 ms) by more than the dQ kernel gains (0.23 against 0.25), and at B1 L16384 the
+# step with the dK/dV kernel alone was 20.52 ms against 20.32.
 BACKWARD_MIN_LK = 32768
 DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 64, 64, 2
 # The dQ kernel's (BLOCK_N, STAGES, PINGPONG): the forward's programs and loader with dO beside
