@@ -337,6 +337,28 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
 
 
 @gluon.jit
+def _fwd_shared(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, WITH_DO: gl.constexpr,
+                HAS_BIAS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """The forward's and dQ kernel's shared-memory buffers: both consumers' Q tiles (and, with
+    WITH_DO, their dO tiles; else Q's buffer stands in), the ring's K, V and list columns."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = q_smem
+    if WITH_DO:
+        do_smem = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    kcol_smem = gl.allocate_shared_memory(
+        keys_desc.dtype, [STAGES] + keys_desc.block_type.shape, keys_desc.layout
+    )
+    bcol_smem = gl.allocate_shared_memory(
+        bias_desc.dtype, [STAGES if HAS_BIAS else 1] + bias_desc.block_type.shape,
+        bias_desc.layout,
+    )  # fmt: skip
+    return q_smem, do_smem, k_smem, v_smem, kcol_smem, bcol_smem
+
+
+@gluon.jit
 def _fwd_barriers(STAGES: gl.constexpr):
     """The forward's and dQ kernel's mbarriers, initialised: (q_bars, q_empty, pp) per consumer,
     (k_ready, v_ready, kv_empty) per ring slot (kv_empty: both consumers release a slot)."""
@@ -371,18 +393,10 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, keys_desc, bias_desc, OUT, LSE, LS
     Writes out, lse and lse_rem."""
     gl.static_assert(num_warps == 4)
     n_bh = n_items // gl.cdiv(NQ, 2)
-    dtype: gl.constexpr = q_desc.dtype
 
-    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    kcol_smem = gl.allocate_shared_memory(
-        keys_desc.dtype, [STAGES] + keys_desc.block_type.shape, keys_desc.layout
+    q_smem, _, k_smem, v_smem, kcol_smem, bcol_smem = _fwd_shared(
+        q_desc, q_desc, k_desc, v_desc, keys_desc, bias_desc, False, HAS_BIAS, STAGES
     )
-    bcol_smem = gl.allocate_shared_memory(
-        bias_desc.dtype, [STAGES if HAS_BIAS else 1] + bias_desc.block_type.shape,
-        bias_desc.layout,
-    )  # fmt: skip
     q_bars, q_empty, pp, k_ready, v_ready, kv_empty = _fwd_barriers(STAGES)
 
     gl.warp_specialize([
@@ -575,19 +589,10 @@ def hopper_dq_kernel(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, DQ, 
     list: dS = 0 there meets K) through the forward's loader, dO with Q. Writes DQ and STATS."""
     gl.static_assert(num_warps == 4)
     n_bh = n_items // gl.cdiv(NQ, 2)
-    dtype: gl.constexpr = q_desc.dtype
 
-    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    kcol_smem = gl.allocate_shared_memory(
-        keys_desc.dtype, [STAGES] + keys_desc.block_type.shape, keys_desc.layout
+    q_smem, do_smem, k_smem, v_smem, kcol_smem, bcol_smem = _fwd_shared(
+        q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, True, HAS_BIAS, STAGES
     )
-    bcol_smem = gl.allocate_shared_memory(
-        bias_desc.dtype, [STAGES if HAS_BIAS else 1] + bias_desc.block_type.shape,
-        bias_desc.layout,
-    )  # fmt: skip
     q_bars, q_empty, pp, k_ready, v_ready, kv_empty = _fwd_barriers(STAGES)
 
     gl.warp_specialize([
