@@ -92,6 +92,25 @@ def test_plan_takes_hopper_only_where_it_applies(monkeypatch):
         assert not backward_plan(*backward_long).hopper
 
 
+def test_kept_lists_keep_zero_tails_apart():
+    """A forward's packed lists whose rows past each list are unwritten (the Triton kernels')
+    never serve a backward that reads those rows as zeros (the Hopper dQ kernel: dS = 0 meets
+    them in dS K), whatever the query rows per tile: KeptLists keys on the zero tail."""
+    from dmattn_ops.core.band import Band
+    from dmattn_ops.dispatch.launch import KeptLists
+    from dmattn_ops.executors.tiles import PackFrom
+
+    q, k = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 1, 16)
+    problem = Problem(q, k, k, torch.ones(1, 1, 1, 8, dtype=torch.bool), None)
+    band, lists = Band.of(True, (-1, -1)), object()
+    kept = KeptLists()
+    kept.put(problem, band, 64, PackFrom(k, k, None, 2), lists)
+    assert kept.take(problem, band, 64, PackFrom(k, k, None, 2, zero_tail=True)) is None
+    assert kept.take(problem, band, 64, PackFrom(k, k, None, 2)) is lists
+    kept.put(problem, band, 64, PackFrom(k, k, None, 2, zero_tail=True), lists)
+    assert kept.take(problem, band, 64, PackFrom(k, k, None, 2, zero_tail=True)) is lists
+
+
 CASES = [
     # (case, mask batch, bias pattern, causal)
     # Lk a multiple of 8 (hopper.LK_MULTIPLE), none of 64: every list ends in a partial tile.

@@ -227,7 +227,8 @@ class KeptLists:
     Lists are found by the identity of the call's tensors as the op received them (the
     autograd context and the trace hand the backward the forward's objects), its band, and
     what shapes the lists: the query rows per tile and, for packed ones, the bias rows'
-    layout. A backward that finds none builds its own."""
+    layout and whether the rows past each list are zeros. A backward that finds none builds its
+    own."""
 
     def __init__(self):
         self._kept: dict = {}
@@ -238,8 +239,10 @@ class KeptLists:
             problem.query, problem.key, problem.value, problem.mask, problem.bias,
             problem.seqused_k,
         )  # fmt: skip
-        # The packed bias rows' layout follows the bias's heads (build_key_lists).
-        layout = None if pack is None else (0 if pack.bias is None else pack.bias.shape[1])
+        # The packed bias rows' layout follows the bias's heads (build_key_lists); rows past the
+        # lists unwritten cannot serve a pass that reads them as zeros (the Hopper kernels).
+        layout = None if pack is None else (
+            0 if pack.bias is None else pack.bias.shape[1], pack.zero_tail)  # fmt: skip
         return (*map(id, tensors), band, block_m, layout), tensors
 
     def put(self, problem: Problem, band: Band, block_m: int, pack, lists: KeyLists) -> None:
