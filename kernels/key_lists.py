@@ -17,6 +17,15 @@ def _copy_rows(src, stride_n, stride_d, dst, dst_stride_r, o_n, o_r, m_r, D, BLO
 
 
 @triton.jit
+def _zero_rows(dst, dst_stride_r, o_r, m_r, D, BLOCK_D: tl.constexpr):
+    """Zeros at rows o_r of dst (contiguous along D), where m_r."""
+    i_d = tl.arange(0, BLOCK_D)
+    zeros = tl.zeros([o_r.shape[0], BLOCK_D], dtype=dst.dtype.element_ty)
+    tl.store(dst + o_r[:, None] * dst_stride_r + i_d[None, :], zeros,
+             mask=m_r[:, None] & (i_d[None, :] < D))  # fmt: skip
+
+
+@triton.jit
 def _table_end(t, n, lq, win_right, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr):  # fmt: skip
     """One past the last key query tile t may see: n, cut by causality or the band's right
@@ -172,18 +181,8 @@ def key_lists_kernel(
             # (placed from the end) or a listed one at or past n.
             m_z = in_k & ((a == 0) | (j >= n))
             o_z = tl.where(a != 0, inclusive - 1, Lk - (j + 1 - inclusive)).to(tl.int64)
-            i_d = tl.arange(0, BLOCK_D)
-            tl.store(
-                K_OUT + (i_b * Lk * Hkv + i_g) * D + o_z[:, None] * (Hkv * D) + i_d[None, :],
-                tl.zeros([CHUNK, BLOCK_D], dtype=K_OUT.dtype.element_ty),
-                mask=m_z[:, None] & (i_d[None, :] < D),
-            )  # fmt: skip
-            i_dv = tl.arange(0, BLOCK_DV)
-            tl.store(
-                V_OUT + (i_b * Lk * Hkv + i_g) * Dv + o_z[:, None] * (Hkv * Dv) + i_dv[None, :],
-                tl.zeros([CHUNK, BLOCK_DV], dtype=V_OUT.dtype.element_ty),
-                mask=m_z[:, None] & (i_dv[None, :] < Dv),
-            )  # fmt: skip
+            _zero_rows(K_OUT + (i_b * Lk * Hkv + i_g) * D, Hkv * D, o_z, m_z, D, BLOCK_D)
+            _zero_rows(V_OUT + (i_b * Lk * Hkv + i_g) * Dv, Hkv * Dv, o_z, m_z, Dv, BLOCK_DV)
 
     i_t = i_b * end_stride_b + i_hm * NQ
     last = tl.where(n > 0, (n - 1) // CHUNK, 0)
