@@ -27,7 +27,7 @@ DMATTN_DT_BIAS=0: the layer's bias in PyTorch, not through the op dmattn::dt_bia
 (dmattn_ops/dt_bias.py). A ``+split1`` suffix runs it inside ``dmattn_ops.kernel_options(
 dkdv_split=1)``: the dK/dV kernel unsplit, without the reduce kernel a split launches;
 ``+triton`` and ``+hopper`` with kernel option hopper False (no Gluon kernel) and True (the
-Gluon forward and dK/dV kernels wherever they apply) instead of its default.
+Gluon forward, dQ and dK/dV kernels wherever they apply) instead of its default.
 
 ``profile``: cProfile of those calls (forward+backward), the functions by own time.
 

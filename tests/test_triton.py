@@ -866,8 +866,8 @@ def test_key_lists_pack_listed_rows(mask_heads, bias_heads, zero_tail):
     """Packed rows are K, V and the bias at the listed keys in list order, for every batch and
     KV group, up to the count below seqused_k: a mask per KV group, or one shared by all heads
     and broadcast over the batch; a bias per KV group, per query head, or none. With
-    zero_tail (the Hopper kernels' packing), K's and V's rows past the count are zeros (conftest fills
-    fresh buffers with NaN, so an unwritten row shows)."""
+    zero_tail (the Hopper kernels' packing), K's and V's rows past the count are zeros
+    (conftest fills fresh buffers with NaN, so an unwritten row shows)."""
     if DEVICE == "cpu" and not launch.interpreter_on():
         pytest.skip("needs CUDA or the interpreter")
     b, h, hkv, lk, d, dv = 3, 6, 2, 300, 24, 40

@@ -179,16 +179,20 @@ def _layout(dtype: torch.dtype, block: tuple):
     return layout
 
 
-def _descriptor(t: torch.Tensor, rows: int):
-    """A TMA descriptor of 4-D t (B, L, heads, D) with [1, rows, 1, D] boxes."""
+def _tma(t: torch.Tensor, block: tuple):
+    """Gluon's TMA descriptor of t (its own shape and strides) with `block` boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    if not _tma_ready(t):
-        t = t.contiguous()
-    block = (1, rows, 1, t.shape[3])
     return TensorDescriptor(
         t, list(t.shape), list(t.stride()), list(block), _layout(t.dtype, block)
     )
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """A TMA descriptor of 4-D t (B, L, heads, D) with [1, rows, 1, D] boxes."""
+    if not _tma_ready(t):
+        t = t.contiguous()
+    return _tma(t, (1, rows, 1, t.shape[3]))
 
 
 def _flat_descriptor(t: torch.Tensor, block: int):
@@ -196,21 +200,24 @@ def _flat_descriptor(t: torch.Tensor, block: int):
     (Bm, Hm, Lk) and the packed bias (B, Hkv * heads, 1, Lk). A box may run into the next row
     (the kernel masks those columns); each must start 16-byte aligned, which Lk a multiple of
     LK_MULTIPLE gives (reasons)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    flat = t.view(-1)
-    return TensorDescriptor(flat, [flat.numel()], [1], [block], _layout(t.dtype, (block,)))
+    return _tma(t.view(-1), (block,))
 
 
 def _rows_descriptor(stats: torch.Tensor, block: int):
     """A TMA descriptor of the backward's row statistics (B, H, Lq, 4) float32 (launch.RowStats)
     as rows of 16 bytes, with [block, 4] boxes."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    return _tma(stats.view(-1, 4), (block, 4))
 
-    rows = stats.view(-1, 4)
-    return TensorDescriptor(
-        rows, list(rows.shape), [4, 1], [block, 4], _layout(torch.float32, (block, 4))
-    )
+
+def _key_tiles(key, value, keys, bias, block_n: int) -> tuple:
+    """The forward's and dQ kernel's descriptors of their key tiles: packed K and V, the key
+    lists and the packed bias as flat rows (without a bias, the lists' descriptor again,
+    unread)."""
+    keys_desc = _flat_descriptor(keys, block_n)
+    return (
+        _descriptor(key, block_n), _descriptor(value, block_n), keys_desc,
+        keys_desc if bias is None else _flat_descriptor(bias, block_n),
+    )  # fmt: skip
 
 
 def _batch_stride(t: torch.Tensor) -> int:
@@ -258,12 +265,9 @@ def _hopper_forward(
     block_n, stages, pingpong = FWD_LONG if lk >= LONG_TILES_MIN_LK else FWD_SHORT
     if bias is not None and bias.element_size() > 2:
         stages = min(stages, 2)
-    keys_desc = _flat_descriptor(keys, block_n)
     _FORWARD_KERNEL[(min(n_items, sm_count(query.device)),)](
-        _descriptor(query, BLOCK_M), _descriptor(key, block_n),
-        _descriptor(value, block_n), keys_desc,
-        keys_desc if bias is None else _flat_descriptor(bias, block_n), out, lse, lse_rem,
-        key_end, key_count, out.stride(0), out.stride(1), out.stride(2),
+        _descriptor(query, BLOCK_M), *_key_tiles(key, value, keys, bias, block_n), out, lse,
+        lse_rem, key_end, key_count, out.stride(0), out.stride(1), out.stride(2),
         _batch_stride(keys) // lk, _batch_stride(key_end), _batch_stride(key_count),
         bias_heads, bias_mul, h, h // hkv, lq, lk, key_end.shape[2], mask_div, float(scale),
         n_items, IS_CAUSAL=is_causal, HAS_BIAS=bias is not None, PINGPONG=pingpong,
@@ -346,13 +350,11 @@ def _hopper_dq(
     block_n, stages, pingpong = DQ_TILES
     if out.stride(3) != 1:
         out = out.contiguous()
-    keys_desc = _flat_descriptor(keys, block_n)
     _DQ_KERNEL[(min(n_items, sm_count(query.device)),)](
-        _descriptor(query, BLOCK_M), _descriptor(grad_out, BLOCK_M), _descriptor(key, block_n),
-        _descriptor(value, block_n), keys_desc,
-        keys_desc if bias is None else _flat_descriptor(bias, block_n), dq, stats, out, lse,
-        lse_rem, key_end, key_count, dq.stride(0), dq.stride(1), dq.stride(2), out.stride(0),
-        out.stride(1), out.stride(2), _batch_stride(keys) // lk, _batch_stride(key_end),
+        _descriptor(query, BLOCK_M), _descriptor(grad_out, BLOCK_M),
+        *_key_tiles(key, value, keys, bias, block_n), dq, stats, out, lse, lse_rem, key_end,
+        key_count, dq.stride(0), dq.stride(1), dq.stride(2), out.stride(0), out.stride(1),
+        out.stride(2), _batch_stride(keys) // lk, _batch_stride(key_end),
         _batch_stride(key_count), bias_heads, bias_mul, h, h // hkv, lq, lk, key_end.shape[2],
         mask_div, float(scale), n_items, IS_CAUSAL=is_causal, HAS_BIAS=bias is not None,
         PINGPONG=pingpong, BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
