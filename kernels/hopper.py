@@ -379,18 +379,35 @@ def _fwd_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _rows_shape(q_desc, k_desc, bias_heads, BLOCK_M: gl.constexpr, D: gl.constexpr):
+    """What the forward and dQ kernels read from their descriptors' shapes instead of taking
+    them as arguments: (H, G, Lq, Lk, NQ query tiles, n_items, bias_head_mul, and the strides
+    (batch, row, head) of their contiguous (B, Lq, H, D) outputs and O)."""
+    Lq = q_desc.shape[1]
+    H = q_desc.shape[2]
+    NQ = gl.cdiv(Lq, BLOCK_M)
+    stride_m = H * D
+    bias_head_mul = 1 - 1 // bias_heads  # 0 where one row serves the group; a constexpr at 1
+    n_items = gl.cdiv(NQ, 2) * q_desc.shape[0] * H
+    return (H, H // k_desc.shape[2], Lq, k_desc.shape[1], NQ, n_items, bias_head_mul,
+            Lq.to(gl.int64) * stride_m, stride_m, D)  # fmt: skip
+
+
+@gluon.jit
 def hopper_fwd_kernel(q_desc, k_desc, v_desc, keys_desc, bias_desc, OUT, LSE, LSE_REM, KEY_END,
-                      KEY_COUNT, stride_ob, stride_om, stride_oh, keys_rows_b, end_stride_b,
-                      count_stride_b, bias_heads, bias_head_mul, H, G, Lq, Lk, NQ, mask_hdiv,
-                      scale, n_items, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      KEY_COUNT, keys_rows_b, end_stride_b, count_stride_b, bias_heads, mask_hdiv,
+                      scale, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
                       PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """A persistent program: work items (2 * BLOCK_M queries of one (batch, head) against its KV
     group's key list, KEY_END counted per BLOCK_M-row tile) t = program_id, + num_programs, ...
-    of n_items = cdiv(NQ, 2) * B * H. keys_desc, bias_desc: flat 1-D views of the lists
-    (Bm * Hm * Lk) and of the packed bias (rows of Lk; without a bias, keys_desc again, unread).
-    Writes out, lse and lse_rem."""
+    of n_items = cdiv(NQ, 2) * B * H (_rows_shape). keys_desc, bias_desc: flat 1-D views of the
+    lists (Bm * Hm * Lk) and of the packed bias (rows of Lk; without a bias, keys_desc again,
+    unread). Writes out (B, Lq, H, D) contiguous, lse and lse_rem."""
     gl.static_assert(num_warps == 4)
+    H, G, Lq, Lk, NQ, n_items, bias_head_mul, stride_ob, stride_om, stride_oh = _rows_shape(
+        q_desc, k_desc, bias_heads, BLOCK_M, D
+    )
     n_bh = n_items // gl.cdiv(NQ, 2)
 
     q_smem, _, k_smem, v_smem, kcol_smem, bcol_smem = _fwd_shared(
@@ -577,16 +594,19 @@ def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_sm
 
 @gluon.jit
 def hopper_dq_kernel(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, DQ, STATS, OUT, LSE,
-                     LSE_REM, KEY_END, KEY_COUNT, stride_dqb, stride_dqm, stride_dqh, stride_ob,
-                     stride_om, stride_oh, keys_rows_b, end_stride_b, count_stride_b,
-                     bias_heads, bias_head_mul, H, G, Lq, Lk, NQ, mask_hdiv, scale, n_items,
-                     IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                     STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                     LSE_REM, KEY_END, KEY_COUNT, keys_rows_b, end_stride_b, count_stride_b,
+                     bias_heads, mask_hdiv, scale, IS_CAUSAL: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                     num_warps: gl.constexpr):  # fmt: skip
     """The forward's persistent programs and work items (hopper_fwd_kernel), each computing
     dQ of its two query tiles and their row statistics: K and V (packed, both zero past each
-    list: dS = 0 there meets K) through the forward's loader, dO with Q. Writes DQ and STATS."""
+    list: dS = 0 there meets K) through the forward's loader, dO with Q. Reads O and writes DQ,
+    both (B, Lq, H, D) contiguous, and STATS."""
     gl.static_assert(num_warps == 4)
+    H, G, Lq, Lk, NQ, n_items, bias_head_mul, stride_b, stride_m, stride_h = _rows_shape(
+        q_desc, k_desc, bias_heads, BLOCK_M, D
+    )
     n_bh = n_items // gl.cdiv(NQ, 2)
 
     q_smem, do_smem, k_smem, v_smem, kcol_smem, bcol_smem = _fwd_shared(
@@ -598,13 +618,13 @@ def hopper_dq_kernel(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, DQ, 
         (_dq_consumer, (DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_smem,
                         k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready,
                         kv_empty, pp, n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale,
-                        stride_dqb, stride_dqm, stride_dqh, stride_ob, stride_om, stride_oh,
+                        stride_b, stride_m, stride_h, stride_b, stride_m, stride_h,
                         end_stride_b, count_stride_b, 0, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M,
                         BLOCK_N, D, STAGES)),
         (_dq_consumer, (DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_smem,
                         k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready,
                         kv_empty, pp, n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale,
-                        stride_dqb, stride_dqm, stride_dqh, stride_ob, stride_om, stride_oh,
+                        stride_b, stride_m, stride_h, stride_b, stride_m, stride_h,
                         end_stride_b, count_stride_b, 1, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M,
                         BLOCK_N, D, STAGES)),
         (_fwd_loader, (q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, do_smem,
@@ -737,8 +757,7 @@ def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_
 def _dkdv_consumer(DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COUNT, k_smem, v_smem,
                    q_smem, do_smem, stats_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
                    keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items, n_parts, n_bg,
-                   hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads, bias_head_mul, stride_dkb,
-                   stride_dkm, stride_dkh, stride_dvb, stride_dvm, stride_dvh, dbias_stride_b,
+                   hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads, bias_head_mul, dbias_stride_b,
                    dbias_stride_h, C: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
                    DBIAS_COLS: gl.constexpr, PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
@@ -851,9 +870,12 @@ def _dkdv_consumer(DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COU
                 gl.store(PART_DB + part * Lk + r, db, mask=r < Lk)
         else:
             pos_a = gl.convert_layout(pos, acc_rows).to(gl.int64)[:, None]
-            p_dk = DK + b.to(gl.int64) * stride_dkb + hk * stride_dkh + pos_a * stride_dkm
+            # DK, DV (B, Lk, Hkv, D) contiguous: row (b, key, hk) starts at ((b * Lk + key) *
+            # Hkv + hk) * D.
+            o_kv = ((b.to(gl.int64) * Lk + pos_a) * hkv + hk) * D
+            p_dk = DK + o_kv
             gl.store(p_dk + cols[None, :], dk.to(dtype), mask=in_k)
-            p_dv = DV + b.to(gl.int64) * stride_dvb + hk * stride_dvh + pos_a * stride_dvm
+            p_dv = DV + o_kv
             gl.store(p_dv + cols[None, :], dv.to(dtype), mask=in_k)
             if DBIAS_COLS:
                 p_db = DBIAS + b.to(gl.int64) * dbias_stride_b + hk * dbias_stride_h + pos
@@ -862,20 +884,30 @@ def _dkdv_consumer(DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COU
 
 @gluon.jit
 def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, stats_desc, BIAS, KEYS, KEY_COUNT, DK, DV,
-                       DBIAS, PART_DK, PART_DV, PART_DB, stride_dkb, stride_dkm, stride_dkh,
-                       stride_dvb, stride_dvm, stride_dvh, dbias_stride_b, dbias_stride_h,
-                       keys_stride_b, keys_stride_h, count_stride_b, bias_heads, bias_head_mul,
-                       H, G, Lq, Lk, mask_hdiv, scale, SPLIT, n_items, n_parts,
-                       IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       DBIAS_COLS: gl.constexpr, PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                       num_warps: gl.constexpr):  # fmt: skip
+                       DBIAS, PART_DK, PART_DV, PART_DB, keys_stride_b, count_stride_b,
+                       bias_heads, bias_head_mul, mask_hdiv, scale, SPLIT, IS_CAUSAL: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, DBIAS_COLS: gl.constexpr, PARTIAL: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                       STAGES: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """A persistent program: work items (_dkdv_item) t = program_id, + num_programs, ... of
     n_items = (list tiles of 2 * BLOCK_N) * n_parts, n_parts = B * Hkv * SPLIT. Every list
-    position below Lk is written: keys past the count get zeros."""
+    position below Lk is written: keys past the count get zeros. Shapes come from the
+    descriptors; DK and DV (B, Lk, Hkv, D) and DBIAS (B, Hkv, 1, Lk) are contiguous, the key
+    lists' rows Lk apart. bias_head_mul (0 or 1, bias_heads > 1) comes from the host, unlike
+    the forward's: a constant 0 here, which folds the consumers' per-head bias branch away, makes
+    Triton 3.6's ConvertTritonGPUToLLVM fail an assertion (an LLVM SmallVector index)."""
     gl.static_assert(num_warps == 4)
-    hkv = H // G
-    n_bg = n_parts // SPLIT
+    Lq = q_desc.shape[1]
+    H = q_desc.shape[2]
+    Lk = k_desc.shape[1]
+    hkv = k_desc.shape[2]
+    G = H // hkv
+    n_bg = q_desc.shape[0] * hkv
+    n_parts = n_bg * SPLIT
+    n_items = gl.cdiv(Lk, 2 * BLOCK_N) * n_parts
+    keys_stride_h = Lk
+    dbias_stride_h = Lk
+    dbias_stride_b = hkv * Lk
     dtype: gl.constexpr = q_desc.dtype
 
     k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -902,15 +934,13 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, stats_desc, BIAS, KEYS, 
                           v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_empty, q_ready, do_ready,
                           qdo_empty, keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv,
                           n_items, n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads,
-                          bias_head_mul, stride_dkb, stride_dkm, stride_dkh, stride_dvb, stride_dvm,
-                          stride_dvh, dbias_stride_b, dbias_stride_h, 0, IS_CAUSAL, HAS_BIAS,
+                          bias_head_mul, dbias_stride_b, dbias_stride_h, 0, IS_CAUSAL, HAS_BIAS,
                           DBIAS_COLS, PARTIAL, BLOCK_M, BLOCK_N, D, STAGES)),
         (_dkdv_consumer, (DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COUNT, k_smem,
                           v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_empty, q_ready, do_ready,
                           qdo_empty, keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv,
                           n_items, n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads,
-                          bias_head_mul, stride_dkb, stride_dkm, stride_dkh, stride_dvb, stride_dvm,
-                          stride_dvh, dbias_stride_b, dbias_stride_h, 1, IS_CAUSAL, HAS_BIAS,
+                          bias_head_mul, dbias_stride_b, dbias_stride_h, 1, IS_CAUSAL, HAS_BIAS,
                           DBIAS_COLS, PARTIAL, BLOCK_M, BLOCK_N, D, STAGES)),
         (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_smem,
                         do_smem, stats_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,

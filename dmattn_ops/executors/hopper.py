@@ -231,12 +231,17 @@ def _or(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
     return stand_in if t is None else t
 
 
-def _bias_rows(bias, hkv: int) -> tuple[int, int]:
-    """(bias_heads, bias_head_mul) of a packed bias (B, Hkv * bias_heads, 1, Lk)."""
-    if bias is None:
-        return 1, 0
-    heads = bias.shape[1] // hkv
-    return heads, int(heads > 1)
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An output buffer the launcher allocated contiguous (or None): the kernels derive its
+    strides from its shape."""
+    assert t is None or t.is_contiguous(), "the Hopper kernels write contiguous outputs"
+    return t
+
+
+def _bias_heads(bias, hkv: int) -> int:
+    """The bias rows per KV group of a packed bias (B, Hkv * bias_heads, 1, Lk): 1 or G (the
+    kernels read a row per query head where it is above 1)."""
+    return 1 if bias is None else bias.shape[1] // hkv
 
 
 def _hopper_forward(
@@ -260,19 +265,17 @@ def _hopper_forward(
     lse and lse_rem (B, H, Lq) float32."""
     b, lq, h, d = query.shape
     lk, hkv = key.shape[1], key.shape[2]
-    bias_heads, bias_mul = _bias_rows(bias, hkv)
+    bias_heads = _bias_heads(bias, hkv)
     n_items = cdiv(lq, 2 * BLOCK_M) * b * h
     block_n, stages, pingpong = FWD_LONG if lk >= LONG_TILES_MIN_LK else FWD_SHORT
     if bias is not None and bias.element_size() > 2:
         stages = min(stages, 2)
     _FORWARD_KERNEL[(min(n_items, sm_count(query.device)),)](
-        _descriptor(query, BLOCK_M), *_key_tiles(key, value, keys, bias, block_n), out, lse,
-        lse_rem, key_end, key_count, out.stride(0), out.stride(1), out.stride(2),
-        _batch_stride(keys) // lk, _batch_stride(key_end), _batch_stride(key_count),
-        bias_heads, bias_mul, h, h // hkv, lq, lk, key_end.shape[2], mask_div, float(scale),
-        n_items, IS_CAUSAL=is_causal, HAS_BIAS=bias is not None, PINGPONG=pingpong,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
-        maxnreg=MAXNREG,
+        _descriptor(query, BLOCK_M), *_key_tiles(key, value, keys, bias, block_n),
+        _contiguous(out), lse, lse_rem, key_end, key_count, _batch_stride(keys) // lk,
+        _batch_stride(key_end), _batch_stride(key_count), bias_heads, mask_div, float(scale),
+        IS_CAUSAL=is_causal, HAS_BIAS=bias is not None, PINGPONG=pingpong, BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
 
 
@@ -300,22 +303,20 @@ def _hopper_dkdv(
     kernel's (B, H, Lq, 4) row statistics; dk, dv (B, Lk, Hkv, D) and dbias (B, Hkv, 1, Lk)
     written at the keys (zeros at keys no list holds), or with split > 1 the float32 parts
     (split, B * Hkv, Lk, D) at list positions for attention_bwd_dkdv_reduce_kernel."""
-    b, lq, h, d = query.shape
+    b, d = query.shape[0], query.shape[3]
     lk, hkv = key.shape[1], key.shape[2]
-    bias_heads, bias_mul = _bias_rows(bias, hkv)
-    db_strides = (dbias.stride(0), dbias.stride(1)) if dbias is not None else (0, 0)
-    n_parts = b * hkv * split
-    n_items = dkdv_programs(lk) * n_parts
+    bias_heads = _bias_heads(bias, hkv)
+    n_items = dkdv_programs(lk) * b * hkv * split
+    assert keys.stride(1) == lk, "key lists (Bm, Hm, Lk) with contiguous rows"
     _DKDV_KERNEL[(min(n_items, sm_count(query.device)),)](
         _descriptor(query, DKDV_BLOCK_M), _descriptor(key, DKDV_BLOCK_N),
         _descriptor(value, DKDV_BLOCK_N), _descriptor(grad_out, DKDV_BLOCK_M),
         _rows_descriptor(stats, DKDV_BLOCK_M),
-        _or(bias, keys), keys, key_count, dk, dv, _or(dbias, dk), _or(part_dk, stats),
-        _or(part_dv, stats), _or(part_db, stats),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        *db_strides, _batch_stride(keys), keys.stride(1), _batch_stride(key_count), bias_heads,
-        bias_mul, h, h // hkv, lq, lk, mask_div, float(scale), split, n_items, n_parts,
-        IS_CAUSAL=is_causal,
+        _or(bias, keys), keys, key_count, _contiguous(dk), _contiguous(dv),
+        _or(_contiguous(dbias), dk), _or(part_dk, stats),
+        _or(part_dv, stats), _or(part_db, stats), _batch_stride(keys),
+        _batch_stride(key_count), bias_heads, int(bias_heads > 1), mask_div, float(scale),
+        split, IS_CAUSAL=is_causal,
         HAS_BIAS=bias is not None, DBIAS_COLS=dbias is not None or part_db is not None,
         PARTIAL=split > 1, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, D=d,
         STAGES=DKDV_STAGES, num_warps=4, maxnreg=MAXNREG,
@@ -345,20 +346,16 @@ def _hopper_dq(
     writes dq (B, Lq, H, D) and the row statistics stats (B, H, Lq, 4) (launch.RowStats)."""
     b, lq, h, d = query.shape
     lk, hkv = key.shape[1], key.shape[2]
-    bias_heads, bias_mul = _bias_rows(bias, hkv)
+    bias_heads = _bias_heads(bias, hkv)
     n_items = cdiv(lq, 2 * BLOCK_M) * b * h
     block_n, stages, pingpong = DQ_TILES
-    if out.stride(3) != 1:
-        out = out.contiguous()
     _DQ_KERNEL[(min(n_items, sm_count(query.device)),)](
         _descriptor(query, BLOCK_M), _descriptor(grad_out, BLOCK_M),
-        *_key_tiles(key, value, keys, bias, block_n), dq, stats, out, lse, lse_rem, key_end,
-        key_count, dq.stride(0), dq.stride(1), dq.stride(2), out.stride(0), out.stride(1),
-        out.stride(2), _batch_stride(keys) // lk, _batch_stride(key_end),
-        _batch_stride(key_count), bias_heads, bias_mul, h, h // hkv, lq, lk, key_end.shape[2],
-        mask_div, float(scale), n_items, IS_CAUSAL=is_causal, HAS_BIAS=bias is not None,
-        PINGPONG=pingpong, BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
-        maxnreg=MAXNREG,
+        *_key_tiles(key, value, keys, bias, block_n), _contiguous(dq), stats, out.contiguous(),
+        lse, lse_rem, key_end, key_count, _batch_stride(keys) // lk, _batch_stride(key_end),
+        _batch_stride(key_count), bias_heads, mask_div, float(scale), IS_CAUSAL=is_causal,
+        HAS_BIAS=bias is not None, PINGPONG=pingpong, BLOCK_M=BLOCK_M, BLOCK_N=block_n, D=d,
+        STAGES=stages, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
 
 
