@@ -464,16 +464,22 @@ def _dq_stats(STATS, OUT, LSE, LSE_REM, do2, b, h, mr, H, Lq, stride_ob, stride_
 
 
 @gluon.jit
-def _dq_scores(s, dp, slot, j, kcol_smem, bcol_smem, stats, count, rows, off, scale,
-               MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
-               BLOCK_N: gl.constexpr):  # fmt: skip
-    """dS of key tile j from S and dP: P = exp((s - lse) - lse_rem) (the exponent clamped at 0,
-    as kernels/attention_bwd_stats.py _probs), dS = P (dP - delta); MASKED: 0 where the key is
-    past the list or (causal) after the row (a select: P there may be anything, dP NaN)."""
-    lse, lse_rem, delta = stats
+def _dq_probs(s, slot, j, kcol_smem, bcol_smem, stats, count, rows, off, scale,
+              IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """P of key tile j from S: exp((s - lse) - lse_rem), the exponent clamped at 0 (as
+    kernels/attention_bwd_stats.py _probs); unmasked (_dq_scores selects dS)."""
+    lse, lse_rem, _ = stats
     x = _fwd_logits(s, slot, j, kcol_smem, bcol_smem, count, rows, off, scale, False,
                     IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
-    p = gl.exp2(gl.minimum((x - lse[:, None]) - lse_rem[:, None], 0.0) * LOG2E)
+    return gl.exp2(gl.minimum((x - lse[:, None]) - lse_rem[:, None], 0.0) * LOG2E)
+
+
+@gluon.jit
+def _dq_scores(p, dp, slot, j, kcol_smem, stats, count, rows, off, MASKED: gl.constexpr,
+               IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """dS of key tile j from P (_dq_probs) and dP: P (dP - delta); MASKED: 0 where the key is
+    past the list or (causal) after the row (a select: P there may be anything, dP NaN)."""
+    delta = stats[2]
     ds = p * (dp - delta[:, None])
     if MASKED:
         ok = _fwd_allowed(slot, j, kcol_smem, count, rows, off, IS_CAUSAL, BLOCK_N)
@@ -502,9 +508,11 @@ def _dq_step(j, it, ppk, q2, do2, ring, dq, ds16, stats, count, rows, off, scale
     dq = warpgroup_mma(ds16, k_smem.index(prev).reshape([BLOCK_N, D]), dq, is_async=True)
     _fwd_pass(pp, C, PINGPONG)
     s = warpgroup_mma_wait(2, deps=[s])
-    dp = warpgroup_mma_wait(1, deps=[dp])
-    ds = _dq_scores(s, dp, slot, j, kcol_smem, bcol_smem, stats, count, rows, off, scale, MASKED,
-                    IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
+    p = _dq_probs(s, slot, j, kcol_smem, bcol_smem, stats, count, rows, off, scale, IS_CAUSAL,
+                  HAS_BIAS, BLOCK_N)  # fmt: skip
+    dp = warpgroup_mma_wait(1, deps=[dp])  # P's exponentials ran under dP
+    ds = _dq_scores(p, dp, slot, j, kcol_smem, stats, count, rows, off, MASKED, IS_CAUSAL,
+                    BLOCK_N)  # fmt: skip
     dq, ds16 = warpgroup_mma_wait(0, deps=[dq, ds16])
     mbarrier.arrive(kv_empty.index(prev), count=1)
     return dq, gl.convert_layout(ds.to(ds16.dtype), ds_layout)
@@ -556,9 +564,12 @@ def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_sm
             dp = _product_t(do2, v_smem, slot, BLOCK_M, BLOCK_N, D)
             _fwd_pass(pp, C, PINGPONG)
             ppk += 1
-            s, dp = warpgroup_mma_wait(0, deps=[s, dp])
-            ds = _dq_scores(s, dp, slot, 0, kcol_smem, bcol_smem, stats, count, rows, off, scale,
-                            True, IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
+            s = warpgroup_mma_wait(1, deps=[s])
+            p = _dq_probs(s, slot, 0, kcol_smem, bcol_smem, stats, count, rows, off, scale,
+                          IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
+            dp = warpgroup_mma_wait(0, deps=[dp])
+            ds = _dq_scores(p, dp, slot, 0, kcol_smem, stats, count, rows, off, True, IS_CAUSAL,
+                            BLOCK_N)  # fmt: skip
             ds16 = gl.convert_layout(ds.to(dtype), ds_layout)
             for j in range(1, n_whole):
                 dq, ds16 = _dq_step(
