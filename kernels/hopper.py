@@ -716,6 +716,89 @@ def _dkdv_ok(in_list, m0, Lq, pos, off, query_l: gl.constexpr, IS_CAUSAL: gl.con
 
 
 @gluon.jit
+def _dkdv_tile(i, it, item, ring, state, scale, FIRST: gl.constexpr, IS_CAUSAL: gl.constexpr,
+               HAS_BIAS: gl.constexpr, DBIAS_COLS: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Step i of a dK/dV work item (its query head and tile: _dkdv_step), ring slot it + i:
+    S^T = K Q^T and dP^T = V dO^T issued; then (past the FIRST step) the wait for S^T that also
+    completes dK += dS^T Q of step i - 1, whose slot is then released; P^T, dV += P^T dO,
+    dS^T, and dK += dS^T Q left running under the next step's products. item: the work item's
+    values; ring: Q, dO and statistics buffers and barriers; state (dK, dV, dS^T of the step
+    in flight, the dbias column sums, the keys' biases), returned updated."""
+    (
+        hk,
+        G,
+        g0,
+        t_lo,
+        steps,
+        Lq,
+        off,
+        r,
+        keys_whole,
+        last_pos,
+        in_list,
+        pos,
+        bias_base,
+        bias_head_mul,
+        kc,
+        vc,
+    ) = item
+    q_smem, do_smem, stats_smem, q_ready, do_ready, qdo_empty = ring
+    dk, dv, ds16, db, b_row = state
+    st_layout: gl.constexpr = _mma_layout(BLOCK_M)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(D),
+                                                 k_width=2)  # fmt: skip
+    query_l: gl.constexpr = gl.SliceLayout(0, st_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    h, m0 = _dkdv_step(i, hk, G, g0, t_lo, steps, BLOCK_M)
+    slot = (it + i) % STAGES
+    phase = ((it + i) // STAGES) & 1
+    q2 = q_smem.index(slot).reshape([BLOCK_M, D])
+    do2 = do_smem.index(slot).reshape([BLOCK_M, D])
+    whole = keys_whole & (m0 + BLOCK_M <= Lq)
+    if IS_CAUSAL:
+        whole = whole & (last_pos <= m0 + off)
+    if HAS_BIAS:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if bias_head_mul != 0:
+            p_bias = bias_base + (h % G).to(gl.int64) * (Lq + off)  # rows of Lk biases
+            b_row = gl.load(p_bias + r, mask=in_list, other=0.0).to(gl.float32)
+    mbarrier.wait(q_ready.index(slot), phase)
+    lse, lse_rem, delta = _dkdv_stats(stats_smem, slot, query_l, BLOCK_M)
+    st = warpgroup_mma(kc, q2.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                       use_acc=False, is_async=True)  # fmt: skip
+    mbarrier.wait(do_ready.index(slot), phase)
+    dpt = warpgroup_mma(vc, do2.permute((1, 0)),
+                        gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout), use_acc=False,
+                        is_async=True)  # fmt: skip
+    if FIRST:
+        st = warpgroup_mma_wait(1, deps=[st])
+    else:
+        st, dk, ds16 = warpgroup_mma_wait(1, deps=[st, dk, ds16])  # dK of step i - 1 as well
+        mbarrier.arrive(qdo_empty.index((it + i - 1) % STAGES), count=1)
+    x = st * scale
+    if HAS_BIAS:
+        x = x + b_row[:, None]
+    pt = gl.exp2(
+        ((x - _dkdv_row(lse, query_l)[None, :]) - _dkdv_row(lse_rem, query_l)[None, :]) * LOG2E
+    )
+    if not whole:
+        pt = gl.where(_dkdv_ok(in_list, m0, Lq, pos, off, query_l, IS_CAUSAL, BLOCK_M), pt, 0.0)
+    pt16 = gl.convert_layout(pt.to(dtype), a_layout)
+    dv = warpgroup_mma(pt16, do2, dv, is_async=True)
+    dpt = warpgroup_mma_wait(1, deps=[dpt])
+    # dS^T keeps its own select: 0 * (dP^T - delta) is 0 only where both are finite.
+    dst = pt * (dpt - _dkdv_row(delta, query_l)[None, :])
+    if not whole:
+        dst = gl.where(_dkdv_ok(in_list, m0, Lq, pos, off, query_l, IS_CAUSAL, BLOCK_M), dst, 0.0)
+    if DBIAS_COLS:
+        db += gl.sum(dst, axis=1)
+    ds16 = gl.convert_layout(dst.to(dtype), a_layout)
+    dk = warpgroup_mma(ds16, q2, dk, is_async=True)
+    dv, pt16 = warpgroup_mma_wait(1, deps=[dv, pt16])
+    return dk, dv, ds16, db, b_row
+
+
+@gluon.jit
 def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_smem, do_smem,
                  stats_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, KEYS, KEY_COUNT,
                  keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items, n_parts,
@@ -783,7 +866,6 @@ def _dkdv_consumer(DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COU
     acc_layout: gl.constexpr = _mma_layout(D)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     key_l: gl.constexpr = gl.SliceLayout(1, st_layout)
-    query_l: gl.constexpr = gl.SliceLayout(0, st_layout)
     acc_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
     dtype: gl.constexpr = q_smem.dtype
 
@@ -815,56 +897,19 @@ def _dkdv_consumer(DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COU
         db = gl.zeros([BLOCK_N], gl.float32, key_l)
         if steps > 0:
             mbarrier.wait(kv_bar, n_kv & 1)
-            for i in range(n_heads * steps):
-                h, m0 = _dkdv_step(i, hk, G, g0, t_lo, steps, BLOCK_M)
-                slot = it % STAGES
-                phase = (it // STAGES) & 1
-                q2 = q_smem.index(slot).reshape([BLOCK_M, D])
-                do2 = do_smem.index(slot).reshape([BLOCK_M, D])
-                whole = keys_whole & (m0 + BLOCK_M <= Lq)
-                if IS_CAUSAL:
-                    whole = whole & (last_pos <= m0 + off)
-                if HAS_BIAS:  # noqa: SIM102 (a constexpr test, then a runtime one)
-                    if bias_head_mul != 0:
-                        p_bias = bias_base + (h % G).to(gl.int64) * Lk
-                        b_row = gl.load(p_bias + r, mask=in_list, other=0.0).to(gl.float32)
-                mbarrier.wait(q_ready.index(slot), phase)
-                lse, lse_rem, delta = _dkdv_stats(stats_smem, slot, query_l, BLOCK_M)
-                st = warpgroup_mma(kc, q2.permute((1, 0)),
-                                   gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                                   use_acc=False, is_async=True)  # fmt: skip
-                mbarrier.wait(do_ready.index(slot), phase)
-                dpt = warpgroup_mma(vc, do2.permute((1, 0)),
-                                    gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                                    use_acc=False, is_async=True)  # fmt: skip
-                st = warpgroup_mma_wait(1, deps=[st])
-                x = st * scale
-                if HAS_BIAS:
-                    x = x + b_row[:, None]
-                pt = gl.exp2(
-                    ((x - _dkdv_row(lse, query_l)[None, :]) - _dkdv_row(lse_rem, query_l)[None, :])
-                    * LOG2E
-                )  # fmt: skip
-                if not whole:
-                    pt = gl.where(
-                        _dkdv_ok(in_list, m0, Lq, pos, off, query_l, IS_CAUSAL, BLOCK_M), pt, 0.0
-                    )
-                pt16 = gl.convert_layout(pt.to(dtype), a_layout)
-                dv = warpgroup_mma(pt16, do2, dv, is_async=True)
-                dpt = warpgroup_mma_wait(1, deps=[dpt])
-                # dS^T keeps its own select: 0 * (dP^T - delta) is 0 only where both are finite.
-                dst = pt * (dpt - _dkdv_row(delta, query_l)[None, :])
-                if not whole:
-                    dst = gl.where(
-                        _dkdv_ok(in_list, m0, Lq, pos, off, query_l, IS_CAUSAL, BLOCK_M), dst, 0.0
-                    )
-                if DBIAS_COLS:
-                    db += gl.sum(dst, axis=1)
-                ds16 = gl.convert_layout(dst.to(dtype), a_layout)
-                dk = warpgroup_mma(ds16, q2, dk, is_async=True)
-                dv, dk, pt16, ds16 = warpgroup_mma_wait(0, deps=[dv, dk, pt16, ds16])
-                mbarrier.arrive(qdo_empty.index(slot), count=1)
-                it += 1
+            item = (hk, G, g0, t_lo, steps, Lq, off, r, keys_whole, last_pos, in_list, pos,
+                    bias_base, bias_head_mul, kc, vc)  # fmt: skip
+            ring = (q_smem, do_smem, stats_smem, q_ready, do_ready, qdo_empty)
+            state = (dk, dv, gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout), db, b_row)
+            state = _dkdv_tile(0, it, item, ring, state, scale, True, IS_CAUSAL, HAS_BIAS,
+                               DBIAS_COLS, BLOCK_M, BLOCK_N, D, STAGES)  # fmt: skip
+            for i in range(1, n_heads * steps):
+                state = _dkdv_tile(i, it, item, ring, state, scale, False, IS_CAUSAL, HAS_BIAS,
+                                   DBIAS_COLS, BLOCK_M, BLOCK_N, D, STAGES)  # fmt: skip
+            dk, dv, ds16, db, b_row = state
+            dk, ds16 = warpgroup_mma_wait(0, deps=[dk, ds16])
+            it += n_heads * steps
+            mbarrier.arrive(qdo_empty.index((it - 1) % STAGES), count=1)
             mbarrier.arrive(kv_empty, count=1)
             n_kv += 1
 
