@@ -13,11 +13,11 @@ from dmattn_ops.kernels.common import (
     key_tile_bounds,
     listed_keys,
     load_rows,
-    query_rows,
+    query_tile,
+    row_tile,
     run_end,
     run_tile,
     score_tile,
-    seq_extent,
 )
 
 
@@ -211,45 +211,17 @@ def attention_bwd_dq_kernel(
     tile_major = IS_CAUSAL and not HAS_WINDOW and not VARLEN and not COMPACT
     i_mb, i_bh = grid_tile(tile_major, tile_major)
     POS_M: tl.constexpr = BLOCK_M // PACK_G  # positions per tile
-    i_b, i_g, i_h, i_hr, i_hc, i_m = query_rows(i_mb, i_bh, H, G, BLOCK_M, PACK_G)
-    q_start, Lq, k_start, n_keys, Lk = seq_extent(
-        CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED, VARLEN
-    )
-    if VARLEN:
-        q_row0 = q_start
-        k_row0 = k_start
-    else:
-        q_row0 = 0
-        k_row0 = 0
-
-    i_d = tl.arange(0, BLOCK_D)
-    i_dv = tl.arange(0, BLOCK_DV)
-    m_m = i_m < Lq
-    o_m = q_row0 + i_m.to(tl.int64)
-    b_q = tl.load(
-        Q
-        + i_b * stride_qb
-        + i_hc * stride_qh
-        + o_m[:, None] * stride_qm
-        + i_d[None, :] * stride_qd,
-        mask=m_m[:, None] & (i_d[None, :] < D),
-        other=0.0,
-    )  # [BM, BD]
-    b_do = tl.load(
-        DO
-        + i_b * stride_dob
-        + i_hc * stride_doh
-        + o_m[:, None] * stride_dom
-        + i_dv[None, :] * stride_dod,
-        mask=m_m[:, None] & (i_dv[None, :] < Dv),
-        other=0.0,
-    )  # [BM, BDV]
-    b_o = tl.load(
-        OUT + i_b * stride_ob + i_hc * stride_oh + o_m[:, None] * stride_om
-        + i_dv[None, :] * stride_od,
-        mask=m_m[:, None] & (i_dv[None, :] < Dv),
-        other=0.0,
+    i_b, i_g, i_h, i_hr, i_hc, i_m, q_start, Lq, n_keys, Lk, k_row0, i_d, i_dv, m_m, o_m = (
+        query_tile(
+            i_mb, i_bh, CU_Q, CU_K, SEQUSED, Lq, Lk, H, G, BLOCK_M, BLOCK_D, BLOCK_DV, PACK_G,
+            HAS_SEQUSED, VARLEN,
+        )
     )  # fmt: skip
+    b_q = row_tile(Q, i_b, i_hc, o_m, m_m, i_d, stride_qb, stride_qh, stride_qm, stride_qd, D)
+    b_do = row_tile(
+        DO, i_b, i_hc, o_m, m_m, i_dv, stride_dob, stride_doh, stride_dom, stride_dod, Dv
+    )
+    b_o = row_tile(OUT, i_b, i_hc, o_m, m_m, i_dv, stride_ob, stride_oh, stride_om, stride_od, Dv)
     o_row = i_b * lse_stride_b + i_hr * lse_stride_h + o_m
     lse_row, lse_rem, delta = _dq_row_stats(
         STATS, LSE, LSE_REM, GRAD_LSE, b_o, b_do, o_row,

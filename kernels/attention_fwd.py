@@ -13,11 +13,11 @@ from dmattn_ops.kernels.common import (
     listed_keys,
     load_rows,
     lse_split,
-    query_rows,
+    query_tile,
+    row_tile,
     run_end,
     run_tile,
     score_tile,
-    seq_extent,
 )
 
 
@@ -203,30 +203,11 @@ def attention_fwd_kernel(
     scale, softcap = as_fp32(scale), as_fp32(softcap)
     i_mb, i_bh = grid_tile(IS_CAUSAL and not HAS_WINDOW and not VARLEN, True)
     POS_M: tl.constexpr = BLOCK_M // PACK_G  # positions per tile
-    i_b, i_g, i_h, i_hr, i_hc, i_m = query_rows(i_mb, i_bh, H, G, BLOCK_M, PACK_G)
-    q_start, Lq, k_start, n_keys, Lk = seq_extent(
-        CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED, VARLEN
-    )
-    if VARLEN:
-        q_row0 = q_start
-        k_row0 = k_start
-    else:
-        q_row0 = 0
-        k_row0 = 0
-
-    i_d = tl.arange(0, BLOCK_D)
-    i_dv = tl.arange(0, BLOCK_DV)
-    m_m = i_m < Lq
-    o_m = q_row0 + i_m.to(tl.int64)
-    b_q = tl.load(
-        Q
-        + i_b * stride_qb
-        + i_hc * stride_qh
-        + o_m[:, None] * stride_qm
-        + i_d[None, :] * stride_qd,
-        mask=m_m[:, None] & (i_d[None, :] < D),
-        other=0.0,
-    )  # [BM, BD]
+    i_b, i_g, i_h, i_hr, i_hc, i_m, _, Lq, n_keys, Lk, k_row0, i_d, i_dv, m_m, o_m = query_tile(
+        i_mb, i_bh, CU_Q, CU_K, SEQUSED, Lq, Lk, H, G, BLOCK_M, BLOCK_D, BLOCK_DV, PACK_G,
+        HAS_SEQUSED, VARLEN,
+    )  # fmt: skip
+    b_q = row_tile(Q, i_b, i_hc, o_m, m_m, i_d, stride_qb, stride_qh, stride_qm, stride_qd, D)
     p_k = K + i_b * stride_kb + k_row0 * stride_kn + i_g * stride_kh
     p_v = V + i_b * stride_vb + k_row0 * stride_vn + i_g * stride_vh
     p_mask = MASK

@@ -429,6 +429,45 @@ def run_tile(it, a_end, b_start, p_idx, WRAP: tl.constexpr, TABLE: tl.constexpr)
 
 
 @triton.jit
+def query_tile(
+    i_mb, i_bh, CU_Q, CU_K, SEQUSED, Lq, Lk, H, G, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PACK_G: tl.constexpr,
+    HAS_SEQUSED: tl.constexpr, VARLEN: tl.constexpr,
+):  # fmt: skip
+    """Query tile i_mb of (batch, head) column i_bh for the forward and dq kernels:
+    (i_b, i_g, i_h, i_hr, i_hc, i_m) as query_rows, (q_start, Lq, n_keys, Lk) as seq_extent,
+    k_row0 (the sequence's first key row in the packed operands: k_start with VARLEN, else 0),
+    the column indices i_d and i_dv (BLOCK_D, BLOCK_DV), m_m (rows below Lq) and o_m (the
+    rows in the packed operands, int64)."""
+    i_b, i_g, i_h, i_hr, i_hc, i_m = query_rows(i_mb, i_bh, H, G, BLOCK_M, PACK_G)
+    q_start, Lq, k_start, n_keys, Lk = seq_extent(
+        CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED, VARLEN
+    )
+    if VARLEN:
+        q_row0 = q_start
+        k_row0 = k_start
+    else:
+        q_row0 = 0
+        k_row0 = 0
+    i_d = tl.arange(0, BLOCK_D)
+    i_dv = tl.arange(0, BLOCK_DV)
+    m_m = i_m < Lq
+    o_m = q_row0 + i_m.to(tl.int64)
+    return i_b, i_g, i_h, i_hr, i_hc, i_m, q_start, Lq, n_keys, Lk, k_row0, i_d, i_dv, m_m, o_m
+
+
+@triton.jit
+def row_tile(X, i_b, i_hc, o_m, m_m, i_c, stride_b, stride_h, stride_m, stride_d, n_cols):
+    """The [BLOCK_M, columns i_c] tile of X (B, L, H, n_cols) at rows o_m of head i_hc, zeros
+    past Lq (m_m) and n_cols."""
+    return tl.load(
+        X + i_b * stride_b + i_hc * stride_h + o_m[:, None] * stride_m + i_c[None, :] * stride_d,
+        mask=m_m[:, None] & (i_c[None, :] < n_cols),
+        other=0.0,
+    )
+
+
+@triton.jit
 def key_tile_bounds(
     KEY_START, KEY_END, KV_INT, KV_NUM, row, i_b, i_hm, i_mb, n_keys, Lq, table_stride_b,
     table_stride_h, win_left, win_right, BLOCK_M: tl.constexpr, POS_M: tl.constexpr,
