@@ -111,6 +111,34 @@ def test_kept_lists_keep_zero_tails_apart():
     assert kept.take(problem, band, 64, PackFrom(k, k, None, 2, zero_tail=True)) is lists
 
 
+def test_descriptors_made_once_per_shape_equal_fresh_ones(monkeypatch):
+    """A launch's TMA descriptors come from one made and checked per (shape, strides, dtype,
+    box, base alignment), copied with the call's tensor: field for field Triton's own, the
+    cache holding no tensor, and a tensor of other strides, alignment or dtype gets its own."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    monkeypatch.setattr(hopper_exec, "_DESCRIPTORS", {})
+    buf = torch.zeros(2 * 40 * 4 * 64 + 8, dtype=torch.bfloat16)
+    a, b = (buf[:-8].view(2, 40, 4, 64).clone() for _ in range(2))
+    first, second = hopper_exec._descriptor(a, 16), hopper_exec._descriptor(b, 16)
+    assert len(hopper_exec._DESCRIPTORS) == 1
+    assert all(kept.base is None for kept in hopper_exec._DESCRIPTORS.values())
+    fresh = TensorDescriptor(b, [2, 40, 4, 64], [10240, 256, 64, 1], [1, 16, 1, 64],
+                             hopper_exec._layout(torch.bfloat16, (1, 16, 1, 64)))  # fmt: skip
+    assert type(second) is TensorDescriptor and second.base is b and first.base is a
+    assert vars(second) == vars(fresh)
+    # A transposed copy (other strides) and a float16 one get their own; a base 8 bytes off,
+    # which Triton refuses, is never served the kept one.
+    heads_outer = a.transpose(1, 2).contiguous().transpose(1, 2)
+    made = [hopper_exec._descriptor(t, 16) for t in (heads_outer, a.half())]
+    assert made[0].strides == [10240, 64, 2560, 1] and made[0].base is heads_outer
+    assert made[1].base.dtype == torch.float16 and made[1].strides == [10240, 256, 64, 1]
+    assert len(hopper_exec._DESCRIPTORS) == 3
+    off = buf[4:].view(-1)[: a.numel()].view(2, 40, 4, 64)
+    assert off.data_ptr() % 16 != 0 and hopper_exec._kept(off, (1, 16, 1, 64)) is None
+
+
 CASES = [
     # (case, mask batch, bias pattern, causal)
     # Lk a multiple of 8 (hopper.LK_MULTIPLE), none of 64: every list ends in a partial tile.

@@ -179,20 +179,55 @@ def _layout(dtype: torch.dtype, block: tuple):
     return layout
 
 
+_DESCRIPTORS: dict = {}  # (shape, strides, dtype, box, 16-byte aligned) -> a baseless descriptor
+
+
+def _kept(t: torch.Tensor, block: tuple):
+    """A descriptor of t with `block` boxes made from the one kept for its shape, strides, dtype,
+    box and base alignment (_tma), or None.
+
+    Triton's TensorDescriptor checks its fields when made (~8 us a descriptor on the CI's host,
+    and a forward launch takes five); what it checks of the base is its dtype and 16-byte
+    alignment, so a descriptor made and checked once serves every later tensor of that key,
+    copied with its base. Only TMA-ready tensors are kept (_descriptor makes the others
+    contiguous first), and the key decides readiness: the strides are in it and the storage
+    offset's alignment is the base's (allocations start 16-byte aligned)."""
+    kept = _DESCRIPTORS.get((t.shape, t.stride(), t.dtype, block, t.data_ptr() % 16 == 0))
+    if kept is None:
+        return None
+    desc = object.__new__(type(kept))
+    desc.__dict__.update(kept.__dict__)
+    desc.base = t
+    return desc
+
+
 def _tma(t: torch.Tensor, block: tuple):
-    """Gluon's TMA descriptor of t (its own shape and strides) with `block` boxes."""
+    """Gluon's TMA descriptor of t (its own shape and strides) with `block` boxes; made and
+    checked once per key (_kept), the cache holding no tensor."""
+    desc = _kept(t, block)
+    if desc is not None:
+        return desc
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor(
+    desc = TensorDescriptor(
         t, list(t.shape), list(t.stride()), list(block), _layout(t.dtype, block)
     )
+    if len(_DESCRIPTORS) >= 256:  # shapes seen: a bound, not a working set
+        _DESCRIPTORS.clear()
+    kept = object.__new__(TensorDescriptor)
+    kept.__dict__.update(desc.__dict__)
+    kept.base = None
+    _DESCRIPTORS[(t.shape, t.stride(), t.dtype, block, t.data_ptr() % 16 == 0)] = kept
+    return desc
 
 
 def _descriptor(t: torch.Tensor, rows: int):
     """A TMA descriptor of 4-D t (B, L, heads, D) with [1, rows, 1, D] boxes."""
-    if not _tma_ready(t):
-        t = t.contiguous()
-    return _tma(t, (1, rows, 1, t.shape[3]))
+    block = (1, rows, 1, t.shape[3])
+    desc = _kept(t, block)
+    if desc is not None:
+        return desc
+    return _tma(t if _tma_ready(t) else t.contiguous(), block)
 
 
 def _flat_descriptor(t: torch.Tensor, block: int):
