@@ -100,11 +100,28 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep
     if torch.cuda.is_available():
+        _longest_first(items)
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_GPU_DURATIONS = os.path.join(os.path.dirname(__file__), "gpu_durations.txt")
+
+
+def _longest_first(items):
+    """On a CUDA machine the tests of gpu_durations.txt (a GPU run's slowest) go first, longest
+    first, the rest after them in collection order: xdist hands tests out in this order, so a
+    5-minute test no longer starts in the last minutes of a run a time limit cuts."""
+    seconds = {}
+    with open(_GPU_DURATIONS) as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                value, nodeid = line.split(maxsplit=1)
+                seconds[nodeid.strip()] = float(value)
+    items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))
 
 
 @pytest.fixture
