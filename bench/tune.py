@@ -30,6 +30,8 @@ TUNE_CASES = {
     **CASES,
     "M-L32768": Case("M-L32768", "the model's DMA call at B1 L32768: H16 Hkv4, bias (B,Hkv,1,L), "
                      "top-8192 per key", 1, 16, 4, 32768, 32768, 128, "gqa", keep=8192),
+    "M-L16384": Case("M-L16384", "the model's DMA call at B1 L16384: H16 Hkv4, bias (B,Hkv,1,L), "
+                     "top-4096 per key", 1, 16, 4, 16384, 16384, 128, "gqa", keep=4096),
     "M-L8192": Case("M-L8192", "the model's DMA call at B1 L8192: H16 Hkv4, bias (B,Hkv,1,L), "
                     "top-2048 per key", 1, 16, 4, 8192, 8192, 128, "gqa", keep=2048),
     "M-L512": Case("M-L512", "the model's DMA call at B16 L512: H16 Hkv4, bias (B,Hkv,1,L), "
