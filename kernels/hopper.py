@@ -521,15 +521,16 @@ def _dq_step(j, it, ppk, q2, do2, ring, dq, ds16, stats, count, rows, off, scale
 @gluon.jit
 def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_smem, k_smem,
                  v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, pp,
-                 n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale, stride_dqb, stride_dqm,
-                 stride_dqh, stride_ob, stride_om, stride_oh, end_stride_b, count_stride_b,
-                 C: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                 n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale, stride_b, stride_m,
+                 stride_h, end_stride_b, count_stride_b, C: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                 STAGES: gl.constexpr):  # fmt: skip
     """Rows C * BLOCK_M onwards of each work item's query pair: their row statistics
     (_dq_stats), then key tile by key tile (_dq_step; the tiles every row sees whole first,
     unmasked, as in the forward) dQ = scale * sum dS K, stored in DQ's dtype. Q's and dO's
-    slot is released once the item's last products that read them are done."""
+    slot is released once the item's last products that read them are done. DQ and OUT are
+    both (B, Lq, H, D) contiguous: one set of strides (batch, row, head) serves both."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     acc_layout: gl.constexpr = _mma_layout(D)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -553,8 +554,8 @@ def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_sm
         )  # fmt: skip
         dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
         mbarrier.wait(q_bars.index(C), i & 1)
-        stats = _dq_stats(STATS, OUT, LSE, LSE_REM, do2, b, h, mr, H, Lq, stride_ob, stride_om,
-                          stride_oh, row_s, BLOCK_M, D)  # fmt: skip
+        stats = _dq_stats(STATS, OUT, LSE, LSE_REM, do2, b, h, mr, H, Lq, stride_b, stride_m,
+                          stride_h, row_s, BLOCK_M, D)  # fmt: skip
         if n_tiles > 0:
             slot = it % STAGES
             mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
@@ -598,8 +599,8 @@ def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_sm
 
         rows_a = mr + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         cols_a = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-        p_dq = DQ + b.to(gl.int64) * stride_dqb + h * stride_dqh
-        p_dq = p_dq + rows_a.to(gl.int64)[:, None] * stride_dqm + cols_a[None, :]
+        p_dq = DQ + b.to(gl.int64) * stride_b + h * stride_h
+        p_dq = p_dq + rows_a.to(gl.int64)[:, None] * stride_m + cols_a[None, :]
         gl.store(p_dq, (dq * scale).to(dtype), mask=(rows_a < Lq)[:, None])
 
 
@@ -629,15 +630,13 @@ def hopper_dq_kernel(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, DQ, 
         (_dq_consumer, (DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_smem,
                         k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready,
                         kv_empty, pp, n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale,
-                        stride_b, stride_m, stride_h, stride_b, stride_m, stride_h,
-                        end_stride_b, count_stride_b, 0, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M,
-                        BLOCK_N, D, STAGES)),
+                        stride_b, stride_m, stride_h, end_stride_b, count_stride_b, 0,
+                        IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)),
         (_dq_consumer, (DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_smem,
                         k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready,
                         kv_empty, pp, n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale,
-                        stride_b, stride_m, stride_h, stride_b, stride_m, stride_h,
-                        end_stride_b, count_stride_b, 1, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M,
-                        BLOCK_N, D, STAGES)),
+                        stride_b, stride_m, stride_h, end_stride_b, count_stride_b, 1,
+                        IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)),
         (_fwd_loader, (q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, do_smem,
                        k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready,
                        kv_empty, KEY_END, end_stride_b, keys_rows_b, bias_heads, bias_head_mul,
