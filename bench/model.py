@@ -122,7 +122,7 @@ def is_attention_kernel(name: str) -> bool:
 # Stages of a step's trace, first match wins (`stage_of`): a kernel name's parts.
 STAGES = (
     ("attention forward", ("attention_fwd", "hopper_fwd", "fprop", "flash_fwd")),
-    ("attention dQ", ("attention_bwd_dq", "convert_dq")),
+    ("attention dQ", ("attention_bwd_dq", "hopper_dq", "convert_dq")),
     ("attention dK/dV", ("attention_bwd_dkdv", "hopper_dkdv", "fmha_reduce")),
     ("attention backward, fused (cuDNN, flash)", ("bprop", "flash_bwd")),
     ("attention, other", ATTENTION_KERNELS),

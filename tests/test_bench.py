@@ -234,6 +234,9 @@ def test_trace_stages_name_each_kernel_of_a_step():
         "attention_fwd_kernel": "attention forward",
         "attention_bwd_dq_kernel": "attention dQ",
         "attention_bwd_dkdv_reduce_kernel": "attention dK/dV",
+        "hopper_fwd_kernel": "attention forward",
+        "hopper_dq_kernel": "attention dQ",
+        "hopper_dkdv_kernel": "attention dK/dV",
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16": "attention forward",
         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": (
             "attention backward, fused (cuDNN, flash)"

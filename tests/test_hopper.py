@@ -81,11 +81,12 @@ def test_plan_takes_hopper_only_where_it_applies(monkeypatch):
         return (q, k_long, k_long, topk_mask(c.b, c.hkv, lk, 64, dev),
                 torch.empty(c.b, c.hkv, 1, lk, dtype=torch.bfloat16, device=dev), True)  # fmt: skip
 
-    forward_long, backward_long = (long_args(n) for n in (
-        hopper_exec.FORWARD_MIN_LK, hopper_exec.BACKWARD_MIN_LK))  # fmt: skip
-    assert forward_plan(*forward_long).hopper == ON_HOPPER
-    assert not backward_plan(*forward_long).hopper
-    assert backward_plan(*backward_long).hopper == ON_HOPPER
+    fwd_least, bwd_least = hopper_exec.FORWARD_MIN_LK, hopper_exec.BACKWARD_MIN_LK
+    for n in {fwd_least - hopper_exec.LK_MULTIPLE, fwd_least, bwd_least - hopper_exec.LK_MULTIPLE,
+              bwd_least}:  # fmt: skip
+        assert forward_plan(*long_args(n)).hopper == (ON_HOPPER and n >= fwd_least), n
+        assert backward_plan(*long_args(n)).hopper == (ON_HOPPER and n >= bwd_least), n
+    forward_long, backward_long = long_args(fwd_least), long_args(bwd_least)
     assert not backward_plan(*backward_long, grad_lse=True).hopper
     with dmattn_ops.kernel_options(hopper=False):
         assert not forward_plan(*args).hopper and not forward_plan(*forward_long).hopper
@@ -242,8 +243,10 @@ def test_hopper_matches_the_triton_kernels_at_the_model_shape(monkeypatch):
 
 @hopper_only
 @pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32, None], ids=str)
-@pytest.mark.parametrize("passes", ["forward", "both"])
-def test_hopper_at_long_lists(passes, bias_dtype, monkeypatch):
+@pytest.mark.parametrize(
+    "least", sorted({hopper_exec.FORWARD_MIN_LK, hopper_exec.BACKWARD_MIN_LK}), ids="Lk{}".format
+)
+def test_hopper_at_long_lists(least, bias_dtype, monkeypatch):
     """The long-list tiles (FWD_LONG: 128 keys, ping-pong; 2 stages under a float32 bias) of the
     forward, taken by default from FORWARD_MIN_LK keys, and the dQ and dK/dV kernels, from
     BACKWARD_MIN_LK, with NaN in K and V past each list and a bias of finfo.min at some listed
@@ -253,7 +256,6 @@ def test_hopper_at_long_lists(passes, bias_dtype, monkeypatch):
     before every listed key empty, dK and dV zero at the unlisted keys."""
     monkeypatch.delenv("DMATTN_HOPPER")
     torch.manual_seed(5)
-    least = hopper_exec.FORWARD_MIN_LK if passes == "forward" else hopper_exec.BACKWARD_MIN_LK
     b, L, h, hkv, d = 1, least + 72, 8, 2, 128
     q = torch.randn(b, L, h, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     k = torch.randn(b, L, hkv, d, dtype=torch.bfloat16, device="cuda")
@@ -270,8 +272,8 @@ def test_hopper_at_long_lists(passes, bias_dtype, monkeypatch):
         bias.requires_grad_()
     leaves = [t for t in (q, k, v, bias) if t is not None]
     go = torch.randn_like(q)
-    assert forward_plan(q, k, v, mask, bias, True).hopper
-    assert backward_plan(q, k, v, mask, bias, True).hopper == (passes == "both")
+    assert forward_plan(q, k, v, mask, bias, True).hopper == (L >= hopper_exec.FORWARD_MIN_LK)
+    assert backward_plan(q, k, v, mask, bias, True).hopper == (L >= hopper_exec.BACKWARD_MIN_LK)
 
     def run():
         out, lse = dmattn_ops.attention(q, k, v, mask, bias, is_causal=True, return_lse=True,

@@ -18,9 +18,9 @@ Where they pay (H200, torch 2.11, Triton 3.6, kernel ms of bench.tune's cases): 
 list columns come through shared memory (carried in registers they spilled at 128-key tiles),
 the tiles every row sees whole skip the masks, and the consumers' issues alternate. The dQ
 kernel, the forward's structure with dO beside Q, runs M-L32768 in 2.70 ms against 3.03, the
-dK/dV kernel 4.66 against 5.05; at 8192 keys the dK/dV kernel is behind (0.40 against 0.36),
-and a compiled step of short calls pays each launch's ~65 us of host time as an extern call
-(Inductor launches a Triton kernel in ~15): hence the two lengths.
+dK/dV kernel 4.17-4.28 against 5.17; at 8192 keys the dK/dV kernel is behind (0.39 against
+0.36), and a compiled step of short calls pays each launch's host time as an extern call
+(Inductor launches a Triton kernel in ~15 us): hence the thresholds (both 16384 keys now).
 
 Gluon kernels cannot go through `torch.library.wrap_triton` (Inductor re-emits a user kernel's
 source under `@triton.jit`), so each launch is an op of its own, `dmattn::_hopper_forward`,
@@ -60,10 +60,12 @@ LONG_TILES_MIN_LK = 8192
 # compiled step 1.1 ms: 9.25 against 8.11).
 FORWARD_MIN_LK = 16384
 # ... and their backward from this many (dQ and dK/dV kernels): the compiled B1 L32768 step
-# 59.47 -> 56.32 ms on the H200; at 8192 keys the dK/dV kernel is behind the Triton one (0.40
-# against 0.36 ms) by more than the dQ kernel gains (0.23 against 0.25), and at B1 L16384 the
-# step with the dK/dV kernel alone was 20.52 ms against 20.32.
-BACKWARD_MIN_LK = 32768
+# 59.47 -> 56.32 ms on the H200. At 16384 keys both win since each step's dK product overlaps
+# the next step's (M-L16384: dQ 0.737 against the Triton kernel's 0.810 ms, dK/dV 1.199 against
+# 1.284; the B1 L16384 step 19.88 against 20.89 with the backward on Triton); at 8192 keys the
+# dK/dV kernel is behind (0.387 against 0.362) by more than the dQ kernel gains (0.240 against
+# 0.254).
+BACKWARD_MIN_LK = 16384
 DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 64, 64, 2
 # The dQ kernel's (BLOCK_N, STAGES, PINGPONG): the forward's programs and loader with dO beside
 # Q; 64-key tiles (its S, dP, dS and dQ in registers: 128-key tiles spill 504 bytes).
