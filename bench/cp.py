@@ -14,7 +14,8 @@ need one ring step (documents shorter than a rank's rows cross at most into the 
 ``--overlap`` (GPUs): one more ring step per row under torch.profiler, rank 0's NCCL kernel
 time and the share of it during which one of its compute kernels ran (`overlap`), and for
 every rank where its step went (`rank_time`): the host's time to issue it, the GPU's compute
-and NCCL time, and the time the GPU ran nothing.
+and NCCL time, and the time the GPU ran nothing; then rank 0's longest idle stretches, each
+named by the kernels before and after it (`idle_gaps`).
 
 ``--model``: a whole training step instead of one call: bench.model's stack of four pre-norm
 DMA blocks (hidden 2048, H16 Hkv4 D128, window L/4, B1), on one GPU against the same model with
@@ -180,20 +181,37 @@ def overlap(comm, compute) -> tuple[float, float]:
     return busy, hidden
 
 
-def rank_time(wall: float, issue: float, comm, compute) -> dict:
+def rank_time(wall: float, issue: float, comm, compute, lead: float = 0.0) -> dict:
     """Where one rank's profiled step went (ms; intervals in us on its GPU): `wall` the step
     with its synchronize, `issue` the host's time until the step returned (its last launch
     issued; the ring's shape agreement waits for the GPU inside it), `compute` the union of the
     compute kernels, `nccl` of the NCCL ones, `idle` the wall less the union of both (the GPU
-    waiting for the host). A step whose issue time is near its wall and whose idle time is
-    large is host-bound; one whose NCCL time far exceeds its transfers' size waits for a peer."""
+    waiting for the host), `lead` (ms) the part of it before the step's first kernel. A step
+    whose issue time is near its wall and whose idle time is large is host-bound; one whose
+    NCCL time far exceeds its transfers' size waits for a peer."""
     busy = sum(b - a for a, b in _union([*comm, *compute]))
     return dict(wall=wall, issue=issue, compute=sum(b - a for a, b in _union(compute)) / 1e3,
                 nccl=sum(b - a for a, b in _union(comm)) / 1e3,
-                idle=max(0.0, wall - busy / 1e3))  # fmt: skip
+                idle=max(0.0, wall - busy / 1e3), lead=lead)  # fmt: skip
+
+
+def idle_gaps(spans, top: int) -> list[tuple[float, float, str, str]]:
+    """The `top` longest stretches in which the GPU ran nothing, over (start, end, name) kernel
+    spans of one step (us): (gap, its start after the step's first kernel began, the kernel
+    before it, the kernel that ended it), the longest first. Named so, a gap says which launch
+    the host was late with (after a synchronisation, or a slow stretch of Python)."""
+    gaps, end, last, first = [], None, None, None
+    for start, stop, name in sorted(spans):
+        first = start if first is None else first
+        if end is not None and start > end:
+            gaps.append((start - end, end - first, last, name))
+        if end is None or stop >= end:
+            end, last = stop, name
+    return sorted(gaps, key=lambda g: -g[0])[:top]
 
 
 KERNELS_SHOWN = 14  # --overlap: rank 0's GPU kernels by total time, the longest first
+GAPS_SHOWN = 8  # --overlap: rank 0's longest idle stretches
 CENSUS_SHOWN = 10  # --census: the sites holding the most at the peak
 
 
@@ -260,27 +278,39 @@ def _profile_overlap(row: dict, step, device) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     step()  # warm
+    marker = torch.zeros(1, device=device)
+    dist.barrier()  # the ranks start the profiled step together
     torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # CUDA activity alone: recording every host op too would slow the host and so lengthen
+    # the GPU's idle stretches that this profile measures.
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        marker.zero_()  # a kernel where the step starts: its distance to the next is the lead
         t0 = time.perf_counter()
         step()
         issue = time.perf_counter() - t0
         torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
-    comm, compute, by_name = [], [], {}
-    for e in prof.events():
-        if e.device_type != DeviceType.CUDA or "memcpy" in e.name.lower():
-            continue
-        span = (e.time_range.start, e.time_range.end)
-        (comm if "nccl" in e.name.lower() else compute).append(span)
-        calls, total = by_name.get(e.name, (0, 0.0))
-        by_name[e.name] = (calls + 1, total + span[1] - span[0])
+    comm, compute, by_name, named = [], [], {}, []
+    events = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and "memcpy" not in e.name.lower()
+    )
+    start = events[0][0] if events else 0.0  # the marker's
+    for lo, hi, name in events[1:]:
+        (comm if "nccl" in name.lower() else compute).append((lo, hi))
+        named.append((lo, hi, name))
+        calls, total = by_name.get(name, (0, 0.0))
+        by_name[name] = (calls + 1, total + hi - lo)
+    lead = (named[0][0] - start) / 1e3 if named else 0.0
+    named.insert(0, (start, start, "(the step's start)"))
     busy, hidden = overlap(comm, compute)
     row["nccl_ms"] = busy / 1e3
     row["hidden"] = hidden / busy if busy else None
     row["kernels"] = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:KERNELS_SHOWN]
+    row["gaps"] = idle_gaps(named, GAPS_SHOWN)
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, rank_time(wall * 1e3, issue * 1e3, comm, compute))
+    dist.all_gather_object(every, rank_time(wall * 1e3, issue * 1e3, comm, compute, lead))
     row["ranks"] = every
 
 
@@ -556,11 +586,18 @@ def table(rows, world: int) -> str:
 
 def rank_table(ranks) -> str:
     """rank_time's figures of every rank, one row each."""
-    rows = [[r, t["wall"], t["issue"], t["compute"], t["nccl"], t["idle"]]
+    rows = [[r, t["wall"], t["issue"], t["compute"], t["nccl"], t["idle"], t["lead"]]
             for r, t in enumerate(ranks)]  # fmt: skip
     headers = ["rank", "step ms (profiled)", "host issue ms", "compute ms", "NCCL ms",
-               "GPU idle ms"]  # fmt: skip
-    return markdown(headers, rows, ("", ".2f", ".2f", ".2f", ".2f", ".2f"))
+               "GPU idle ms", "of it before the first kernel"]  # fmt: skip
+    return markdown(headers, rows, ("", ".2f", ".2f", ".2f", ".2f", ".2f", ".2f"))
+
+
+def gap_table(gaps) -> str:
+    """idle_gaps' rows as a table (ms)."""
+    rows = [[gap / 1e3, at / 1e3, before[:48], after[:48]] for gap, at, before, after in gaps]
+    headers = ["idle ms", "at ms", "after kernel", "ended by kernel"]
+    return markdown(headers, rows, (".3f", ".2f", "", ""))
 
 
 def kernel_table(kernels) -> str:
@@ -643,6 +680,9 @@ def main(argv=None) -> int:
             print(kernel_table(r["kernels"]))
             print(f"\n{r['kind']} L{r['length']}: where each rank's profiled step went")
             print(rank_table(r["ranks"]))
+            print(f"\n{r['kind']} L{r['length']}: rank 0's longest GPU idle stretches "
+                  "(from the step's first kernel)")  # fmt: skip
+            print(gap_table(r["gaps"]))
     return 0
 
 

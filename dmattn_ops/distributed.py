@@ -194,14 +194,20 @@ class _Ring:
         docs = None if docs is None else tuple(docs)
         return _last_step(self.layout, self.world, self.is_causal, self.window, rows, docs)
 
-    def visits(self, key, value, mask, bias, last: int):
+    def visits(self, key, value, mask, bias, last: int, ready=None):
         """(src, k, v, m, b) for each ring step up to `last` (last_step): the key-side blocks
         of rank src (this rank's first), the next block's transfer started before the caller
-        computes on this one and finished after."""
+        computes on this one and finished after. ready: called once the caller has issued
+        its own block, before any transfer starts (the ranks' agreement, _agreement): the
+        first transfer then starts after that block, which the GPU runs meanwhile."""
         travelling = [key, value, mask, bias]
         for step in range(last + 1):
-            finish = self.exchange(travelling) if step < last else None
+            early = step < last and (ready is None or step > 0)
+            finish = self.exchange(travelling) if early else None
             yield (self.rank - step) % self.world, *travelling
+            if step == 0 and ready is not None:
+                ready()
+                finish = self.exchange(travelling) if step < last else None
             if finish is not None:
                 travelling = finish()
 
@@ -474,7 +480,9 @@ def _ring_forward(
         error = None
     except (TypeError, ValueError) as e:
         error = e
-    _agree_across_ranks(query, key, value, error, ring.group, fn, docs)
+    agreed = _agreement(query, key, value, error, ring.group, fn, docs)
+    if error is not None:
+        agreed()  # raises, once every rank has heard of it
     rows = query.shape[1]
     stats = _stats_dtype(query)
     b, _, h, _ = query.shape
@@ -483,7 +491,7 @@ def _ring_forward(
     log_sum = torch.zeros_like(top)
     last = ring.last_step(rows, docs)
     merged = []  # the row ranges some block has written
-    for src, k, v, m, bb in ring.visits(key, value, mask, bias, last):
+    for src, k, v, m, bb in ring.visits(key, value, mask, bias, last, ready=agreed):
         for block in ring.pairs(src, rows, docs):
             o, l_o, rem_o = block.forward(query, k, v, m, bb, ring)
             qs = block.qs
@@ -688,11 +696,14 @@ def _host_group(group):
     return _HOST_GROUPS[group]
 
 
-def _agree_across_ranks(query, key, value, error, group, fn, docs=None) -> None:
+def _agreement(query, key, value, error, group, fn, docs=None):
     """One small all-gather of every rank's shapes and verdict, so that a call some rank
     refuses (or whose ranks hold different lengths or documents) raises on every rank instead
-    of leaving the others waiting in the ring's first exchange. docs: the cu_seqlens list, of
-    which the ranks compare the length and two checksums."""
+    of leaving the others waiting in the ring's first exchange. Started here; the returned
+    function waits for it and raises (this rank's `error` first). On a host group the gather
+    runs while the caller issues its own block (Ring.visits' ready): its round trip, ~1 ms
+    between two processes, is then no longer GPU idle time at the ring's start. docs: the
+    cu_seqlens list, of which the ranks compare the length and two checksums."""
     docs = docs or []
     sums = [len(docs), sum(docs), sum(i * x for i, x in enumerate(docs))]
     mine = [int(error is not None), *query.shape, *key.shape, *value.shape[-1:], *sums]
@@ -700,9 +711,15 @@ def _agree_across_ranks(query, key, value, error, group, fn, docs=None) -> None:
     host = _host_group(group)
     device = query.device if host is None and query.device.type != "meta" else torch.device("cpu")
     local = torch.tensor(mine if len(mine) == 13 else [1] + [0] * 12, device=device)
-    every = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(every, local, group=group if host is None else host)
-    every = [t.tolist() for t in every]
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    work = dist.all_gather(gathered, local, group=group if host is None else host, async_op=True)
+    return functools.partial(_agreed, work, gathered, error, fn)
+
+
+def _agreed(work, gathered, error, fn) -> None:
+    """_agreement's wait and verdict."""
+    work.wait()
+    every = [t.tolist() for t in gathered]
     if error is not None:
         raise error
     refused = [r for r, t in enumerate(every) if t[0]]

@@ -158,7 +158,8 @@ def test_rank_time_splits_a_step_into_compute_nccl_and_idle():
 
     # Compute [0, 4000) and [3000, 5000) us: 5 ms; NCCL [4500, 7000): 2.5 ms; both: 7 ms.
     got = rank_time(10.0, 9.5, [(4500, 7000)], [(3000, 5000), (0, 4000)])
-    assert got == dict(wall=10.0, issue=9.5, compute=5.0, nccl=2.5, idle=3.0)
+    assert got == dict(wall=10.0, issue=9.5, compute=5.0, nccl=2.5, idle=3.0, lead=0.0)
+    assert rank_time(10.0, 9.5, [], [(0, 4000)], lead=1.5)["lead"] == 1.5
     assert rank_time(1.0, 0.2, [], [])["idle"] == 1.0
 
 
@@ -174,6 +175,19 @@ def test_overlap_counts_transfer_time_under_compute():
     # Compute covering everything, and compute between the transfers only.
     assert overlap([(1, 2), (3, 4)], [(0, 10)]) == (2, 2)
     assert overlap([(0, 1), (5, 6)], [(1, 5)]) == (2, 0)
+
+
+def test_idle_gaps_names_the_kernels_around_each_stretch_the_gpu_ran_nothing():
+    """bench.cp's idle_gaps: stretches outside every span (overlapping spans, given in any
+    order, close none), the longest first, each with its start after the first kernel began
+    and the kernels before and after it (the one that ran last, not the one that began last)."""
+    from bench.cp import idle_gaps
+
+    spans = [(30, 35, "c"), (0, 10, "a"), (2, 4, "a2"), (14, 20, "b"), (15, 16, "b2")]
+    assert idle_gaps(spans, 5) == [(10, 20, "b", "c"), (4, 10, "a", "b")]
+    assert idle_gaps(spans, 1) == [(10, 20, "b", "c")]
+    assert idle_gaps([(0, 5, "x"), (5, 6, "y")], 3) == []  # touching spans leave no gap
+    assert idle_gaps([], 3) == []
 
 
 def test_peak_census_replays_allocations_to_their_highest_point():
