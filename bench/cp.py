@@ -184,7 +184,7 @@ def overlap(comm, compute) -> tuple[float, float]:
 def rank_time(wall: float, issue: float, comm, compute, lead: float = 0.0) -> dict:
     """Where one rank's profiled step went (ms; intervals in us on its GPU): `wall` the step
     with its synchronize, `issue` the host's time until the step returned (its last launch
-    issued; the ring's shape agreement waits for the GPU inside it), `compute` the union of the
+    issued), `compute` the union of the
     compute kernels, `nccl` of the NCCL ones, `idle` the wall less the union of both (the GPU
     waiting for the host), `lead` (ms) the part of it before the step's first kernel. A step
     whose issue time is near its wall and whose idle time is large is host-bound; one whose
@@ -681,7 +681,7 @@ def main(argv=None) -> int:
             print(f"\n{r['kind']} L{r['length']}: where each rank's profiled step went")
             print(rank_table(r["ranks"]))
             print(f"\n{r['kind']} L{r['length']}: rank 0's longest GPU idle stretches "
-                  "(from the step's first kernel)")  # fmt: skip
+                  "(at: ms after the step's start)")  # fmt: skip
             print(gap_table(r["gaps"]))
     return 0
 
