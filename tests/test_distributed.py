@@ -269,6 +269,11 @@ def _unequal_worker(rank: int, world: int, rendezvous: str, failures) -> None:
     from dmattn_ops import distributed as cp
 
     with _process_group(rank, world, rendezvous, failures):
+        # No refused call may start a transfer (a peer would wait for it): the ranks' own
+        # blocks run while they agree, their exchanges only after.
+        started = []
+        p2p = cp.dist.batch_isend_irecv
+        cp.dist.batch_isend_irecv = lambda ops: started.append(len(ops)) or p2p(ops)
         rows = 4 if rank == 0 else 6
         q = torch.randn(1, rows, 2, 8)
         try:
@@ -289,6 +294,8 @@ def _unequal_worker(rank: int, world: int, rendezvous: str, failures) -> None:
             assert rank == 1 or "rank(s) [1] refused" in str(e), str(e)
         else:
             raise AssertionError("a refused call ran")
+        cp.dist.batch_isend_irecv = p2p
+        assert not started, f"a refused call started {started} transfers"
         # A group whose backend takes no CPU tensors (NCCL's, as it reports itself): the
         # agreement runs on a gloo group over the same ranks, made at the first call, and
         # refuses as before; a call all ranks accept runs.
