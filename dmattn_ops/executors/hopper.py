@@ -195,8 +195,13 @@ def _kept(t: torch.Tensor, block: tuple):
     copied with its base. Only TMA-ready tensors are kept (_descriptor makes the others
     contiguous first), and the key decides readiness: the strides are in it and the storage
     offset's alignment is the base's (allocations start 16-byte aligned)."""
-    kept = _DESCRIPTORS.get((t.shape, t.stride(), t.dtype, block, t.data_ptr() % 16 == 0))
+    kept = _DESCRIPTORS.get(_descriptor_key(t, block))
     return None if kept is None else _rebased(kept, t)
+
+
+def _descriptor_key(t: torch.Tensor, block: tuple) -> tuple:
+    """_DESCRIPTORS' key of t with `block` boxes (_kept)."""
+    return t.shape, t.stride(), t.dtype, block, t.data_ptr() % 16 == 0
 
 
 def _rebased(desc, base):
@@ -216,8 +221,11 @@ def _tma(t: torch.Tensor, block: tuple):
     """Gluon's TMA descriptor of t (its own shape and strides) with `block` boxes; made and
     checked once per key (_kept), the cache holding no tensor."""
     desc = _kept(t, block)
-    if desc is not None:
-        return desc
+    return _made(t, block) if desc is None else desc
+
+
+def _made(t: torch.Tensor, block: tuple):
+    """A TMA descriptor of t made (and checked) by Triton, and kept for its key (_kept)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     desc = TensorDescriptor(
@@ -225,9 +233,7 @@ def _tma(t: torch.Tensor, block: tuple):
     )
     if len(_DESCRIPTORS) >= 256:  # shapes seen: a bound, not a working set
         _DESCRIPTORS.clear()
-    _DESCRIPTORS[(t.shape, t.stride(), t.dtype, block, t.data_ptr() % 16 == 0)] = _rebased(
-        desc, None
-    )
+    _DESCRIPTORS[_descriptor_key(t, block)] = _rebased(desc, None)
     return desc
 
 
@@ -235,9 +241,9 @@ def _descriptor(t: torch.Tensor, rows: int):
     """A TMA descriptor of 4-D t (B, L, heads, D) with [1, rows, 1, D] boxes."""
     block = (1, rows, 1, t.shape[3])
     desc = _kept(t, block)
-    if desc is not None:
+    if desc is not None:  # a kept key is a TMA-ready layout (_kept)
         return desc
-    return _tma(t if _tma_ready(t) else t.contiguous(), block)
+    return _made(t, block) if _tma_ready(t) else _tma(t.contiguous(), block)
 
 
 def _flat_descriptor(t: torch.Tensor, block: int):
