@@ -335,24 +335,19 @@ def attention_bwd_dkdv_kernel(
                 qi_hi = tl.minimum(tl.maximum(qi_hi, qi_lo), qb_hi)
         # The boundary run first: the tiles before the interior ones (the diagonal, under
         # causality), then those after them; the interior run last.
-        for it in range(qb_lo, run_end(qi_lo, qi_hi, qb_hi)):
-            qb = run_tile(it, qi_lo, qi_hi, p_idx, True, TABLE)
-            dk, dv, dbias_col = _dkdv_tile(
-                dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
-                p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod, STATS, row_base,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
-                win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, FULL,
-            )  # fmt: skip
-        for it in range(qi_lo, qi_hi):
-            qb = run_tile(it, 0, 0, p_idx, False, TABLE)
-            dk, dv, dbias_col = _dkdv_tile(
-                dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
-                p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod, STATS, row_base,
-                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
-                win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, DBIAS_COLS,
-                BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, FULL,
-            )  # fmt: skip
+        for run in tl.static_range(2):  # unrolled: run 0's tiles are boundary tiles
+            it_lo, it_hi = qi_lo, qi_hi
+            if run == 0:
+                it_lo, it_hi = qb_lo, run_end(qi_lo, qi_hi, qb_hi)
+            for it in range(it_lo, it_hi):
+                qb = run_tile(it, qi_lo, qi_hi, p_idx, run == 0, TABLE)
+                dk, dv, dbias_col = _dkdv_tile(
+                    dk, dv, dbias_col, b_k, b_v, i_n, qb, n_keys, Lq, D, Dv, scale, softcap,
+                    p_q, stride_qm, stride_qd, p_do, stride_dom, stride_dod, STATS, row_base,
+                    p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
+                    win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                    DBIAS_COLS, BLOCK_M, BLOCK_D, BLOCK_DV, DOT_PRECISION, run == 0, FULL,
+                )  # fmt: skip
         if GROUP_COLS:
             dbias_group += dbias_col
         elif DBIAS_COLS:

@@ -257,26 +257,20 @@ def attention_bwd_dq_kernel(
     )  # fmt: skip
     WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
     FULL: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV
-    for it in range(ki_lo, ki_hi):
-        kb = run_tile(it, 0, 0, p_idx, False, TABLE)
-        dq = _dq_tile(
-            dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-            scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-            p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-            win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-            DBIAS_DIRECT,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, pos0, n_pos, COMPACT, FULL,
-        )  # fmt: skip
-    for it in range(ki_hi, run_end(kb_hi, kb_lo, ki_lo)):
-        kb = run_tile(it, kb_hi, kb_lo, p_idx, WRAP, TABLE)
-        dq = _dq_tile(
-            dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
-            scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-            p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
-            win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-            DBIAS_DIRECT,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, COMPACT, FULL,
-        )  # fmt: skip
+    for run in tl.static_range(2):  # unrolled: run 1's tiles are boundary tiles (constexpr)
+        it_lo, it_hi = ki_lo, ki_hi
+        if run == 1:
+            it_lo, it_hi = ki_hi, run_end(kb_hi, kb_lo, ki_lo)
+        for it in range(it_lo, it_hi):
+            kb = run_tile(it, kb_hi, kb_lo, p_idx, WRAP and run == 1, TABLE)
+            dq = _dq_tile(
+                dq, b_q, b_do, lse_row, lse_rem, delta, i_m, kb, n_keys, Lq, Lk, D, Dv,
+                scale, softcap, p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, p_dbias,
+                win_left, win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                DBIAS_DIRECT, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, run == 1, p_keys,
+                pos0, n_pos, COMPACT, FULL,
+            )  # fmt: skip
     # dq is (B, Lq, H, D) or (total_q, H, D), contiguous.
     o_dq = ((q_start + i_m.to(tl.int64)[:, None]) * H + i_hc) * D + i_d[None, :]
     tl.store(

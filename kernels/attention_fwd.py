@@ -242,24 +242,20 @@ def attention_fwd_kernel(
     )  # fmt: skip
     WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
     FULL: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV
-    for it in range(ki_lo, ki_hi):
-        kb = run_tile(it, 0, 0, p_idx, False, TABLE)
-        acc, l_i, m_i = _fwd_tile(
-            acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
-            p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-            p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
-            IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, False, p_keys, pos0, n_pos, COMPACT, FULL,
-        )  # fmt: skip
-    for it in range(ki_hi, run_end(kb_hi, kb_lo, ki_lo)):
-        kb = run_tile(it, kb_hi, kb_lo, p_idx, WRAP, TABLE)
-        acc, l_i, m_i = _fwd_tile(
-            acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
-            p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
-            p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left, win_right,
-            IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, True, p_keys, pos0, n_pos, COMPACT, FULL,
-        )  # fmt: skip
+    for run in tl.static_range(2):  # unrolled: run 1's tiles are boundary tiles (constexpr)
+        it_lo, it_hi = ki_lo, ki_hi
+        if run == 1:
+            it_lo, it_hi = ki_hi, run_end(kb_hi, kb_lo, ki_lo)
+        for it in range(it_lo, it_hi):
+            kb = run_tile(it, kb_hi, kb_lo, p_idx, WRAP and run == 1, TABLE)
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, b_q, i_m, kb, n_keys, Lq, D, Dv, scale, softcap,
+                p_k, stride_kn, stride_kd, p_v, stride_vn, stride_vd,
+                p_mask, stride_mm, stride_mn, p_bias, stride_bm, stride_bn, win_left,
+                win_right, IS_CAUSAL, HAS_WINDOW, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, run == 1, p_keys, pos0, n_pos,
+                COMPACT, FULL,
+            )  # fmt: skip
 
     nonempty = l_i > 0.0
     l_safe = tl.where(nonempty, l_i, 1.0)
