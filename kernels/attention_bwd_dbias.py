@@ -13,6 +13,7 @@ from dmattn_ops.kernels.common import (
     causal_key_end,
     dot,
     key_count,
+    row_tile,
     score_tile,
 )
 
@@ -121,42 +122,19 @@ def attention_bwd_dbias_kernel(
                 if active:
                     i_g = i_h // G
                     m_n = i_n < n_keys
-                    b_q = tl.load(
-                        Q
-                        + i_b * stride_qb
-                        + i_h * stride_qh
-                        + o_m[:, None] * stride_qm
-                        + i_d[None, :] * stride_qd,
-                        mask=m_m[:, None] & (i_d[None, :] < D),
-                        other=0.0,
+                    b_q = row_tile(
+                        Q, i_b, i_h, o_m, m_m, i_d, stride_qb, stride_qh, stride_qm, stride_qd, D
                     )  # [BM, BD]
-                    b_do = tl.load(
-                        DO
-                        + i_b * stride_dob
-                        + i_h * stride_doh
-                        + o_m[:, None] * stride_dom
-                        + i_dv[None, :] * stride_dod,
-                        mask=m_m[:, None] & (i_dv[None, :] < Dv),
-                        other=0.0,
-                    )  # [BM, BDV]
-                    b_kt = tl.load(
-                        K
-                        + i_b * stride_kb
-                        + i_g * stride_kh
-                        + o_n[None, :] * stride_kn
-                        + i_d[:, None] * stride_kd,
-                        mask=m_n[None, :] & (i_d[:, None] < D),
-                        other=0.0,
-                    )  # [BD, BN]
-                    b_vt = tl.load(
-                        V
-                        + i_b * stride_vb
-                        + i_g * stride_vh
-                        + o_n[None, :] * stride_vn
-                        + i_dv[:, None] * stride_vd,
-                        mask=m_n[None, :] & (i_dv[:, None] < Dv),
-                        other=0.0,
-                    )  # [BDV, BN]
+                    b_do = row_tile(  # [BM, BDV]
+                        DO, i_b, i_h, o_m, m_m, i_dv, stride_dob, stride_doh, stride_dom,
+                        stride_dod, Dv,
+                    )  # fmt: skip
+                    p_k = K + i_b * stride_kb + i_g * stride_kh
+                    p_v = V + i_b * stride_vb + i_g * stride_vh
+                    b_kt = tl.load(p_k + o_n[None, :] * stride_kn + i_d[:, None] * stride_kd,
+                                   mask=m_n[None, :] & (i_d[:, None] < D), other=0.0)  # fmt: skip
+                    b_vt = tl.load(p_v + o_n[None, :] * stride_vn + i_dv[:, None] * stride_vd,
+                                   mask=m_n[None, :] & (i_dv[:, None] < Dv), other=0.0)  # fmt: skip
                     p_mask = MASK
                     if HAS_MASK:
                         p_mask = MASK + i_b * stride_mb + (i_h // mask_hdiv) * stride_mh

@@ -18,17 +18,22 @@ def models():
         vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
     )  # fmt: skip
-    torch.manual_seed(0)
-    # Separate configs: from_config records the implementation in the config it is given.
-    ours = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="dmattn"
-    )
-    sdpa = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="sdpa"
-    )
-    sdpa.load_state_dict(ours.state_dict())
+    ours, sdpa = _same_weights(cfg, "sdpa")
     assert ours.config._attn_implementation == "dmattn"
     return ours.eval(), sdpa.eval()
+
+
+def _same_weights(cfg, other: str):
+    """(ours, theirs): the model of `cfg` on attn_implementation "dmattn" and on `other`, with
+    the same (seeded) weights."""
+    torch.manual_seed(0)
+    # Separate configs: from_config records the implementation in the config it is given.
+    ours, theirs = (
+        transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl)
+        for impl in ("dmattn", other)
+    )
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
 
 
 def test_matches_sdpa_with_causal_and_padding(models):
@@ -127,14 +132,7 @@ def _sliding_models(name):
     else:
         cfg = transformers.GptOssConfig(sliding_window=5, num_local_experts=4,
                                         num_experts_per_tok=2, **common)  # fmt: skip
-    torch.manual_seed(0)
-    ours = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="dmattn"
-    )
-    eager = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="eager"
-    )
-    eager.load_state_dict(ours.state_dict())
+    ours, eager = _same_weights(cfg, "eager")
     if name == "gpt_oss":  # random sinks of a visible size, so that dropping them would show
         with torch.no_grad():
             for m in ours.modules():

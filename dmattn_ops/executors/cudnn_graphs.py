@@ -32,6 +32,7 @@ import torch
 from dmattn_ops.core.band import UNBOUNDED, Band
 from dmattn_ops.core.options import GRAPH_WINDOW_MIN_KEYS
 from dmattn_ops.core.switches import switch
+from dmattn_ops.executors._library import define_launch
 
 # A cuDNN 9 backend; whether it takes a window's graph is asked per shape (`supports`), so an
 # older 9.x that lacks one falls back. Measured on 9.19 (PyTorch 2.11's CUDA 13 wheels).
@@ -139,31 +140,18 @@ def _backward_graph(grad_out, query, key, value, out, lse, dq, dk, dv, scale, c)
     _execute(graph, tensors, buffers, query.device)
 
 
-# Each graph run is an op of its own, so that a compiled graph (inductor.py traces the launchers)
-# keeps it as a node that runs the graph, as it keeps PyTorch's cuDNN attention ops; through
-# torch.library.Library like hopper.py's launches (custom_op's wrappers cost more per call).
-_lib = torch.library.Library("dmattn", "FRAGMENT")
-_lib.define(
+# Each graph run is an op of its own (executors/_library.py).
+define_launch(
     "_cudnn_window_forward(Tensor query, Tensor key, Tensor value, Tensor(a!) out, "
-    "Tensor(b!) lse, float scale, int window) -> ()"
+    "Tensor(b!) lse, float scale, int window) -> ()",
+    _forward_graph,
 )
-_lib.define(
+define_launch(
     "_cudnn_window_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
     "Tensor out, Tensor lse, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, float scale, "
-    "int window) -> ()"
+    "int window) -> ()",
+    _backward_graph,
 )
-_lib.impl("_cudnn_window_forward", _forward_graph, "CUDA")
-_lib.impl("_cudnn_window_backward", _backward_graph, "CUDA")
-
-
-@torch.library.register_fake("dmattn::_cudnn_window_forward")
-def _(*args) -> None:
-    return None
-
-
-@torch.library.register_fake("dmattn::_cudnn_window_backward")
-def _(*args) -> None:
-    return None
 
 
 def _bhsd(t):

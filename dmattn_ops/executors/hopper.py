@@ -36,6 +36,7 @@ import importlib.util
 import torch
 
 from dmattn_ops.core.device import cdiv, sm_count
+from dmattn_ops.executors._library import define_launch
 from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
 # Tiles: a consumer warpgroup takes BLOCK_M query rows (forward; a program has two) or
@@ -410,44 +411,25 @@ def _hopper_dq(
     )  # fmt: skip
 
 
-# Registered through torch.library.Library rather than custom_op, whose Python wrappers around
-# mutated arguments cost ~60 us a call, paid again at each launch that a
-# compiled graph makes.
-_lib = torch.library.Library("dmattn", "FRAGMENT")
-_lib.define(
+define_launch(
     "_hopper_forward(Tensor query, Tensor key, Tensor value, Tensor? bias, Tensor keys, "
     "Tensor key_end, Tensor key_count, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) lse_rem, "
-    "float scale, bool is_causal, int mask_div) -> ()"
+    "float scale, bool is_causal, int mask_div) -> ()",
+    _hopper_forward,
 )
-_lib.define(
+define_launch(
     "_hopper_dkdv(Tensor query, Tensor key, Tensor value, Tensor grad_out, Tensor stats, "
     "Tensor? bias, Tensor keys, Tensor key_count, Tensor(a!) dk, Tensor(b!) dv, "
     "Tensor(c!)? dbias, Tensor(d!)? part_dk, Tensor(e!)? part_dv, Tensor(f!)? part_db, "
-    "float scale, bool is_causal, int mask_div, int split) -> ()"
+    "float scale, bool is_causal, int mask_div, int split) -> ()",
+    _hopper_dkdv,
 )
-_lib.define(
+define_launch(
     "_hopper_dq(Tensor query, Tensor key, Tensor value, Tensor grad_out, Tensor out, Tensor lse, "
     "Tensor lse_rem, Tensor? bias, Tensor keys, Tensor key_end, Tensor key_count, "
-    "Tensor(a!) dq, Tensor(b!) stats, float scale, bool is_causal, int mask_div) -> ()"
+    "Tensor(a!) dq, Tensor(b!) stats, float scale, bool is_causal, int mask_div) -> ()",
+    _hopper_dq,
 )
-_lib.impl("_hopper_forward", _hopper_forward, "CUDA")
-_lib.impl("_hopper_dq", _hopper_dq, "CUDA")
-_lib.impl("_hopper_dkdv", _hopper_dkdv, "CUDA")
-
-
-@torch.library.register_fake("dmattn::_hopper_forward")
-def _(*args) -> None:
-    return None
-
-
-@torch.library.register_fake("dmattn::_hopper_dkdv")
-def _(*args) -> None:
-    return None
-
-
-@torch.library.register_fake("dmattn::_hopper_dq")
-def _(*args) -> None:
-    return None
 
 
 def forward(query, lists, out, lse, lse_rem, scale, is_causal, mask_div) -> None:
