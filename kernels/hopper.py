@@ -30,6 +30,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.core import _aggregate as _language_aggregate
+
+# Gluon's aggregate (a struct of values a jit function takes and returns); Triton 3.6 has it
+# only as the language's own, later versions as gluon.aggregate.
+_aggregate = getattr(gluon, "aggregate", None) or _language_aggregate
+# A TMA load (global to shared, signalling an mbarrier): tma.async_copy_global_to_shared in
+# Triton 3.6; later versions name it async_load and make the old name raise.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -60,9 +68,8 @@ def _fwd_item(t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _fwd_loader(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, do_smem, k_smem,
-                v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty,
-                KEY_END, end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items, n_bh, H,
+def _fwd_loader(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, rings, KEY_END,
+                end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items, n_bh, H,
                 G, NQ, mask_hdiv, Lk, WITH_DO: gl.constexpr, HAS_BIAS: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """The loader of the forward and dQ kernels. For each work item of this program: both
@@ -86,34 +93,43 @@ def _fwd_loader(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, d
         )
         m0 = pid_m * (2 * BLOCK_M)
         for c in gl.static_range(2):
-            mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)
-            mbarrier.expect(q_bars.index(c), q_bytes)
-            tma.async_copy_global_to_shared(
-                q_desc, [b, m0 + c * BLOCK_M, h, 0], q_bars.index(c), q_smem.index(c)
+            mbarrier.wait(rings.q_empty.index(c), (i & 1) ^ 1)
+            mbarrier.expect(rings.q_bars.index(c), q_bytes)
+            _tma_load(
+                q_desc, [b, m0 + c * BLOCK_M, h, 0], rings.q_bars.index(c), rings.q_smem.index(c)
             )
             if WITH_DO:
-                tma.async_copy_global_to_shared(
-                    do_desc, [b, m0 + c * BLOCK_M, h, 0], q_bars.index(c), do_smem.index(c)
+                _tma_load(
+                    do_desc,
+                    [b, m0 + c * BLOCK_M, h, 0],
+                    rings.q_bars.index(c),
+                    rings.do_smem.index(c),
                 )
         keys0 = (b * keys_rows_b + hm) * Lk
         bias0 = ((b * (H // G) + hk) * bias_heads + (h % G) * bias_head_mul) * Lk
         for j in range(n_tiles):
             slot = it % STAGES
-            mbarrier.wait(kv_empty.index(slot), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(slot), k_bytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(slot), k_smem.index(slot)
+            mbarrier.wait(rings.kv_empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(rings.k_ready.index(slot), k_bytes)
+            _tma_load(
+                k_desc, [b, j * BLOCK_N, hk, 0], rings.k_ready.index(slot), rings.k_smem.index(slot)
             )
-            tma.async_copy_global_to_shared(
-                keys_desc, [keys0 + j * BLOCK_N], k_ready.index(slot), kcol_smem.index(slot)
+            _tma_load(
+                keys_desc,
+                [keys0 + j * BLOCK_N],
+                rings.k_ready.index(slot),
+                rings.kcol_smem.index(slot),
             )
             if HAS_BIAS:
-                tma.async_copy_global_to_shared(
-                    bias_desc, [bias0 + j * BLOCK_N], k_ready.index(slot), bcol_smem.index(slot)
+                _tma_load(
+                    bias_desc,
+                    [bias0 + j * BLOCK_N],
+                    rings.k_ready.index(slot),
+                    rings.bcol_smem.index(slot),
                 )
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(slot), v_smem.index(slot)
+            mbarrier.expect(rings.v_ready.index(slot), v_desc.block_type.nbytes)
+            _tma_load(
+                v_desc, [b, j * BLOCK_N, hk, 0], rings.v_ready.index(slot), rings.v_smem.index(slot)
             )
             it += 1
         i += 1  # noqa: SIM113 (Gluon loops take no enumerate)
@@ -197,29 +213,27 @@ def _fwd_pass(pp, C: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _fwd_step(j, it, ppk, q2, ring, state, count, rows, off, scale, C: gl.constexpr,
+def _fwd_step(j, it, ppk, q2, rings, state, count, rows, off, scale, C: gl.constexpr,
               MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
               PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """Key tile j >= 1 of an item: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued back to back,
-    the softmax of S_j while the second product runs, then slot j - 1 released. ring: the
-    shared buffers and barriers (k, v, list columns, bias columns, k_ready, v_ready, kv_empty,
-    ping-pong); state: (o, p16, m_i, l_i), returned updated."""
-    k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty, pp = ring
+    the softmax of S_j while the second product runs, then slot j - 1 released. rings: the
+    shared buffers and barriers (_Rings); state: (o, p16, m_i, l_i), returned updated."""
     o, p16, m_i, l_i = state
     o_layout: gl.constexpr = _mma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     slot = (it + j) % STAGES
     prev = (it + j - 1) % STAGES
-    mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
-    mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
-    _fwd_turn(pp, C, ppk, PINGPONG)
-    s = _product_t(q2, k_smem, slot, BLOCK_M, BLOCK_N, D)
-    o = warpgroup_mma(p16, v_smem.index(prev).reshape([BLOCK_N, D]), o, is_async=True)
-    _fwd_pass(pp, C, PINGPONG)
+    mbarrier.wait(rings.k_ready.index(slot), ((it + j) // STAGES) & 1)
+    mbarrier.wait(rings.v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+    _fwd_turn(rings.pp, C, ppk, PINGPONG)
+    s = _product_t(q2, rings.k_smem, slot, BLOCK_M, BLOCK_N, D)
+    o = warpgroup_mma(p16, rings.v_smem.index(prev).reshape([BLOCK_N, D]), o, is_async=True)
+    _fwd_pass(rings.pp, C, PINGPONG)
     s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_{j-1} V_{j-1} may still run
-    x = _fwd_logits(s, slot, j, kcol_smem, bcol_smem, count, rows, off, scale, MASKED,
+    x = _fwd_logits(s, slot, j, rings.kcol_smem, rings.bcol_smem, count, rows, off, scale, MASKED,
                     IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
     m_new = gl.maximum(m_i, gl.max(x, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -229,15 +243,14 @@ def _fwd_step(j, it, ppk, q2, ring, state, count, rows, off, scale, C: gl.conste
     p = gl.exp2((x - m_safe[:, None]) * LOG2E)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     o, p16 = warpgroup_mma_wait(0, deps=[o, p16])
-    mbarrier.arrive(kv_empty.index(prev), count=1)
+    mbarrier.arrive(rings.kv_empty.index(prev), count=1)
     o = o * gl.convert_layout(alpha, row_o)[:, None]
     p16 = gl.convert_layout(p.to(p16.dtype), p_layout)
     return o, p16, m_new, l_i
 
 
 @gluon.jit
-def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem, kcol_smem,
-                  bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, pp, n_items, n_bh, H,
+def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H,
                   G, NQ, mask_hdiv, Lq, Lk, scale, stride_ob, stride_om, stride_oh,
                   end_stride_b, count_stride_b, C: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -252,11 +265,10 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = rings.q_smem.dtype
 
     off = Lk - Lq
-    q2 = q_smem.index(C).reshape([BLOCK_M, D])
-    ring = (k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty, pp)
+    q2 = rings.q_smem.index(C).reshape([BLOCK_M, D])
     it = 0
     i = 0
     ppk = 0  # issues made (ping-pong turns taken)
@@ -271,17 +283,17 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
         o = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-        mbarrier.wait(q_bars.index(C), i & 1)
+        mbarrier.wait(rings.q_bars.index(C), i & 1)
         if n_tiles > 0:
             slot = it % STAGES
-            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-            _fwd_turn(pp, C, ppk, PINGPONG)
-            s = _product_t(q2, k_smem, slot, BLOCK_M, BLOCK_N, D)
-            _fwd_pass(pp, C, PINGPONG)
+            mbarrier.wait(rings.k_ready.index(slot), (it // STAGES) & 1)
+            _fwd_turn(rings.pp, C, ppk, PINGPONG)
+            s = _product_t(q2, rings.k_smem, slot, BLOCK_M, BLOCK_N, D)
+            _fwd_pass(rings.pp, C, PINGPONG)
             ppk += 1
             s = warpgroup_mma_wait(0, deps=[s])
-            x = _fwd_logits(s, slot, 0, kcol_smem, bcol_smem, count, rows, off, scale, True,
-                            IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
+            x = _fwd_logits(s, slot, 0, rings.kcol_smem, rings.bcol_smem, count, rows, off, scale,
+                            True, IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
             m_i = gl.max(x, axis=1)
             m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
             p = gl.exp2((x - m_safe[:, None]) * LOG2E)
@@ -289,27 +301,27 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
             p16 = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, n_whole):
                 o, p16, m_i, l_i = _fwd_step(
-                    j, it, ppk, q2, ring, (o, p16, m_i, l_i), count, rows, off, scale, C, False,
+                    j, it, ppk, q2, rings, (o, p16, m_i, l_i), count, rows, off, scale, C, False,
                     IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
                 ppk += 1
             for j in range(gl.maximum(n_whole, 1), n_tiles):
                 o, p16, m_i, l_i = _fwd_step(
-                    j, it, ppk, q2, ring, (o, p16, m_i, l_i), count, rows, off, scale, C, True,
+                    j, it, ppk, q2, rings, (o, p16, m_i, l_i), count, rows, off, scale, C, True,
                     IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
                 ppk += 1
-            mbarrier.arrive(q_empty.index(C), count=1)  # the item's last S is done
+            mbarrier.arrive(rings.q_empty.index(C), count=1)  # the item's last S is done
             last = (it + n_tiles - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
-            _fwd_turn(pp, C, ppk, PINGPONG)
-            o = warpgroup_mma(p16, v_smem.index(last).reshape([BLOCK_N, D]), o, is_async=True)
-            _fwd_pass(pp, C, PINGPONG)
+            mbarrier.wait(rings.v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
+            _fwd_turn(rings.pp, C, ppk, PINGPONG)
+            o = warpgroup_mma(p16, rings.v_smem.index(last).reshape([BLOCK_N, D]), o, is_async=True)
+            _fwd_pass(rings.pp, C, PINGPONG)
             ppk += 1
             o, p16 = warpgroup_mma_wait(0, deps=[o, p16])
-            mbarrier.arrive(kv_empty.index(last), count=1)
+            mbarrier.arrive(rings.kv_empty.index(last), count=1)
         else:
-            mbarrier.arrive(q_empty.index(C), count=1)
+            mbarrier.arrive(rings.q_empty.index(C), count=1)
         it += n_tiles
         i += 1  # noqa: SIM113 (Gluon loops take no enumerate)
 
@@ -335,11 +347,40 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
         gl.store(LSE_REM + o_row, lse_rem, mask=rows < Lq)
 
 
+@_aggregate
+class _Rings:
+    """The forward's and dQ kernel's shared memory and mbarriers (_rings): both consumers' Q
+    tiles (q_smem) and, in the dQ kernel, their dO tiles (do_smem; else Q's buffer again),
+    with q_bars (Q and dO land on one barrier) and q_empty per consumer; the ring's K, V and
+    list columns (keys' positions, biases) with k_ready, v_ready and kv_empty (both consumers
+    release a slot) per slot; pp, the ping-pong barriers, per consumer."""
+
+    q_smem: gl.shared_memory_descriptor
+    do_smem: gl.shared_memory_descriptor
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    kcol_smem: gl.shared_memory_descriptor
+    bcol_smem: gl.shared_memory_descriptor
+    q_bars: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    pp: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    kv_empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q_smem, do_smem, k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty,
+                 pp, k_ready, v_ready, kv_empty):  # fmt: skip
+        self.q_smem, self.do_smem, self.k_smem, self.v_smem = q_smem, do_smem, k_smem, v_smem
+        self.kcol_smem, self.bcol_smem = kcol_smem, bcol_smem
+        self.q_bars, self.q_empty, self.pp = q_bars, q_empty, pp
+        self.k_ready, self.v_ready, self.kv_empty = k_ready, v_ready, kv_empty
+
+
 @gluon.jit
-def _fwd_shared(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, WITH_DO: gl.constexpr,
-                HAS_BIAS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """The forward's and dQ kernel's shared-memory buffers: both consumers' Q tiles (and, with
-    WITH_DO, their dO tiles; else Q's buffer stands in), the ring's K, V and list columns."""
+def _rings(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, WITH_DO: gl.constexpr,
+           HAS_BIAS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """The forward's and dQ kernel's _Rings, allocated, the barriers initialised."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_smem = q_smem
@@ -354,13 +395,6 @@ def _fwd_shared(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, WITH_DO: 
         bias_desc.dtype, [STAGES if HAS_BIAS else 1] + bias_desc.block_type.shape,
         bias_desc.layout,
     )  # fmt: skip
-    return q_smem, do_smem, k_smem, v_smem, kcol_smem, bcol_smem
-
-
-@gluon.jit
-def _fwd_barriers(STAGES: gl.constexpr):
-    """The forward's and dQ kernel's mbarriers, initialised: (q_bars, q_empty, pp) per consumer,
-    (k_ready, v_ready, kv_empty) per ring slot (kv_empty: both consumers release a slot)."""
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     pp = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -375,7 +409,8 @@ def _fwd_barriers(STAGES: gl.constexpr):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
-    return q_bars, q_empty, pp, k_ready, v_ready, kv_empty
+    return _Rings(q_smem, do_smem, k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, pp,
+                  k_ready, v_ready, kv_empty)  # fmt: skip
 
 
 @gluon.jit
@@ -410,27 +445,20 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, keys_desc, bias_desc, OUT, LSE, LS
     )
     n_bh = n_items // gl.cdiv(NQ, 2)
 
-    q_smem, _, k_smem, v_smem, kcol_smem, bcol_smem = _fwd_shared(
-        q_desc, q_desc, k_desc, v_desc, keys_desc, bias_desc, False, HAS_BIAS, STAGES
-    )
-    q_bars, q_empty, pp, k_ready, v_ready, kv_empty = _fwd_barriers(STAGES)
-
+    rings = _rings(q_desc, q_desc, k_desc, v_desc, keys_desc, bias_desc, False, HAS_BIAS, STAGES)
+    # the two consumers: the default partition (C = 0) and a worker (C = 1)
     gl.warp_specialize([
-        (_fwd_consumer, (OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
-                         kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, pp,
-                         n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale, stride_ob,
-                         stride_om, stride_oh, end_stride_b, count_stride_b, 0, IS_CAUSAL,
-                         HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)),
-        (_fwd_consumer, (OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, k_smem, v_smem,
-                         kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, pp,
-                         n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale, stride_ob,
-                         stride_om, stride_oh, end_stride_b, count_stride_b, 1, IS_CAUSAL,
-                         HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)),
-        (_fwd_loader, (q_desc, q_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, q_smem,
-                       k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready,
-                       kv_empty, KEY_END, end_stride_b, keys_rows_b, bias_heads, bias_head_mul,
-                       n_items, n_bh, H, G, NQ, mask_hdiv, Lk, False, HAS_BIAS, BLOCK_M, BLOCK_N,
-                       STAGES)),
+        (_fwd_consumer, (OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H, G, NQ,
+                         mask_hdiv, Lq, Lk, scale, stride_ob, stride_om, stride_oh, end_stride_b,
+                         count_stride_b, 0, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D,
+                         STAGES)),
+        (_fwd_consumer, (OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H, G, NQ,
+                         mask_hdiv, Lq, Lk, scale, stride_ob, stride_om, stride_oh, end_stride_b,
+                         count_stride_b, 1, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D,
+                         STAGES)),
+        (_fwd_loader, (q_desc, q_desc, k_desc, v_desc, keys_desc, bias_desc, rings, KEY_END,
+                       end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items, n_bh, H, G,
+                       NQ, mask_hdiv, Lk, False, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip
 
 
@@ -488,44 +516,41 @@ def _dq_scores(p, dp, slot, j, kcol_smem, stats, count, rows, off, MASKED: gl.co
 
 
 @gluon.jit
-def _dq_step(j, it, ppk, q2, do2, ring, dq, ds16, stats, count, rows, off, scale,
+def _dq_step(j, it, ppk, q2, do2, rings, dq, ds16, stats, count, rows, off, scale,
              C: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
              HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """Key tile j >= 1 of an item: S_j = Q K_j^T, dP_j = dO V_j^T and dQ += dS_{j-1} K_{j-1}
     issued back to back, dS_j computed while the last two run, then slot j - 1 released."""
-    k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty, pp = ring
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(D),
                                                   k_width=2)  # fmt: skip
     slot = (it + j) % STAGES
     prev = (it + j - 1) % STAGES
     phase = ((it + j) // STAGES) & 1
-    mbarrier.wait(k_ready.index(slot), phase)
-    mbarrier.wait(v_ready.index(slot), phase)
-    _fwd_turn(pp, C, ppk, PINGPONG)
-    s = _product_t(q2, k_smem, slot, BLOCK_M, BLOCK_N, D)
-    dp = _product_t(do2, v_smem, slot, BLOCK_M, BLOCK_N, D)
-    dq = warpgroup_mma(ds16, k_smem.index(prev).reshape([BLOCK_N, D]), dq, is_async=True)
-    _fwd_pass(pp, C, PINGPONG)
+    mbarrier.wait(rings.k_ready.index(slot), phase)
+    mbarrier.wait(rings.v_ready.index(slot), phase)
+    _fwd_turn(rings.pp, C, ppk, PINGPONG)
+    s = _product_t(q2, rings.k_smem, slot, BLOCK_M, BLOCK_N, D)
+    dp = _product_t(do2, rings.v_smem, slot, BLOCK_M, BLOCK_N, D)
+    dq = warpgroup_mma(ds16, rings.k_smem.index(prev).reshape([BLOCK_N, D]), dq, is_async=True)
+    _fwd_pass(rings.pp, C, PINGPONG)
     s = warpgroup_mma_wait(2, deps=[s])
-    p = _dq_probs(s, slot, j, kcol_smem, bcol_smem, stats, count, rows, off, scale, IS_CAUSAL,
-                  HAS_BIAS, BLOCK_N)  # fmt: skip
+    p = _dq_probs(s, slot, j, rings.kcol_smem, rings.bcol_smem, stats, count, rows, off, scale,
+                  IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
     dp = warpgroup_mma_wait(1, deps=[dp])  # P's exponentials ran under dP
-    ds = _dq_scores(p, dp, slot, j, kcol_smem, stats, count, rows, off, MASKED, IS_CAUSAL,
+    ds = _dq_scores(p, dp, slot, j, rings.kcol_smem, stats, count, rows, off, MASKED, IS_CAUSAL,
                     BLOCK_N)  # fmt: skip
     dq, ds16 = warpgroup_mma_wait(0, deps=[dq, ds16])
-    mbarrier.arrive(kv_empty.index(prev), count=1)
+    mbarrier.arrive(rings.kv_empty.index(prev), count=1)
     return dq, gl.convert_layout(ds.to(ds16.dtype), ds_layout)
 
 
 @gluon.jit
-def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_smem, k_smem,
-                 v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready, kv_empty, pp,
-                 n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale, stride_b, stride_m,
-                 stride_h, end_stride_b, count_stride_b, C: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                 STAGES: gl.constexpr):  # fmt: skip
+def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H, G,
+                 NQ, mask_hdiv, Lq, Lk, scale, stride_b, stride_m, stride_h, end_stride_b,
+                 count_stride_b, C: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """Rows C * BLOCK_M onwards of each work item's query pair: their row statistics
     (_dq_stats), then key tile by key tile (_dq_step; the tiles every row sees whole first,
     unmasked, as in the forward) dQ = scale * sum dS K, stored in DQ's dtype. Q's and dO's
@@ -535,12 +560,11 @@ def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_sm
     acc_layout: gl.constexpr = _mma_layout(D)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = rings.q_smem.dtype
 
     off = Lk - Lq
-    q2 = q_smem.index(C).reshape([BLOCK_M, D])
-    do2 = do_smem.index(C).reshape([BLOCK_M, D])
-    ring = (k_smem, v_smem, kcol_smem, bcol_smem, k_ready, v_ready, kv_empty, pp)
+    q2 = rings.q_smem.index(C).reshape([BLOCK_M, D])
+    do2 = rings.do_smem.index(C).reshape([BLOCK_M, D])
     it = 0
     i = 0
     ppk = 0
@@ -553,47 +577,49 @@ def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_sm
             C, IS_CAUSAL, BLOCK_M, BLOCK_N,
         )  # fmt: skip
         dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
-        mbarrier.wait(q_bars.index(C), i & 1)
+        mbarrier.wait(rings.q_bars.index(C), i & 1)
         stats = _dq_stats(STATS, OUT, LSE, LSE_REM, do2, b, h, mr, H, Lq, stride_b, stride_m,
                           stride_h, row_s, BLOCK_M, D)  # fmt: skip
         if n_tiles > 0:
             slot = it % STAGES
-            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-            mbarrier.wait(v_ready.index(slot), (it // STAGES) & 1)
-            _fwd_turn(pp, C, ppk, PINGPONG)
-            s = _product_t(q2, k_smem, slot, BLOCK_M, BLOCK_N, D)
-            dp = _product_t(do2, v_smem, slot, BLOCK_M, BLOCK_N, D)
-            _fwd_pass(pp, C, PINGPONG)
+            mbarrier.wait(rings.k_ready.index(slot), (it // STAGES) & 1)
+            mbarrier.wait(rings.v_ready.index(slot), (it // STAGES) & 1)
+            _fwd_turn(rings.pp, C, ppk, PINGPONG)
+            s = _product_t(q2, rings.k_smem, slot, BLOCK_M, BLOCK_N, D)
+            dp = _product_t(do2, rings.v_smem, slot, BLOCK_M, BLOCK_N, D)
+            _fwd_pass(rings.pp, C, PINGPONG)
             ppk += 1
             s = warpgroup_mma_wait(1, deps=[s])
-            p = _dq_probs(s, slot, 0, kcol_smem, bcol_smem, stats, count, rows, off, scale,
-                          IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
+            p = _dq_probs(s, slot, 0, rings.kcol_smem, rings.bcol_smem, stats, count, rows, off,
+                          scale, IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
             dp = warpgroup_mma_wait(0, deps=[dp])
-            ds = _dq_scores(p, dp, slot, 0, kcol_smem, stats, count, rows, off, True, IS_CAUSAL,
-                            BLOCK_N)  # fmt: skip
+            ds = _dq_scores(p, dp, slot, 0, rings.kcol_smem, stats, count, rows, off, True,
+                            IS_CAUSAL, BLOCK_N)  # fmt: skip
             ds16 = gl.convert_layout(ds.to(dtype), ds_layout)
             for j in range(1, n_whole):
                 dq, ds16 = _dq_step(
-                    j, it, ppk, q2, do2, ring, dq, ds16, stats, count, rows, off, scale, C,
+                    j, it, ppk, q2, do2, rings, dq, ds16, stats, count, rows, off, scale, C,
                     False, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
                 ppk += 1
             for j in range(gl.maximum(n_whole, 1), n_tiles):
                 dq, ds16 = _dq_step(
-                    j, it, ppk, q2, do2, ring, dq, ds16, stats, count, rows, off, scale, C,
+                    j, it, ppk, q2, do2, rings, dq, ds16, stats, count, rows, off, scale, C,
                     True, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
                 ppk += 1
-            mbarrier.arrive(q_empty.index(C), count=1)  # the item's last S and dP are done
+            mbarrier.arrive(rings.q_empty.index(C), count=1)  # the item's last S and dP are done
             last = (it + n_tiles - 1) % STAGES
-            _fwd_turn(pp, C, ppk, PINGPONG)
-            dq = warpgroup_mma(ds16, k_smem.index(last).reshape([BLOCK_N, D]), dq, is_async=True)
-            _fwd_pass(pp, C, PINGPONG)
+            _fwd_turn(rings.pp, C, ppk, PINGPONG)
+            dq = warpgroup_mma(
+                ds16, rings.k_smem.index(last).reshape([BLOCK_N, D]), dq, is_async=True
+            )
+            _fwd_pass(rings.pp, C, PINGPONG)
             ppk += 1
             dq, ds16 = warpgroup_mma_wait(0, deps=[dq, ds16])
-            mbarrier.arrive(kv_empty.index(last), count=1)
+            mbarrier.arrive(rings.kv_empty.index(last), count=1)
         else:
-            mbarrier.arrive(q_empty.index(C), count=1)
+            mbarrier.arrive(rings.q_empty.index(C), count=1)
         it += n_tiles
         i += 1  # noqa: SIM113 (Gluon loops take no enumerate)
 
@@ -621,27 +647,20 @@ def hopper_dq_kernel(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, DQ, 
     )
     n_bh = n_items // gl.cdiv(NQ, 2)
 
-    q_smem, do_smem, k_smem, v_smem, kcol_smem, bcol_smem = _fwd_shared(
-        q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, True, HAS_BIAS, STAGES
-    )
-    q_bars, q_empty, pp, k_ready, v_ready, kv_empty = _fwd_barriers(STAGES)
-
+    rings = _rings(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, True, HAS_BIAS, STAGES)
+    # the two consumers, as in the forward
     gl.warp_specialize([
-        (_dq_consumer, (DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_smem,
-                        k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready,
-                        kv_empty, pp, n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale,
-                        stride_b, stride_m, stride_h, end_stride_b, count_stride_b, 0,
-                        IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)),
-        (_dq_consumer, (DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, q_smem, do_smem,
-                        k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready,
-                        kv_empty, pp, n_items, n_bh, H, G, NQ, mask_hdiv, Lq, Lk, scale,
-                        stride_b, stride_m, stride_h, end_stride_b, count_stride_b, 1,
-                        IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)),
-        (_fwd_loader, (q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, q_smem, do_smem,
-                       k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, k_ready, v_ready,
-                       kv_empty, KEY_END, end_stride_b, keys_rows_b, bias_heads, bias_head_mul,
-                       n_items, n_bh, H, G, NQ, mask_hdiv, Lk, True, HAS_BIAS, BLOCK_M, BLOCK_N,
-                       STAGES)),
+        (_dq_consumer, (DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H,
+                        G, NQ, mask_hdiv, Lq, Lk, scale, stride_b, stride_m, stride_h,
+                        end_stride_b, count_stride_b, 0, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M,
+                        BLOCK_N, D, STAGES)),
+        (_dq_consumer, (DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H,
+                        G, NQ, mask_hdiv, Lq, Lk, scale, stride_b, stride_m, stride_h,
+                        end_stride_b, count_stride_b, 1, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M,
+                        BLOCK_N, D, STAGES)),
+        (_fwd_loader, (q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, rings, KEY_END,
+                       end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items, n_bh, H, G,
+                       NQ, mask_hdiv, Lk, True, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip
 
 
@@ -715,14 +734,14 @@ def _dkdv_ok(in_list, m0, Lq, pos, off, query_l: gl.constexpr, IS_CAUSAL: gl.con
 
 
 @gluon.jit
-def _dkdv_tile(i, it, item, ring, state, scale, FIRST: gl.constexpr, IS_CAUSAL: gl.constexpr,
+def _dkdv_tile(i, it, item, rings, state, scale, FIRST: gl.constexpr, IS_CAUSAL: gl.constexpr,
                HAS_BIAS: gl.constexpr, DBIAS_COLS: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """Step i of a dK/dV work item (its query head and tile: _dkdv_step), ring slot it + i:
     S^T = K Q^T and dP^T = V dO^T issued; then (past the FIRST step) the wait for S^T that also
     completes dK += dS^T Q of step i - 1, whose slot is then released; P^T, dV += P^T dO,
     dS^T, and dK += dS^T Q left running under the next step's products. item: the work item's
-    values; ring: Q, dO and statistics buffers and barriers; state (dK, dV, dS^T of the step
+    values; rings: the shared buffers and barriers (_DkdvRings); state (dK, dV, dS^T of the step
     in flight, the dbias column sums, the keys' biases), returned updated."""
     (
         hk,
@@ -742,18 +761,17 @@ def _dkdv_tile(i, it, item, ring, state, scale, FIRST: gl.constexpr, IS_CAUSAL: 
         kc,
         vc,
     ) = item
-    q_smem, do_smem, stats_smem, q_ready, do_ready, qdo_empty = ring
     dk, dv, ds16, db, b_row = state
     st_layout: gl.constexpr = _mma_layout(BLOCK_M)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(D),
                                                  k_width=2)  # fmt: skip
     query_l: gl.constexpr = gl.SliceLayout(0, st_layout)
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = rings.q_smem.dtype
     h, m0 = _dkdv_step(i, hk, G, g0, t_lo, steps, BLOCK_M)
     slot = (it + i) % STAGES
     phase = ((it + i) // STAGES) & 1
-    q2 = q_smem.index(slot).reshape([BLOCK_M, D])
-    do2 = do_smem.index(slot).reshape([BLOCK_M, D])
+    q2 = rings.q_smem.index(slot).reshape([BLOCK_M, D])
+    do2 = rings.do_smem.index(slot).reshape([BLOCK_M, D])
     whole = keys_whole & (m0 + BLOCK_M <= Lq)
     if IS_CAUSAL:
         whole = whole & (last_pos <= m0 + off)
@@ -761,11 +779,11 @@ def _dkdv_tile(i, it, item, ring, state, scale, FIRST: gl.constexpr, IS_CAUSAL: 
         if bias_head_mul != 0:
             p_bias = bias_base + (h % G).to(gl.int64) * (Lq + off)  # rows of Lk biases
             b_row = gl.load(p_bias + r, mask=in_list, other=0.0).to(gl.float32)
-    mbarrier.wait(q_ready.index(slot), phase)
-    lse, lse_rem, delta = _dkdv_stats(stats_smem, slot, query_l, BLOCK_M)
+    mbarrier.wait(rings.q_ready.index(slot), phase)
+    lse, lse_rem, delta = _dkdv_stats(rings.stats_smem, slot, query_l, BLOCK_M)
     st = warpgroup_mma(kc, q2.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                        use_acc=False, is_async=True)  # fmt: skip
-    mbarrier.wait(do_ready.index(slot), phase)
+    mbarrier.wait(rings.do_ready.index(slot), phase)
     dpt = warpgroup_mma(vc, do2.permute((1, 0)),
                         gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout), use_acc=False,
                         is_async=True)  # fmt: skip
@@ -773,7 +791,7 @@ def _dkdv_tile(i, it, item, ring, state, scale, FIRST: gl.constexpr, IS_CAUSAL: 
         st = warpgroup_mma_wait(1, deps=[st])
     else:
         st, dk, ds16 = warpgroup_mma_wait(1, deps=[st, dk, ds16])  # dK of step i - 1 as well
-        mbarrier.arrive(qdo_empty.index((it + i - 1) % STAGES), count=1)
+        mbarrier.arrive(rings.qdo_empty.index((it + i - 1) % STAGES), count=1)
     x = st * scale
     if HAS_BIAS:
         x = x + b_row[:, None]
@@ -798,8 +816,7 @@ def _dkdv_tile(i, it, item, ring, state, scale, FIRST: gl.constexpr, IS_CAUSAL: 
 
 
 @gluon.jit
-def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_smem, do_smem,
-                 stats_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, KEYS, KEY_COUNT,
+def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, stats_desc, rings, KEYS, KEY_COUNT,
                  keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items, n_parts,
                  n_bg, hkv, H, G, SPLIT, Lq, Lk, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
@@ -817,43 +834,41 @@ def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_
         )  # fmt: skip
         steps = n_q - t_lo
         if steps > 0:
-            mbarrier.wait(kv_empty, (n_kv & 1) ^ 1)
-            mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+            mbarrier.wait(rings.kv_empty, (n_kv & 1) ^ 1)
+            mbarrier.expect(
+                rings.kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
+            )
             for c in gl.static_range(2):
-                tma.async_copy_global_to_shared(
-                    k_desc, [b, n0 + c * BLOCK_N, hk, 0], kv_bar, k_smem.index(c)
-                )
-                tma.async_copy_global_to_shared(
-                    v_desc, [b, n0 + c * BLOCK_N, hk, 0], kv_bar, v_smem.index(c)
-                )
+                _tma_load(k_desc, [b, n0 + c * BLOCK_N, hk, 0], rings.kv_bar, rings.k_smem.index(c))
+                _tma_load(v_desc, [b, n0 + c * BLOCK_N, hk, 0], rings.kv_bar, rings.v_smem.index(c))
             n_kv += 1
             for i in range(n_heads * steps):
                 h, m0 = _dkdv_step(i, hk, G, g0, t_lo, steps, BLOCK_M)
                 slot = it % STAGES
-                mbarrier.wait(qdo_empty.index(slot), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(slot), q_bytes)
-                tma.async_copy_global_to_shared(
-                    q_desc, [b, m0, h, 0], q_ready.index(slot), q_smem.index(slot)
+                mbarrier.wait(rings.qdo_empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(rings.q_ready.index(slot), q_bytes)
+                _tma_load(
+                    q_desc, [b, m0, h, 0], rings.q_ready.index(slot), rings.q_smem.index(slot)
                 )
-                tma.async_copy_global_to_shared(
-                    stats_desc, [(b * H + h) * Lq + m0, 0], q_ready.index(slot),
-                    stats_smem.index(slot),
+                _tma_load(
+                    stats_desc, [(b * H + h) * Lq + m0, 0], rings.q_ready.index(slot),
+                    rings.stats_smem.index(slot),
                 )  # fmt: skip
-                mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    do_desc, [b, m0, h, 0], do_ready.index(slot), do_smem.index(slot)
+                mbarrier.expect(rings.do_ready.index(slot), do_desc.block_type.nbytes)
+                _tma_load(
+                    do_desc, [b, m0, h, 0], rings.do_ready.index(slot), rings.do_smem.index(slot)
                 )
                 it += 1
 
 
 @gluon.jit
-def _dkdv_consumer(DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COUNT, k_smem, v_smem,
-                   q_smem, do_smem, stats_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
-                   keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items, n_parts, n_bg,
-                   hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads, bias_head_mul, dbias_stride_b,
-                   dbias_stride_h, C: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   DBIAS_COLS: gl.constexpr, PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+def _dkdv_consumer(DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COUNT, rings,
+                   keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items, n_parts,
+                   n_bg, hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads, bias_head_mul,
+                   dbias_stride_b, dbias_stride_h, C: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, DBIAS_COLS: gl.constexpr, PARTIAL: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                   STAGES: gl.constexpr):  # fmt: skip
     """List positions n0 + C * BLOCK_N onwards of each work item: S^T = K Q^T and
     dP^T = V dO^T per query tile, P^T = exp(S^T - lse), dV += P^T dO,
     dS^T = P^T (dP^T - delta), dK += dS^T Q, with dK, dV (and the dbias column sums) in
@@ -866,11 +881,11 @@ def _dkdv_consumer(DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COU
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     key_l: gl.constexpr = gl.SliceLayout(1, st_layout)
     acc_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = rings.q_smem.dtype
 
     off = Lk - Lq
-    kc = k_smem.index(C).reshape([BLOCK_N, D])
-    vc = v_smem.index(C).reshape([BLOCK_N, D])
+    kc = rings.k_smem.index(C).reshape([BLOCK_N, D])
+    vc = rings.v_smem.index(C).reshape([BLOCK_N, D])
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
     it = 0
     n_kv = 0
@@ -895,21 +910,20 @@ def _dkdv_consumer(DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COU
         dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
         db = gl.zeros([BLOCK_N], gl.float32, key_l)
         if steps > 0:
-            mbarrier.wait(kv_bar, n_kv & 1)
+            mbarrier.wait(rings.kv_bar, n_kv & 1)
             item = (hk, G, g0, t_lo, steps, Lq, off, r, keys_whole, last_pos, in_list, pos,
                     bias_base, bias_head_mul, kc, vc)  # fmt: skip
-            ring = (q_smem, do_smem, stats_smem, q_ready, do_ready, qdo_empty)
             state = (dk, dv, gl.zeros([BLOCK_N, BLOCK_M], dtype, a_layout), db, b_row)
-            state = _dkdv_tile(0, it, item, ring, state, scale, True, IS_CAUSAL, HAS_BIAS,
+            state = _dkdv_tile(0, it, item, rings, state, scale, True, IS_CAUSAL, HAS_BIAS,
                                DBIAS_COLS, BLOCK_M, BLOCK_N, D, STAGES)  # fmt: skip
             for i in range(1, n_heads * steps):
-                state = _dkdv_tile(i, it, item, ring, state, scale, False, IS_CAUSAL, HAS_BIAS,
+                state = _dkdv_tile(i, it, item, rings, state, scale, False, IS_CAUSAL, HAS_BIAS,
                                    DBIAS_COLS, BLOCK_M, BLOCK_N, D, STAGES)  # fmt: skip
             dk, dv, ds16, db, b_row = state
             dk, ds16 = warpgroup_mma_wait(0, deps=[dk, ds16])
             it += n_heads * steps
-            mbarrier.arrive(qdo_empty.index((it - 1) % STAGES), count=1)
-            mbarrier.arrive(kv_empty, count=1)
+            mbarrier.arrive(rings.qdo_empty.index((it - 1) % STAGES), count=1)
+            mbarrier.arrive(rings.kv_empty, count=1)
             n_kv += 1
 
         r_a = gl.convert_layout(r, acc_rows)
@@ -935,6 +949,58 @@ def _dkdv_consumer(DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COU
             if DBIAS_COLS:
                 p_db = DBIAS + b.to(gl.int64) * dbias_stride_b + hk * dbias_stride_h + pos
                 gl.store(p_db, db.to(DBIAS.dtype.element_ty), mask=r < Lk)
+
+
+@_aggregate
+class _DkdvRings:
+    """The dK/dV kernel's shared memory and mbarriers (_dkdv_rings): both consumers' K and V
+    tiles with kv_bar (all four land on one barrier) and kv_empty (both consumers release
+    them); the STAGES-deep ring of Q tiles with their row statistics (q_ready) and of dO tiles
+    (do_ready), with qdo_empty per slot (both consumers release a slot)."""
+
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    q_smem: gl.shared_memory_descriptor
+    do_smem: gl.shared_memory_descriptor
+    stats_smem: gl.shared_memory_descriptor
+    kv_bar: gl.shared_memory_descriptor
+    kv_empty: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    do_ready: gl.shared_memory_descriptor
+    qdo_empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_empty, q_ready,
+                 do_ready, qdo_empty):  # fmt: skip
+        self.k_smem, self.v_smem, self.q_smem, self.do_smem = k_smem, v_smem, q_smem, do_smem
+        self.stats_smem, self.kv_bar, self.kv_empty = stats_smem, kv_bar, kv_empty
+        self.q_ready, self.do_ready, self.qdo_empty = q_ready, do_ready, qdo_empty
+
+
+@gluon.jit
+def _dkdv_rings(q_desc, k_desc, v_desc, do_desc, stats_desc, STAGES: gl.constexpr):
+    """The dK/dV kernel's _DkdvRings, allocated, the barriers initialised."""
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    stats_smem = gl.allocate_shared_memory(
+        gl.float32, [STAGES] + stats_desc.block_type.shape, stats_desc.layout
+    )
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_empty, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(qdo_empty.index(i), count=2)
+    return _DkdvRings(k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_empty, q_ready,
+                      do_ready, qdo_empty)  # fmt: skip
 
 
 @gluon.jit
@@ -963,43 +1029,21 @@ def hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, stats_desc, BIAS, KEYS, 
     keys_stride_h = Lk
     dbias_stride_h = Lk
     dbias_stride_b = hkv * Lk
-    dtype: gl.constexpr = q_desc.dtype
 
-    k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    stats_smem = gl.allocate_shared_memory(
-        gl.float32, [STAGES] + stats_desc.block_type.shape, stats_desc.layout
-    )
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    mbarrier.init(kv_empty, count=2)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(qdo_empty.index(i), count=2)
+    rings = _dkdv_rings(q_desc, k_desc, v_desc, do_desc, stats_desc, STAGES)
 
     gl.warp_specialize([
-        (_dkdv_consumer, (DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COUNT, k_smem,
-                          v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_empty, q_ready, do_ready,
-                          qdo_empty, keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv,
-                          n_items, n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads,
+        (_dkdv_consumer, (DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COUNT, rings,
+                          keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items,
+                          n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads,
                           bias_head_mul, dbias_stride_b, dbias_stride_h, 0, IS_CAUSAL, HAS_BIAS,
                           DBIAS_COLS, PARTIAL, BLOCK_M, BLOCK_N, D, STAGES)),
-        (_dkdv_consumer, (DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COUNT, k_smem,
-                          v_smem, q_smem, do_smem, stats_smem, kv_bar, kv_empty, q_ready, do_ready,
-                          qdo_empty, keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv,
-                          n_items, n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads,
+        (_dkdv_consumer, (DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COUNT, rings,
+                          keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items,
+                          n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, scale, bias_heads,
                           bias_head_mul, dbias_stride_b, dbias_stride_h, 1, IS_CAUSAL, HAS_BIAS,
                           DBIAS_COLS, PARTIAL, BLOCK_M, BLOCK_N, D, STAGES)),
-        (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_smem,
-                        do_smem, stats_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
-                        KEYS, KEY_COUNT, keys_stride_b, keys_stride_h, count_stride_b,
-                        mask_hdiv, n_items, n_parts, n_bg, hkv, H, G, SPLIT, Lq, Lk, IS_CAUSAL,
-                        BLOCK_M, BLOCK_N, STAGES)),
+        (_dkdv_loader, (q_desc, k_desc, v_desc, do_desc, stats_desc, rings, KEYS, KEY_COUNT,
+                        keys_stride_b, keys_stride_h, count_stride_b, mask_hdiv, n_items, n_parts,
+                        n_bg, hkv, H, G, SPLIT, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip

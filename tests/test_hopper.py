@@ -82,15 +82,27 @@ def test_plan_takes_hopper_only_where_it_applies(monkeypatch):
                 torch.empty(c.b, c.hkv, 1, lk, dtype=torch.bfloat16, device=dev), True)  # fmt: skip
 
     fwd_least, bwd_least = hopper_exec.FORWARD_MIN_LK, hopper_exec.BACKWARD_MIN_LK
+    # ... with a Triton the kernels ran with (RAN_ON_TRITON)
+    default_on = ON_HOPPER and hopper_exec.untested_triton() is None
     for n in {fwd_least - hopper_exec.LK_MULTIPLE, fwd_least, bwd_least - hopper_exec.LK_MULTIPLE,
               bwd_least}:  # fmt: skip
-        assert forward_plan(*long_args(n)).hopper == (ON_HOPPER and n >= fwd_least), n
-        assert backward_plan(*long_args(n)).hopper == (ON_HOPPER and n >= bwd_least), n
+        assert forward_plan(*long_args(n)).hopper == (default_on and n >= fwd_least), n
+        assert backward_plan(*long_args(n)).hopper == (default_on and n >= bwd_least), n
     forward_long, backward_long = long_args(fwd_least), long_args(bwd_least)
     assert not backward_plan(*backward_long, grad_lse=True).hopper
     with dmattn_ops.kernel_options(hopper=False):
         assert not forward_plan(*args).hopper and not forward_plan(*forward_long).hopper
         assert not backward_plan(*backward_long).hopper
+
+
+def test_an_untested_triton_leaves_the_default_off(monkeypatch):
+    """The Gluon kernels are on by default only with a Triton they ran with on a GPU; another
+    names itself in the reason (and kernel option hopper=True still takes them)."""
+    monkeypatch.setattr(hopper_exec, "_TRITON", ["3.6"])
+    assert hopper_exec.untested_triton() is None
+    monkeypatch.setattr(hopper_exec, "_TRITON", ["3.9"])
+    reason = hopper_exec.untested_triton()
+    assert reason.startswith("Triton 3.9: ") and "hopper=True" in reason
 
 
 def test_kept_lists_keep_zero_tails_apart():

@@ -80,6 +80,12 @@ DTYPES = (torch.float16, torch.bfloat16)
 LK_MULTIPLE = 8
 # kernels/hopper.py's register split: the loader warp gives its registers to the consumers.
 MAXNREG = 168
+# The Triton versions (major.minor) the Gluon kernels ran with on a GPU: the test suite and the
+# benchmarks of bench/RESULTS.md, torch 2.11's Triton 3.6. Later versions compile them
+# (tests/test_hopper_compile.py compiles them with the Triton installed, in CI the newest) but
+# they never ran there, so the default leaves them off; kernel option hopper=True
+# (DMATTN_HOPPER=1) takes them.
+RAN_ON_TRITON = ("3.6",)
 
 
 # Eager launches go through LazyKernel's launch cache, which skips Triton's binder (~100 us a
@@ -108,6 +114,29 @@ def _gluon_found() -> bool:
     return _GLUON[0]
 
 
+_TRITON: list[str] = []  # Triton's major.minor, once asked
+
+
+def _triton_minor() -> str:
+    if not _TRITON:
+        import triton
+
+        _TRITON.append(".".join(triton.__version__.split(".")[:2]))
+    return _TRITON[0]
+
+
+def untested_triton() -> str | None:
+    """Why the default (kernel option hopper unset) leaves the Gluon kernels off with the
+    installed Triton, or None where they ran with it (RAN_ON_TRITON)."""
+    version = _triton_minor()
+    if version in RAN_ON_TRITON:
+        return None
+    return (
+        f"Triton {version}: the Gluon kernels ran on a GPU with Triton "
+        f"{', '.join(RAN_ON_TRITON)} only; kernel option hopper=True takes them"
+    )
+
+
 def _sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
@@ -130,7 +159,7 @@ def reasons(
     """Why a key-list call with packed keys (the plan's KEY_LISTS with pack) does not take the
     Hopper kernels; empty when it does: the kernel option hopper (`on`: True, or unset for the
     forward of a call of at least FORWARD_MIN_LK keys and the backward of one of at least
-    BACKWARD_MIN_LK; DMATTN_HOPPER sets it), CUDA sm_90
+    BACKWARD_MIN_LK with a Triton of RAN_ON_TRITON; DMATTN_HOPPER sets it), CUDA sm_90
     with Gluon, fp16/bf16, D = Dv = 128, no window, softcap, sinks or seqused_k, a per-key bias
     shared by a KV group's heads or per head, dbias none or "group", and TMA-ready Q (the
     packed K/V are), Lk a multiple of LK_MULTIPLE. dbias: the backward's mode, or None;
@@ -164,6 +193,8 @@ def reasons(
         found.append("a bias head dim other than 1, Hkv or H")
     if not found and not (_tma_ready(query) and _sm90(query.device) and _gluon_found()):
         found.append("needs sm_90, Gluon and a TMA-ready query (16-byte strides and offset)")
+    if not found and on is None and untested_triton():
+        found.append(untested_triton())
     return found
 
 
