@@ -3,7 +3,7 @@ a GPU, through the executor's own launchers (dmattn_ops/executors/hopper.py): it
 arguments and tiles, the kernel launch replaced by a compile for an H100/H200 target.
 
 The GPU runs only ever see the device machine's Triton (3.6), while users install the newest:
-Triton 3.7 renamed the TMA load (async_copy_global_to_shared, which now raises, to
+a later Triton renamed the TMA load (async_copy_global_to_shared, which now raises, to
 async_load), and nothing but a compile with the newer Triton shows such a break (it made every
 long key-list call on an H100 fail under the newest torch). The compile runs in a subprocess
 without TRITON_INTERPRET (tests/conftest.py turns the interpreter on in this process, and
