@@ -22,6 +22,7 @@ subtracted before the scaling by log2(e), (lse, lse_rem) by TwoSum, and every di
 score replaced by a select, so NaN or Inf outside the lists never reaches a result.
 """
 
+import triton.language.core as _language_core
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -30,11 +31,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.language.core import _aggregate as _language_aggregate
 
 # Gluon's aggregate (a struct of values a jit function takes and returns); Triton 3.6 has it
 # only as the language's own, later versions as gluon.aggregate.
-_aggregate = getattr(gluon, "aggregate", None) or _language_aggregate
+_aggregate = getattr(gluon, "aggregate", None) or _language_core._aggregate
 # A TMA load (global to shared, signalling an mbarrier): tma.async_copy_global_to_shared in
 # Triton 3.6; later versions name it async_load and make the old name raise.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
