@@ -363,10 +363,25 @@ def _flex_call(q, k, v, score_mod, block_mask, scale, return_lse, bias):
         block_mask=block_mask,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
-        return_lse=return_lse,
+        **_lse_request(return_lse),
     )
     options = flex_kernel_options(bias, max(q.shape[-1], v.shape[-1]), q.device)
-    return _flex(q, k, v, options, kwargs)
+    result = _flex(q, k, v, options, kwargs)
+    if "return_aux" in kwargs:  # (out, AuxOutput): its lse
+        return result[0], result[1].lse
+    return result
+
+
+def _lse_request(want: bool) -> dict:
+    """flex_attention's keyword asking for lse, where `want`: return_aux=AuxRequest(lse=True)
+    on a torch that has it (return_lse=True is deprecated there: a FutureWarning on every call,
+    and announced for removal), else return_lse=True."""
+    if not want:
+        return {}
+    from torch.nn.attention import flex_attention as flex_module
+
+    request = getattr(flex_module, "AuxRequest", None)
+    return {"return_aux": request(lse=True)} if request is not None else {"return_lse": True}
 
 
 def _flex(q, k, v, options, kwargs):
@@ -387,7 +402,7 @@ def _flex(q, k, v, options, kwargs):
         return flex_attention(q, k, v, kernel_options=options, **kwargs)
     if device.type == "cuda":
         return run_compiled(q, k, v, options, kwargs)
-    if kwargs["return_lse"] or q.dtype == torch.float64:
+    if "return_aux" in kwargs or kwargs.get("return_lse") or q.dtype == torch.float64:
         # Inductor's CPU flex template takes neither lse nor float64; eager flex does.
         return _eager_flex(q, k, v, kwargs)
     return _compiled_flex()(q, k, v, **kwargs)

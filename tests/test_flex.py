@@ -1,6 +1,7 @@
 """The FlexAttention path against the oracle and the Triton kernels."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -106,6 +107,21 @@ def test_backend_flex_through_the_api():
     mask = make_mask((1, 1, c.lq, c.lk), device=DEVICE)
     out, lse = dmattn_ops.attention(q, k, v, mask, return_lse=True, backend="flex")
     ref, ref_lse = reference.attention(q, k, v, mask, return_lse=True)
+    assert_close(out, ref, 1e-5, "out")
+    assert_close(lse, ref_lse, 1e-5, "lse")
+
+
+def test_lse_is_asked_for_without_deprecated_keywords():
+    """flex_attention's return_lse is deprecated (a FutureWarning on every call, announced for
+    removal): the backend asks through return_aux=AuxRequest(lse=True) where torch has it, and
+    the lse it returns is the oracle's."""
+    c = Case(1, 17, 29, 2, 1, 16, 16)
+    q, k, v = inputs(c)
+    bias = make_bias((1, c.hkv, 1, c.lk), dtype=torch.float32, device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out, lse = dmattn_ops.attention(q, k, v, None, bias, return_lse=True, backend="flex")
+    ref, ref_lse = reference.attention(q, k, v, None, bias, return_lse=True)
     assert_close(out, ref, 1e-5, "out")
     assert_close(lse, ref_lse, 1e-5, "lse")
 
