@@ -10,12 +10,12 @@ from dmattn_ops.kernels.common import (
     dot,
     dot_acc,
     grid_tile,
+    key_run,
     key_tile_bounds,
     listed_keys,
     load_rows,
     query_tile,
     row_tile,
-    run_end,
     run_tile,
     score_tile,
 )
@@ -258,9 +258,7 @@ def attention_bwd_dq_kernel(
     WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
     FULL: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV
     for run in tl.static_range(2):  # unrolled: run 1's tiles are boundary tiles (constexpr)
-        it_lo, it_hi = ki_lo, ki_hi
-        if run == 1:
-            it_lo, it_hi = ki_hi, run_end(kb_hi, kb_lo, ki_lo)
+        it_lo, it_hi = key_run(run, ki_lo, ki_hi, kb_lo, kb_hi)
         for it in range(it_lo, it_hi):
             kb = run_tile(it, kb_hi, kb_lo, p_idx, WRAP and run == 1, TABLE)
             dq = _dq_tile(

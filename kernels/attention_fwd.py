@@ -9,13 +9,13 @@ from dmattn_ops.kernels.common import (
     dot_acc,
     grid_tile,
     head_rows,
+    key_run,
     key_tile_bounds,
     listed_keys,
     load_rows,
     lse_split,
     query_tile,
     row_tile,
-    run_end,
     run_tile,
     score_tile,
 )
@@ -243,9 +243,7 @@ def attention_fwd_kernel(
     WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
     FULL: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV
     for run in tl.static_range(2):  # unrolled: run 1's tiles are boundary tiles (constexpr)
-        it_lo, it_hi = ki_lo, ki_hi
-        if run == 1:
-            it_lo, it_hi = ki_hi, run_end(kb_hi, kb_lo, ki_lo)
+        it_lo, it_hi = key_run(run, ki_lo, ki_hi, kb_lo, kb_hi)
         for it in range(it_lo, it_hi):
             kb = run_tile(it, kb_hi, kb_lo, p_idx, WRAP and run == 1, TABLE)
             acc, l_i, m_i = _fwd_tile(

@@ -416,6 +416,17 @@ def run_end(a_end, b_start, b_end):
 
 
 @triton.jit
+def key_run(RUN: tl.constexpr, ki_lo, ki_hi, kb_lo, kb_hi):
+    """The iterations [lo, hi) of a query tile's key-tile run RUN (the forward and dq kernels):
+    0, the interior tiles [ki_lo, ki_hi); 1, the boundary tiles after them and (WRAP) before
+    them, [ki_hi, kb_hi) then [kb_lo, ki_lo) (run_end, run_tile)."""
+    lo, hi = ki_lo, ki_hi
+    if RUN == 1:
+        lo, hi = ki_hi, run_end(kb_hi, kb_lo, ki_lo)
+    return lo, hi
+
+
+@triton.jit
 def run_tile(it, a_end, b_start, p_idx, WRAP: tl.constexpr, TABLE: tl.constexpr):
     """The tile of iteration `it` of a run (run_end): `it` itself, or with WRAP, where the run
     has a second range, b_start + (it - a_end) from iteration a_end on. TABLE: the tiles are
