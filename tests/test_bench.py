@@ -327,10 +327,13 @@ def test_model_rounds_alternate_and_take_each_variants_median(monkeypatch):
     monkeypatch.setattr(model, "bench_ms", bench_ms)
     monkeypatch.setattr(torch._dynamo.utils, "counters", {"stats": stats})
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    config = torch._functorch.config  # run_model turns AOTAutograd's cache off: restored after
-    monkeypatch.setattr(config, "enable_autograd_cache", config.enable_autograd_cache)
-    rows = model.run_model(["B16-L512"], ["sdpa", "dma-w4", "dma-w4+split1"], ["default"],
-                           lambda line: None, rounds=3)  # fmt: skip
+    # run_model turns AOTAutograd's cache off; torch's own patch restores it after (pytest 9.2's
+    # monkeypatch would delete the attribute of torch's config module, which then hides it:
+    # every later compile in the process fails reading it).
+    config = torch._functorch.config
+    with config.patch(enable_autograd_cache=config.enable_autograd_cache):
+        rows = model.run_model(["B16-L512"], ["sdpa", "dma-w4", "dma-w4+split1"], ["default"],
+                               lambda line: None, rounds=3)  # fmt: skip
     assert [e[1] for e in events[:3]] == ["sdpa", "dma-w4", "dma-w4+split1"]
     timed = [e[1] for e in events[3:]]
     assert timed == ["sdpa", "dma-w4+split1"] * 3
