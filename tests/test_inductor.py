@@ -389,11 +389,12 @@ def test_symbolic_sizes_keep_the_ops(monkeypatch):
     graphs = []
 
     def backend(gm, example_inputs):
+        from functorch.compile import make_boxed_func
         from torch._functorch.aot_autograd import aot_module_simplified
 
         def keep(g, _):
             graphs.append(g)
-            return g
+            return make_boxed_func(g)
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
 

@@ -193,8 +193,10 @@ def reasons(
         found.append("a bias head dim other than 1, Hkv or H")
     if not found and not (_tma_ready(query) and _sm90(query.device) and _gluon_found()):
         found.append("needs sm_90, Gluon and a TMA-ready query (16-byte strides and offset)")
-    if not found and on is None and untested_triton():
-        found.append(untested_triton())
+    if not found and on is None:
+        reason = untested_triton()
+        if reason is not None:
+            found.append(reason)
     return found
 
 
