@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.tables import markdown
+from bench.timeline import idle_gaps
 
 B, H, HKV, D = 1, 16, 4, 128
 
@@ -193,21 +194,6 @@ def rank_time(wall: float, issue: float, comm, compute, lead: float = 0.0) -> di
     return dict(wall=wall, issue=issue, compute=sum(b - a for a, b in _union(compute)) / 1e3,
                 nccl=sum(b - a for a, b in _union(comm)) / 1e3,
                 idle=max(0.0, wall - busy / 1e3), lead=lead)  # fmt: skip
-
-
-def idle_gaps(spans, top: int) -> list[tuple[float, float, str, str]]:
-    """The `top` longest stretches in which the GPU ran nothing, over (start, end, name) kernel
-    spans of one step (us): (gap, its start after the step's first kernel began, the kernel
-    before it, the kernel that ended it), the longest first. Named so, a gap says which launch
-    the host was late with (after a synchronisation, or a slow stretch of Python)."""
-    gaps, end, last, first = [], None, None, None
-    for start, stop, name in sorted(spans):
-        first = start if first is None else first
-        if end is not None and start > end:
-            gaps.append((start - end, end - first, last, name))
-        if end is None or stop >= end:
-            end, last = stop, name
-    return sorted(gaps, key=lambda g: -g[0])[:top]
 
 
 KERNELS_SHOWN = 14  # --overlap: rank 0's GPU kernels by total time, the longest first

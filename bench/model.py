@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 import dmattn_ops
 from bench.tables import markdown
+from bench.timeline import idle_gaps
 from dmattn_ops.masks import topk_mask
 from dmattn_ops.nn import DynamicMaskAttention
 
@@ -382,13 +383,9 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
         f"{stage} {rate:.0f} ({STAGE_PRODUCTS[stage]})"
         for stage, rate in stage_rates(total, scores, HEAD_DIM).items()
     ))  # fmt: skip
-    spans.sort()
-    gaps: dict[str, list[float]] = {}
-    end = None
-    for start, stop, name in spans:
-        if end is not None and start > end:
-            gaps.setdefault(name, []).append((start - end) / 1e3)
-        end = stop if end is None else max(end, stop)
+    gaps: dict[str, list[float]] = {}  # ms of each gap, by the kernel that ended it
+    for gap, _, _, ended_by in idle_gaps(spans):
+        gaps.setdefault(ended_by, []).append(gap / 1e3)
     idle = sum(sum(v) for v in gaps.values()) / steps
     log(f"  GPU idle between kernels: {idle:.2f} ms per step; by the kernel that ended the gap:")
     for name, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:

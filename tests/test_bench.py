@@ -178,14 +178,16 @@ def test_overlap_counts_transfer_time_under_compute():
 
 
 def test_idle_gaps_names_the_kernels_around_each_stretch_the_gpu_ran_nothing():
-    """bench.cp's idle_gaps: stretches outside every span (overlapping spans, given in any
-    order, close none), the longest first, each with its start after the first kernel began
-    and the kernels before and after it (the one that ran last, not the one that began last)."""
-    from bench.cp import idle_gaps
+    """bench.timeline's idle_gaps (bench.cp --overlap, bench.model trace): stretches outside
+    every span (overlapping spans, given in any order, close none), the longest first, each
+    with its start after the first kernel began and the kernels before and after it (the one
+    that ran last, not the one that began last); all of them without `top`."""
+    from bench.timeline import idle_gaps
 
     spans = [(30, 35, "c"), (0, 10, "a"), (2, 4, "a2"), (14, 20, "b"), (15, 16, "b2")]
     assert idle_gaps(spans, 5) == [(10, 20, "b", "c"), (4, 10, "a", "b")]
     assert idle_gaps(spans, 1) == [(10, 20, "b", "c")]
+    assert idle_gaps(spans) == idle_gaps(spans, 5)
     assert idle_gaps([(0, 5, "x"), (5, 6, "y")], 3) == []  # touching spans leave no gap
     assert idle_gaps([], 3) == []
 
