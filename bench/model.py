@@ -27,7 +27,8 @@ DMATTN_DT_BIAS=0: the layer's bias in PyTorch, not through the op dmattn::dt_bia
 (dmattn_ops/dt_bias.py). A ``+split1`` suffix runs it inside ``dmattn_ops.kernel_options(
 dkdv_split=1)``: the dK/dV kernel unsplit, without the reduce kernel a split launches;
 ``+triton`` and ``+hopper`` with kernel option hopper False (no Gluon kernel) and True (the
-Gluon forward, dQ and dK/dV kernels wherever they apply) instead of its default.
+Gluon forward, dQ and dK/dV kernels wherever they apply) instead of its default; ``+dense``,
+``+tables`` and ``+lists`` force that Triton route. Suffixes combine (``dma-w4+dense+split1``).
 
 ``profile``: cProfile of those calls (forward+backward), the functions by own time.
 
@@ -280,30 +281,39 @@ def _compiled_step(variant: str, shape: str, mode: str):
     return step
 
 
-# A variant's suffix: kernel options its calls take (dmattn_ops.kernel_options blocks, which
+# A variant's suffixes: kernel options its calls take (dmattn_ops.kernel_options blocks, which
 # compiled graphs carry and Dynamo guards on). "split1": the dK/dV kernel unsplit, one
 # launch fewer a layer where the split's reduce kernel would run.
 # "triton": every kernel on Triton (kernel option hopper=False: long calls' forwards leave the
 # Gluon kernels); "hopper": both passes of every key-list call on Gluon (sm_90).
+# "dense" / "tables": every call on that Triton route (the mask read in the kernels, or through
+# tile tables) instead of the plan's; "lists": on key lists.
 SUFFIX_OPTIONS = {
     "split1": {"dkdv_split": 1},
     "triton": {"hopper": False},
     "hopper": {"hopper": True},
+    "dense": {"route": "dense"},
+    "tables": {"route": "tile_tables"},
+    "lists": {"route": "key_lists"},
 }
+SUFFIX_SWITCHES = ("ops", "pt")
 
 
 def _switches(variant: str):
     """(base variant, environment switches, kernel options) of a variant name such as
-    ``dma-w4+ops``."""
-    base, _, flag = variant.partition("+")
-    if base not in VARIANTS or flag not in ("", "ops", "pt", *SUFFIX_OPTIONS):
+    ``dma-w4+ops`` or ``dma-w4+dense+split1`` (suffixes combine)."""
+    base, *flags = variant.split("+")
+    if base not in VARIANTS or any(f not in (*SUFFIX_SWITCHES, *SUFFIX_OPTIONS) for f in flags):
         raise ValueError(f"unknown variant {variant}")
     env = {
         "DMATTN_DENSE_SDPA": "0" if base == "ours-dense-triton" else "1",
-        "DMATTN_INDUCTOR_KERNELS": "0" if flag == "ops" else "1",
-        "DMATTN_DT_BIAS": "0" if flag == "pt" else "1",
+        "DMATTN_INDUCTOR_KERNELS": "0" if "ops" in flags else "1",
+        "DMATTN_DT_BIAS": "0" if "pt" in flags else "1",
     }
-    return base, env, SUFFIX_OPTIONS.get(flag, {})
+    options = {}
+    for flag in flags:
+        options.update(SUFFIX_OPTIONS.get(flag, {}))
+    return base, env, options
 
 
 @contextlib.contextmanager
