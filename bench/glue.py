@@ -122,14 +122,14 @@ def sweep(tokens: int) -> list[list]:
     for cand in BACKWARD_CANDIDATES:
         tiles = op.Tiles(*cand)
         try:
-            dx, dparams = op._backward(grad, x, w, a, logits, tiles)
+            dx, dparams = op._backward(grad, x, w, a, logits, tiles=tiles)
             dw, dc, da = op.split_params(dparams, HKV, WIDTH)
         except triton.runtime.errors.OutOfResources as e:
             rows.append([tokens, "backward", str(cand), None, None, str(e)[:40]])
             continue
         errors = [error(dx, leaves[0].grad), error(dw, leaves[1].grad),
                   error(dc, leaves[2].grad), error(da, leaves[3].grad)]  # fmt: skip
-        us = _kernel_us(lambda t=tiles: op._backward(grad, x, w, a, logits, t),
+        us = _kernel_us(lambda t=tiles: op._backward(grad, x, w, a, logits, tiles=t),
                         "dt_bias_bwd_kernel")  # fmt: skip
         rows.append([tokens, "backward", str(cand), us, max(errors), ""])
     return rows

@@ -11,7 +11,13 @@ sum finishes in the parameters' dtype (kernels/dt_bias.py). Both read the parame
 own dtype: no cast is launched for them.
 
 ``dmattn::dt_bias`` and ``dmattn::dt_bias_backward`` are custom ops with fake kernels and an
-autograd formula; compiled graphs trace their launches (registration/inductor.py). Where
+autograd formula; compiled graphs trace their launches (registration/inductor.py).
+``dmattn::dt_bias_values`` (what the layer calls) also returns the values, a copy of x the
+forward kernel writes as it reads x; the layer's attention takes it in x's place, and its
+backward passes the attention's dV to dt_bias_backward, whose kernel adds it to dx. Autograd
+would otherwise sum x's two gradients in a kernel of its own: in bench.model's compiled B16
+L512 step that was one of the 10 launches a DMA layer issues beyond SDPA's (bench/NOTES.md
+197), and the step is bound by its host's launches. Where
 Triton does not run (CPU without the interpreter, float64, inside torch.func transforms),
 `dt_bias` computes the same function in PyTorch.
 
@@ -88,6 +94,25 @@ def dt_bias(
     return pytorch_form(x, weight, bias, A)
 
 
+def dt_bias_values(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, A: torch.Tensor,
+    *, kernel: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dt_bias(x, ...), values): values equal x, for the layer to hand on to its attention in
+    x's place. Through the op dmattn::dt_bias_values, values is a copy the forward kernel
+    writes as it reads x, and x's gradient (the attention's dV through values, plus the
+    bias's part) is summed in the backward kernel, one launch fewer per layer in a compiled
+    step than autograd's separate sum of the two. Without the op (`dt_bias`'s conditions),
+    values is x itself.
+
+    Args and shapes as `dt_bias`; values (B, L, C) contiguous in x's dtype."""
+    if kernel and plan.use_triton(x) and not torch._C._are_functorch_transforms_active():
+        out, _, values = torch.ops.dmattn.dt_bias_values(x, weight, bias, A)
+        return out, values
+    _check(x, weight, bias, A)
+    return pytorch_form(x, weight, bias, A), x
+
+
 def pytorch_form(x, weight, bias, A) -> torch.Tensor:
     """dt_bias in PyTorch. Under torch.compile the product with weight is written as a sum of
     products, which Inductor fuses with the softplus into one reduction kernel (and the
@@ -132,33 +157,41 @@ def split_params(dparams: torch.Tensor, h: int, ch: int) -> tuple:
     return dparams[: h * ch].view(h, ch), dparams[h * ch : h * ch + h], dparams[h * ch + h :]
 
 
-def _forward(x, weight, bias, A, tiles: Tiles = FORWARD_TILES):
+def _forward(x, weight, bias, A, tiles: Tiles = FORWARD_TILES, values: bool = False):
     """dmattn::dt_bias's CUDA (and interpreter) kernel: (bias (B, Hkv, 1, L), logits (B, L,
-    Hkv) float32). Compiled graphs trace it (registration/inductor.py)."""
+    Hkv) float32), and with `values` (dmattn::dt_bias_values) the copy of x the kernel
+    writes as it reads it. Compiled graphs trace it (registration/inductor.py)."""
     b, length, ch = x.shape
     h = weight.shape[0]
     out = empty((b, h, 1, length), x.dtype, device=x.device)
     logits = empty((b, length, h), torch.float32, device=x.device)
+    copy = empty(x.shape, x.dtype, device=x.device) if values else None
     n = b * length
     if n > 0:
         w, c, a = (t.contiguous() for t in (weight, bias, A))
         dt_bias_fwd_kernel[(cdiv(n, tiles.block_t),)](
-            x, w, c, a, out, logits, *x.stride(), length, n, ch, **_meta(h, ch, tiles)
-        )
-    return out, logits
+            x, w, c, a, out, logits, copy, *x.stride(), length, n, ch,
+            **_meta(h, ch, tiles), COPY=values,
+        )  # fmt: skip
+    return (out, logits) if copy is None else (out, logits, copy)
 
 
-def _backward(grad, x, weight, A, logits, tiles: Tiles = BACKWARD_TILES):
+def _forward_values(x, weight, bias, A):
+    return _forward(x, weight, bias, A, values=True)
+
+
+def _backward(grad, x, weight, A, logits, grad_values=None, tiles: Tiles = BACKWARD_TILES):
     """dmattn::dt_bias_backward's kernel: (dx in x's dtype, dparams (Hkv * C + 2 * Hkv,): dW,
     dc and dA summed in float32 and rounded once to _params_dtype; split_params takes them
     apart). The kernel writes float32 parts of all three into one buffer, so one reduction
-    (with its cast, which Inductor fuses into it) finishes them. Compiled graphs trace it."""
+    (with its cast, which Inductor fuses into it) finishes them. grad_values (B, L, C), the
+    gradient of dt_bias_values' values, joins dx in the kernel. Compiled graphs trace it."""
     b, length, ch = x.shape
     h = weight.shape[0]
     n = b * length
     dtype = _params_dtype(weight, A)
     dx = empty(x.shape, x.dtype, device=x.device)
-    if n == 0 or ch == 0:
+    if n == 0 or ch == 0:  # (and then grad_values, if any, holds no element either)
         dca = torch.zeros((2, h), dtype=torch.float32, device=x.device)
         if n > 0:  # no channel: every logit is its head's c; dc and dA still sum the tokens
             g = grad.to(torch.float32).squeeze(2)  # (B, H, L)
@@ -172,9 +205,11 @@ def _backward(grad, x, weight, A, logits, tiles: Tiles = BACKWARD_TILES):
     groups = cdiv(n, tokens)
     parts = empty((groups, h * ch + 2 * h), torch.float32, device=x.device)
     w, a = weight.contiguous(), A.contiguous()
+    gv = grad_values
     dt_bias_bwd_kernel[(groups, cdiv(ch, meta["BLOCK_C"]))](
-        grad, x, w, a, logits, dx, parts, *grad.stride()[:2], grad.stride(3),
-        *x.stride(), length, n, ch, tokens, **meta,
+        grad, x, w, a, logits, dx, parts, gv, *grad.stride()[:2], grad.stride(3),
+        *x.stride(), *(gv.stride() if gv is not None else (0, 0, 0)), length, n, ch, tokens,
+        **meta, HAS_GRAD_V=gv is not None,
     )  # fmt: skip
     return dx, parts.sum(0).to(dtype)
 
@@ -210,18 +245,45 @@ def _(x, weight, bias, A):
     return x.new_empty((b, h, 1, length)), x.new_empty((b, length, h), dtype=torch.float32)
 
 
+@torch.library.custom_op("dmattn::dt_bias_values", mutates_args=())
+def _dt_bias_values_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, A: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dmattn::dt_bias's (bias, logits) and values, x's copy (B, L, C) contiguous, which
+    dt_bias_values hands on in x's place."""
+    _check(x, weight, bias, A)
+    return _forward_values(x, weight, bias, A)
+
+
+@_dt_bias_values_op.register_fake
+def _(x, weight, bias, A):
+    _check(x, weight, bias, A)
+    b, length, _ = x.shape
+    h = weight.shape[0]
+    return (
+        x.new_empty((b, h, 1, length)), x.new_empty((b, length, h), dtype=torch.float32),
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+    )  # fmt: skip
+
+
 @torch.library.custom_op("dmattn::dt_bias_backward", mutates_args=())
 def _dt_bias_backward_op(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor,
-    logits: torch.Tensor,
+    logits: torch.Tensor, grad_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(dx in x's dtype, dparams (Hkv * C + 2 * Hkv,): dweight, dbias and dA, flat
-    (split_params), in weight's dtype where A shares it, else float32)."""
-    return _backward(grad, x, weight, A, logits)
+    """(dx in x's dtype, with grad_values (B, L, C), if given, added; dparams (Hkv * C + 2 *
+    Hkv,): dweight, dbias and dA, flat (split_params), in weight's dtype where A shares it,
+    else float32)."""
+    if grad_values is not None and grad_values.shape != x.shape:
+        raise ValueError(
+            f"dmattn.dt_bias: grad_values must have x's shape {tuple(x.shape)}; got "
+            f"{tuple(grad_values.shape)}"
+        )
+    return _backward(grad, x, weight, A, logits, grad_values)
 
 
 @_dt_bias_backward_op.register_fake
-def _(grad, x, weight, A, logits):
+def _(grad, x, weight, A, logits, grad_values=None):
     h, ch = weight.shape
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     return dx, x.new_empty((h * ch + 2 * h,), dtype=_params_dtype(weight, A))
@@ -241,7 +303,24 @@ def _grads(ctx, grad, _grad_logits):
     return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
 
 
+def _setup_values(ctx, inputs, output):
+    _, weight, _, A = inputs
+    # values equals x: the backward reads it, and x itself need not be kept.
+    ctx.save_for_backward(output[2], weight, A, output[1])
+    ctx.dtypes = tuple(t.dtype for t in inputs)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _grads_values(ctx, grad, _grad_logits, grad_values):
+    x, weight, A, logits = ctx.saved_tensors
+    dx, dparams = torch.ops.dmattn.dt_bias_backward(grad, x, weight, A, logits, grad_values)
+    grads = (dx, *split_params(dparams, *weight.shape))
+    return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
+
+
 _dt_bias_op.register_autograd(_grads, setup_context=_setup)
+_dt_bias_values_op.register_autograd(_grads_values, setup_context=_setup_values)
 inductor.trace_into_graphs(torch.ops.dmattn.dt_bias.default, _forward)
+inductor.trace_into_graphs(torch.ops.dmattn.dt_bias_values.default, _forward_values)
 inductor.trace_into_graphs(torch.ops.dmattn.dt_bias_backward.default, _backward)
 inductor.key_compiled_graphs_on_fingerprint()

@@ -6,7 +6,7 @@ import torch
 
 from dmattn_ops.api import attention
 from dmattn_ops.core.switches import switch
-from dmattn_ops.dt_bias import dt_bias
+from dmattn_ops.dt_bias import dt_bias_values
 from dmattn_ops.masks import select_topk
 
 
@@ -89,32 +89,38 @@ class DynamicMaskAttention(torch.nn.Module):
         """(mask, bias) of values v (B, L, Hkv, head_dim): the learned bias (B, Hkv, 1, L) in
         v's dtype and its top-``window`` keys as a bool mask of the same shape, what
         :meth:`forward` passes to the attention."""
-        return self._dynamic_mask(v, direct=False)
+        mask, bias, _ = self._selection(v, direct=False)
+        return mask, bias
 
-    def _dynamic_mask(self, v: torch.Tensor, direct: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """dynamic_mask; direct: the mask goes to this library's ops alone (not to flex), so a
-        compiled graph may pass the selection kernel's buffer on (masks.select_topk)."""
+    def _selection(self, v: torch.Tensor, direct: bool) -> tuple:
+        """(mask, bias, values): dynamic_mask's pair, and the values (v's shape) the attention
+        takes. direct: the mask goes to this library's ops alone (not to flex), so a compiled
+        graph may pass the selection kernel's buffer on (masks.select_topk), and the bias op
+        hands the values on (dt_bias_values: v's two gradients summed in its backward
+        kernel)."""
         # [B, Hkv, 1, L] in v's dtype, computed in float32 or wider and rounded once. The op
         # (on unless DMATTN_DT_BIAS=0) is not for a bias flex's score_mod captures: its
         # compiled graph would read the traced kernel's buffer as unwritten
         # (registration/inductor.py).
         kernel = direct and switch("DMATTN_DT_BIAS", True)
         weight, c = self.dt_proj.weight, self.dt_proj.bias
-        bias = dt_bias(v.flatten(2), weight, c, self.A, kernel=kernel)
+        bias, values = dt_bias_values(v.flatten(2), weight, c, self.A, kernel=kernel)
+        values = values.view(v.shape)
         cp = self.context_parallel
         if cp is None:
-            return select_topk(bias, self.window, direct=direct), bias
+            return select_topk(bias, self.window, direct=direct), bias, values
         from dmattn_ops import distributed
 
         # v holds this rank's rows: the top keys are chosen over the whole sequence.
-        return distributed.topk_mask(bias, self.window, group=cp.group_name, layout=cp.layout), bias
+        mask = distributed.topk_mask(bias, self.window, group=cp.group_name, layout=cp.layout)
+        return mask, bias, values
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape
         q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim)
-        mask, bias = self._dynamic_mask(v, direct=self.backend != "flex")
+        mask, bias, v = self._selection(v, direct=self.backend != "flex")
         cp = self.context_parallel
         if cp is not None:
             from dmattn_ops import distributed

@@ -34,10 +34,11 @@ def _sigmoid(z):
 
 @triton.jit
 def dt_bias_fwd_kernel(
-    X, W, C, A, OUT, LOGITS,
+    X, W, C, A, OUT, LOGITS, VALUES,
     stride_xb, stride_xl, stride_xc,
     L, N, CH,
     H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    COPY: tl.constexpr = False,
 ):  # fmt: skip
     """BLOCK_T tokens per program: out (B, H, 1, L) contiguous in its dtype, logits (N, H)
     float32 (kept for the backward). W (H, CH), C and A (H,) are contiguous, in any float
@@ -45,7 +46,9 @@ def dt_bias_fwd_kernel(
     x is read once; each head's products are reduced over the channels and land in its
     column of the (BLOCK_T, BLOCK_H) accumulator by a select: no reduction runs over an
     axis of H's few elements: the first version of these kernels summed the products over
-    that axis, and its dx, right in the interpreter, was wrong on the H200 (Triton 3.6)."""
+    that axis, and its dx, right in the interpreter, was wrong on the H200 (Triton 3.6).
+    COPY: the x tiles read are also stored to VALUES (N, CH) contiguous, in x's dtype
+    (dt_bias_values: the layer's values handed on)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.arange(0, BLOCK_C)
     hh = tl.arange(0, BLOCK_H)
@@ -57,8 +60,11 @@ def dt_bias_fwd_kernel(
     for c0 in range(0, CH, BLOCK_C):
         cc = c0 + c
         c_ok = cc < CH
-        x = tl.load(x_rows[:, None] + cc[None, :] * stride_xc,
-                    mask=row_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        x_ok = row_ok[:, None] & c_ok[None, :]
+        x_in = tl.load(x_rows[:, None] + cc[None, :] * stride_xc, mask=x_ok, other=0.0)
+        if COPY:
+            tl.store(VALUES + t[:, None] * CH + cc[None, :], x_in, mask=x_ok)
+        x = x_in.to(tl.float32)
         for j in tl.static_range(H):
             w = tl.load(W + j * CH + cc, mask=c_ok, other=0.0).to(tl.float32)
             part = tl.sum(x * w[None, :], axis=1)
@@ -74,11 +80,13 @@ def dt_bias_fwd_kernel(
 
 @triton.jit
 def dt_bias_bwd_kernel(
-    GRAD, X, W, A, LOGITS, DX, PARTS,
+    GRAD, X, W, A, LOGITS, DX, PARTS, GRAD_V,
     stride_gb, stride_gh, stride_gl,
     stride_xb, stride_xl, stride_xc,
+    stride_vb, stride_vl, stride_vc,
     L, N, CH, TOKENS,
     H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_GRAD_V: tl.constexpr = False,
 ):  # fmt: skip
     """Program (g, k): tokens [g * TOKENS, (g + 1) * TOKENS) and channels [k * BLOCK_C, (k +
     1) * BLOCK_C). With dz = grad * A * sigmoid(logits): dx = dz W, written (N, CH) contiguous
@@ -93,7 +101,10 @@ def dt_bias_bwd_kernel(
     one product per step on the tensor cores (5d3b858: heads padded to 16, tf32x3 operands)
     were slower still. A sum over the tokens' axis of such a 3-D tile is right on the H200
     (`bench.glue --probe`), one over the heads' axis is not: dx = dz W stays one (BLOCK_T,
-    BLOCK_C) update per head, unrolled (H is a constexpr), as in the forward."""
+    BLOCK_C) update per head, unrolled (H is a constexpr), as in the forward.
+
+    HAS_GRAD_V: GRAD_V (B, L, CH), the gradient of the values dt_bias_values handed on (the
+    attention's dV), joins dx here: x's whole gradient in one store, no separate sum."""
     group = tl.program_id(0)
     chunk = tl.program_id(1)
     cc = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -132,6 +143,10 @@ def dt_bias_bwd_kernel(
             dz = g * tl.load(A + j).to(tl.float32) * _sigmoid(z)
             w = tl.load(W + j * CH + cc, mask=c_ok, other=0.0).to(tl.float32)
             dx += dz[:, None] * w[None, :]
+        if HAS_GRAD_V:
+            gv_rows = GRAD_V + b * stride_vb + pos * stride_vl
+            gv = tl.load(gv_rows[:, None] + cc[None, :] * stride_vc, mask=x_ok, other=0.0)
+            dx += gv.to(tl.float32)
         tl.store(DX + t[:, None] * CH + cc[None, :], dx.to(DX.dtype.element_ty), mask=x_ok)
     part = PARTS + group.to(tl.int64) * (H * CH + 2 * H)
     tl.store(part + hh[:, None] * CH + cc[None, :], tl.sum(dw, axis=0),

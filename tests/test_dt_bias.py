@@ -10,7 +10,7 @@ import torch
 from helpers import DEVICE, TRITON, assert_close, low_precision_bound, max_err
 
 from dmattn_ops import reference
-from dmattn_ops.dt_bias import Tiles, _backward, _forward, dt_bias, split_params
+from dmattn_ops.dt_bias import Tiles, _backward, _forward, dt_bias, dt_bias_values, split_params
 
 pytestmark = pytest.mark.skipif(not TRITON, reason="the kernels need Triton (GPU or interpreter)")
 
@@ -82,7 +82,7 @@ def test_any_tiles_give_the_same_function(tiles):
     x, weight, bias, a = _inputs(2, 45, 40, 3, torch.bfloat16)
     grad = torch.randn(2, 3, 1, 45, device=DEVICE).to(torch.bfloat16)
     out, logits = _forward(x, weight, bias, a, tiles)
-    dx, dparams = _backward(grad, x, weight, a, logits, tiles)
+    dx, dparams = _backward(grad, x, weight, a, logits, tiles=tiles)
     got = (out, dx, *split_params(dparams, 3, 40))
     want = _run(reference.dt_bias, [t.double() for t in (x, weight, bias, a)], grad.double())
     lowp = _run(reference.dt_bias, (x, weight, bias, a), grad)
@@ -144,6 +144,50 @@ def test_opcheck():
     )  # fmt: skip
 
 
+def test_values_hand_x_on_and_sum_its_gradients_in_the_kernel():
+    """dt_bias_values: values equal x bit for bit, and x's gradient, from the bias and from a
+    second consumer of values (as the layer's attention), is the sum the backward kernel
+    forms: against the float64 oracle of the same function with x used twice, within twice
+    the error of the oracle's formula run in the dtype (whose sum autograd rounds twice)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = _inputs(2, 70, 48, 4, dtype)
+        grad = torch.randn(2, 4, 1, 70, device=DEVICE)
+        grad_values = torch.randn(2, 70, 48, device=DEVICE)
+
+        def oracle(x, weight, bias, a):
+            return reference.dt_bias(x, weight, bias, a), x
+
+        results = []
+        for fn, cast in ((dt_bias_values, None), (oracle, torch.float64), (oracle, None)):
+            leaves = [t.detach().clone().to(cast or t.dtype).requires_grad_() for t in inputs]
+            out, values = fn(*leaves)
+            assert values.shape == leaves[0].shape and values.dtype == leaves[0].dtype
+            assert torch.equal(values, leaves[0].detach())
+            torch.autograd.backward(
+                (out, values), (grad.to(out.dtype), grad_values.to(values.dtype))
+            )  # fmt: skip
+            results.append([out.detach()] + [t.grad for t in leaves])
+        got, want, lowp = results
+        for name, g, w, e in zip(("out", "dx", "dweight", "dbias", "dA"), got, want, lowp):
+            assert g.dtype == e.dtype and g.shape == w.shape, name
+            assert_close(g.double(), w, low_precision_bound(w, e.double(), dtype), name)
+
+
+def test_values_op_passes_opcheck():
+    x, weight, bias, a = _inputs(2, 20, 16, 2, torch.bfloat16)
+    args = (x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), a.requires_grad_())
+    torch.library.opcheck(torch.ops.dmattn.dt_bias_values.default, args)
+    out, logits, values = torch.ops.dmattn.dt_bias_values(*args)
+    grad, gv = torch.randn_like(out), torch.randn_like(values).transpose(0, 1).contiguous()
+    torch.library.opcheck(
+        torch.ops.dmattn.dt_bias_backward.default,
+        (grad, x.detach(), weight.detach(), a.detach(), logits, gv.transpose(0, 1)),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="grad_values must have x's shape"):
+        torch.ops.dmattn.dt_bias_backward(grad, x.detach(), weight.detach(), a.detach(), logits,
+                                          gv)  # fmt: skip
+
+
 def test_torch_func_takes_the_pytorch_form_with_the_same_gradients():
     """Inside torch.func transforms dt_bias computes in PyTorch (the op has no vmap or
     functorch rule); its gradients equal the op's."""
@@ -189,7 +233,7 @@ def test_compiled_graph_launches_the_kernels():
 
 
 def test_layer_takes_the_op_by_default(monkeypatch):
-    """By default DynamicMaskAttention computes its bias through dmattn::dt_bias (not for
+    """By default DynamicMaskAttention computes its bias through dmattn::dt_bias_values (not for
     dynamic_mask's public form, which a flex mask_mod may capture); output and every parameter
     gradient stay within fp32's own error against the float64 oracle layer, eager and
     compiled. fp32's own error is the larger of the PyTorch layer's (backend "reference") and
@@ -217,7 +261,9 @@ def test_layer_takes_the_op_by_default(monkeypatch):
             out = module(x)
             (out * torch.cos(out)).sum().backward()
         # Eagerly the op's own event; compiled on CUDA, its kernels traced into the graph.
-        used = any(e.name in ("dmattn::dt_bias", "dt_bias_fwd_kernel") for e in prof.events())
+        used = any(
+            e.name in ("dmattn::dt_bias_values", "dt_bias_fwd_kernel") for e in prof.events()
+        )
         return [out.detach()] + [p.grad.clone() for p in module.parameters()], used
 
     want, _ = run(oracle, x.double())
@@ -237,7 +283,7 @@ def test_layer_takes_the_op_by_default(monkeypatch):
     v = layer.v_proj(x).view(2, 40, 2, 8)
     with torch.profiler.profile() as prof:
         layer.dynamic_mask(v)
-    assert not any(e.name == "dmattn::dt_bias" for e in prof.events())
+    assert not any(e.name.startswith("dmattn::dt_bias") for e in prof.events())
 
 
 COMPILE = """
@@ -247,8 +293,8 @@ from helpers import compile_for_gpu
 from dmattn_ops.kernels.dt_bias import dt_bias_bwd_kernel, dt_bias_fwd_kernel
 
 TYPES = dict(X="*bf16", W="*fp32", C="*fp32", A="*fp32", OUT="*bf16", LOGITS="*fp32",
-             GRAD="*bf16", DX="*bf16", PARTS="*fp32", **{
-                 f"stride_{o}{d}": "i64" for o in "gx" for d in ("b", "h", "l", "c")})
+             GRAD="*bf16", DX="*bf16", PARTS="*fp32", VALUES="*bf16", GRAD_V="*bf16", **{
+                 f"stride_{o}{d}": "i64" for o in "gxv" for d in ("b", "h", "l", "c")})
 
 for kernel, h, block_t, block_c, warps in (
     (dt_bias_fwd_kernel, 4, 64, 64, 4), (dt_bias_fwd_kernel, 3, 16, 512, 4),
@@ -257,8 +303,12 @@ for kernel, h, block_t, block_c, warps in (
 ):
     values = dict(H=h, BLOCK_H=triton.next_power_of_2(h), BLOCK_T=block_t, BLOCK_C=block_c)
     for cc in (90, 80):
-        compile_for_gpu(kernel, values, TYPES, cc, warps)
-        compile_for_gpu(kernel, values, dict(TYPES, W="*bf16", C="*bf16", A="*bf16"), cc, warps)
+        # The values' copy and gradient (dt_bias_values) on both, without them on sm_90.
+        for flag in (False, True) if cc == 90 else (True,):
+            values.update(COPY=flag, HAS_GRAD_V=flag)
+            compile_for_gpu(kernel, values, TYPES, cc, warps)
+            params = dict(TYPES, W="*bf16", C="*bf16", A="*bf16")
+            compile_for_gpu(kernel, values, params, cc, warps)
 print("ok")
 """
 
