@@ -28,7 +28,9 @@ DMATTN_DT_BIAS=0: the layer's bias in PyTorch, not through the op dmattn::dt_bia
 dkdv_split=1)``: the dK/dV kernel unsplit, without the reduce kernel a split launches;
 ``+triton`` and ``+hopper`` with kernel option hopper False (no Gluon kernel) and True (the
 Gluon forward, dQ and dK/dV kernels wherever they apply) instead of its default; ``+dense``,
-``+tables`` and ``+lists`` force that Triton route. Suffixes combine (``dma-w4+dense+split1``).
+``+tables`` and ``+lists`` force that Triton route; ``+dyn`` compiles the step with symbolic
+sizes (``dynamic=True``, as PyTorch's automatic dynamic shapes do once a second sequence length
+is seen: our ops then stay whole in the graph). Suffixes combine (``dma-w4+dense+split1``).
 
 ``profile``: cProfile of those calls (forward+backward), the functions by own time.
 
@@ -254,7 +256,7 @@ def _prepare(variant: str, shape: str, mode: str):
     stay in the cache beside the others' and the variant's setting at call time picks them
     (run_model)."""
     with _variant(variant) as base:
-        step = _compiled_step(base, shape, mode)
+        step = _compiled_step(base, shape, mode, dynamic=_dynamic(variant))
         t0 = time.time()
         step()
         torch.cuda.synchronize()
@@ -263,12 +265,16 @@ def _prepare(variant: str, shape: str, mode: str):
     return step, compile_s, work
 
 
-def _compiled_step(variant: str, shape: str, mode: str):
-    """A compiled training step of this variant (switches set by the caller)."""
+def _compiled_step(variant: str, shape: str, mode: str, dynamic: bool = False):
+    """A compiled training step of this variant (switches set by the caller); dynamic: compiled
+    with symbolic sizes (``torch.compile(dynamic=True)``), as a graph becomes once a second
+    sequence length has been seen."""
     b, n = SHAPES[shape]
     torch.manual_seed(0)
     model = make_model(variant, n, "cuda", torch.bfloat16)
-    compiled = torch.compile(model, fullgraph=True, mode=None if mode == "default" else mode)
+    compiled = torch.compile(
+        model, fullgraph=True, mode=None if mode == "default" else mode, dynamic=dynamic or None
+    )
     x = torch.randn(b, n, HIDDEN, device="cuda", dtype=torch.bfloat16)
 
     def step():
@@ -296,7 +302,12 @@ SUFFIX_OPTIONS = {
     "tables": {"route": "tile_tables"},
     "lists": {"route": "key_lists"},
 }
-SUFFIX_SWITCHES = ("ops", "pt")
+SUFFIX_SWITCHES = ("ops", "pt", "dyn")
+
+
+def _dynamic(variant: str) -> bool:
+    """Whether the variant compiles with symbolic sizes (suffix "+dyn")."""
+    return "dyn" in variant.split("+")[1:]
 
 
 def _switches(variant: str):
@@ -355,7 +366,7 @@ def trace_step(variant: str, shape: str, mode: str, log, steps: int = 5, top: in
     torch._functorch.config.enable_autograd_cache = False
     torch._dynamo.reset()
     with _variant(variant) as base:
-        step = _compiled_step(base, shape, mode)
+        step = _compiled_step(base, shape, mode, dynamic=_dynamic(variant))
         for _ in range(3):
             step()
         torch.cuda.synchronize()

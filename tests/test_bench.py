@@ -352,3 +352,18 @@ def test_model_rounds_alternate_and_take_each_variants_median(monkeypatch):
     monkeypatch.setattr(model, "bench_ms", recompiling)
     rows = model.run_model(["B16-L512"], ["sdpa"], ["default"], lambda line: None, rounds=2)
     assert rows[0]["status"] == "recompiled while timed" and rows[0]["ms"] == 1.0
+
+
+def test_model_variant_suffixes_combine():
+    """bench.model's variant names: suffixes set switches, kernel options (merged, in order)
+    and the symbolic-size compile; an unknown suffix or base is named."""
+    from bench import model
+
+    base, env, options = model._switches("dma-w4+dense+split1+pt")
+    assert base == "dma-w4" and options == {"route": "dense", "dkdv_split": 1}
+    assert env["DMATTN_DT_BIAS"] == "0" and env["DMATTN_INDUCTOR_KERNELS"] == "1"
+    assert model._switches("sdpa") == ("sdpa", {**env, "DMATTN_DT_BIAS": "1"}, {})
+    assert model._dynamic("dma-w4+dyn") and not model._dynamic("dma-w4+ops")
+    for bad in ("dma-w4+fast", "dma-w5", "dma-w4+"):
+        with pytest.raises(ValueError, match="unknown variant"):
+            model._switches(bad)
