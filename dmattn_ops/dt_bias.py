@@ -238,12 +238,18 @@ def _dt_bias_op(
     return _forward(x, weight, bias, A)
 
 
-@_dt_bias_op.register_fake
-def _(x, weight, bias, A):
+def _fake(x, weight, bias, A, values: bool = False) -> tuple:
+    """The forward ops' outputs on fake tensors: (bias, logits), and values with `values`."""
     _check(x, weight, bias, A)
     b, length, _ = x.shape
     h = weight.shape[0]
-    return x.new_empty((b, h, 1, length)), x.new_empty((b, length, h), dtype=torch.float32)
+    out = (x.new_empty((b, h, 1, length)), x.new_empty((b, length, h), dtype=torch.float32))
+    return (*out, torch.empty_like(x, memory_format=torch.contiguous_format)) if values else out
+
+
+@_dt_bias_op.register_fake
+def _(x, weight, bias, A):
+    return _fake(x, weight, bias, A)
 
 
 @torch.library.custom_op("dmattn::dt_bias_values", mutates_args=())
@@ -258,13 +264,7 @@ def _dt_bias_values_op(
 
 @_dt_bias_values_op.register_fake
 def _(x, weight, bias, A):
-    _check(x, weight, bias, A)
-    b, length, _ = x.shape
-    h = weight.shape[0]
-    return (
-        x.new_empty((b, h, 1, length)), x.new_empty((b, length, h), dtype=torch.float32),
-        torch.empty_like(x, memory_format=torch.contiguous_format),
-    )  # fmt: skip
+    return _fake(x, weight, bias, A, values=True)
 
 
 @torch.library.custom_op("dmattn::dt_bias_backward", mutates_args=())
@@ -292,27 +292,13 @@ def _(grad, x, weight, A, logits, grad_values=None):
 
 def _setup(ctx, inputs, output):
     x, weight, _, A = inputs
-    ctx.save_for_backward(x, weight, A, output[1])
+    # dt_bias_values' values equal x: the backward reads them, and x itself need not be kept.
+    ctx.save_for_backward(output[2] if len(output) == 3 else x, weight, A, output[1])
     ctx.dtypes = tuple(t.dtype for t in inputs)
     ctx.mark_non_differentiable(output[1])
 
 
-def _grads(ctx, grad, _grad_logits):
-    x, weight, A, logits = ctx.saved_tensors
-    dx, dparams = torch.ops.dmattn.dt_bias_backward(grad, x, weight, A, logits)
-    grads = (dx, *split_params(dparams, *weight.shape))
-    return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
-
-
-def _setup_values(ctx, inputs, output):
-    _, weight, _, A = inputs
-    # values equals x: the backward reads it, and x itself need not be kept.
-    ctx.save_for_backward(output[2], weight, A, output[1])
-    ctx.dtypes = tuple(t.dtype for t in inputs)
-    ctx.mark_non_differentiable(output[1])
-
-
-def _grads_values(ctx, grad, _grad_logits, grad_values):
+def _grads(ctx, grad, _grad_logits, grad_values=None):
     x, weight, A, logits = ctx.saved_tensors
     dx, dparams = torch.ops.dmattn.dt_bias_backward(grad, x, weight, A, logits, grad_values)
     grads = (dx, *split_params(dparams, *weight.shape))
@@ -320,7 +306,7 @@ def _grads_values(ctx, grad, _grad_logits, grad_values):
 
 
 _dt_bias_op.register_autograd(_grads, setup_context=_setup)
-_dt_bias_values_op.register_autograd(_grads_values, setup_context=_setup_values)
+_dt_bias_values_op.register_autograd(_grads, setup_context=_setup)
 inductor.trace_into_graphs(torch.ops.dmattn.dt_bias.default, _forward)
 inductor.trace_into_graphs(torch.ops.dmattn.dt_bias_values.default, _forward_values)
 inductor.trace_into_graphs(torch.ops.dmattn.dt_bias_backward.default, _backward)
