@@ -6,6 +6,8 @@ On CPU the mechanism is checked through the chunked PyTorch path (float64), with
 condition lifted; on a GPU the Triton kernels run from Inductor's generated code and must give
 exactly the eager results."""
 
+import warnings
+
 import pytest
 import torch
 from helpers import Case, assert_close, low_precision_bound, make_bias, make_mask, make_qkv
@@ -383,8 +385,10 @@ def test_traced_seqused_k_skips_the_value_check(monkeypatch):
 
 def test_symbolic_sizes_keep_the_ops(monkeypatch):
     """Under dynamic shapes the launchers would guard their tile configurations to one size;
-    such graphs keep the ops whole (and compile once for every size)."""
+    such graphs keep the ops whole (and compile once for every size), and say once per
+    process what that costs (SymbolicSizesWarning)."""
     monkeypatch.setattr(inductor, "applies", lambda first: inductor._traced())
+    monkeypatch.setattr(inductor, "_warned_symbolic", False)
     torch._dynamo.reset()
     graphs = []
 
@@ -399,7 +403,11 @@ def test_symbolic_sizes_keep_the_ops(monkeypatch):
         return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
 
     cf = torch.compile(_attention_loss, backend=backend, fullgraph=True, dynamic=True)
-    with torch._dynamo.config.patch(error_on_recompile=True):
+    with (
+        torch._dynamo.config.patch(error_on_recompile=True),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
         for lq, lk in [(17, 29), (33, 41)]:
             c = Case(1, lq, lk, 2, 1, 16, 16)
             q, k, v = make_qkv(c, requires_grad=True)
@@ -410,6 +418,8 @@ def test_symbolic_sizes_keep_the_ops(monkeypatch):
             ref = reference.attention(q, k, v, mask, bias, is_causal=True).square().sum()
             torch.testing.assert_close(loss, ref)
     assert "dmattn.attention_forward.default" in _dmattn_nodes(graphs)
+    said = [w for w in caught if issubclass(w.category, inductor.SymbolicSizesWarning)]
+    assert len(said) == 1 and "dynamic=False" in str(said[0].message)
 
 
 def test_cache_keys_follow_the_fingerprint():

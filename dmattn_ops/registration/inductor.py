@@ -40,6 +40,7 @@ import importlib.util
 import logging
 import os
 import pathlib
+import warnings
 import weakref
 
 import torch
@@ -90,6 +91,30 @@ def applies(first: torch.Tensor) -> bool:
     )
 
 
+class SymbolicSizesWarning(UserWarning):
+    """A compiled graph with symbolic sizes runs the dmattn ops whole (`_rule`): a warning once
+    per process, which ``warnings.filterwarnings("ignore", category=SymbolicSizesWarning)``
+    silences."""
+
+
+SYMBOLIC_SIZES = (
+    "dmattn: a compiled graph with symbolic sizes (torch.compile(dynamic=True), or PyTorch's "
+    "automatic dynamic shapes once a second sequence length was seen) runs the dmattn ops "
+    "whole, their Python launchers at every call, instead of launching their kernels from the "
+    "graph: a compiled DMA training step measured 1.77x slower this way on an H200. Compile "
+    "with dynamic=False (one graph per length) or pad lengths to a few buckets to keep the "
+    "kernels in the graph (README, 'Backends')."
+)
+_warned_symbolic = False
+
+
+def _warn_symbolic() -> None:
+    global _warned_symbolic
+    if not _warned_symbolic:
+        _warned_symbolic = True
+        warnings.warn(SYMBOLIC_SIZES, SymbolicSizesWarning, stacklevel=2)
+
+
 def _symbolic(args) -> bool:
     """Whether a tensor argument has a symbolic size (torch.compile(dynamic=True), or a size that
     changed since the first compile). The launchers choose tile configurations and grids from
@@ -123,7 +148,10 @@ def _rule(body, op, keeps_lists: bool):
             return NotImplemented
         call = bind(op, args, kwargs)
         first = next(v for v in call.values() if isinstance(v, torch.Tensor))
-        if not applies(first) or _symbolic(args):
+        if not applies(first):
+            return mode.__torch_dispatch__(op_, types, args, kwargs)
+        if _symbolic(args):
+            _warn_symbolic()
             return mode.__torch_dispatch__(op_, types, args, kwargs)
         launch_statically()
         if keeps_lists:
