@@ -482,25 +482,43 @@ def run_model(shapes, variants, modes, log, rounds: int = MODEL_ROUNDS) -> list[
 
 def model_table(rows) -> str:
     """ms per step against the dense SDPA stack of the same shape, mode and kind (the
-    pre-norm stack, or "-plain"), with the DMA layers' mean causal work (selection_work)."""
+    pre-norm stack, or "-plain"), with the DMA layers' mean causal work (selection_work).
+
+    The ratio is the median over rounds of each round's ms over the reference's ms in the same
+    round (run_model alternates the variants round by round), where both have every round;
+    the host drifts between rounds (B16 L512 SDPA 5.3 to 6.7 ms a step in one run), and a
+    round's pair shares its drift. "range": the rounds' lowest and highest ratio. Without
+    paired rounds, the ratio of the medians."""
 
     def family(variant):
         return variant.split("+")[0].endswith("-plain")
 
     ref = {
-        (r["shape"], r["mode"], family(r["variant"])): r["ms"]
+        (r["shape"], r["mode"], family(r["variant"])): r
         for r in rows
         if r["variant"] in ("sdpa", "sdpa-plain")
     }
     table = []
     for r in rows:
         base = ref.get((r["shape"], r["mode"], family(r["variant"])))
-        ratio = r["ms"] / base if r["ms"] and base else None
+        ratio, spread = paired_ratio(r, base) if base is not None else (None, "")
         work = sum(r["work"]) / len(r["work"]) if r.get("work") else None
-        table.append([r["shape"], r["mode"], r["variant"], r["ms"] or None, ratio, work,
+        table.append([r["shape"], r["mode"], r["variant"], r["ms"] or None, ratio, spread, work,
                       r["status"]])  # fmt: skip
-    headers = ["shape", "mode", "variant", "ms / step", "x SDPA dense", "causal work", "status"]
-    return markdown(headers, table, ("", "", "", ".2f", ".2f", ".3f", ""))
+    headers = ["shape", "mode", "variant", "ms / step", "x SDPA dense", "range", "causal work",
+               "status"]  # fmt: skip
+    return markdown(headers, table, ("", "", "", ".2f", ".2f", "", ".3f", ""))
+
+
+def paired_ratio(row: dict, base: dict) -> tuple[float | None, str]:
+    """(ratio of row to base, "lo-hi" of the per-round ratios or ""): model_table's rule."""
+    mine, theirs = row.get("rounds") or [], base.get("rounds") or []
+    if mine and len(mine) == len(theirs) and all(theirs):
+        ratios = sorted(a / b for a, b in zip(mine, theirs))
+        return ratios[len(ratios) // 2], f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
+    if row["ms"] and base["ms"]:
+        return row["ms"] / base["ms"], ""
+    return None, ""
 
 
 # Host time of one call.

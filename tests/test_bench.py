@@ -367,3 +367,20 @@ def test_model_variant_suffixes_combine():
     for bad in ("dma-w4+fast", "dma-w5", "dma-w4+"):
         with pytest.raises(ValueError, match="unknown variant"):
             model._switches(bad)
+
+
+def test_model_ratio_pairs_each_round_with_the_references():
+    """The model table's ratio is the median of per-round ratios (each round's drift shared by
+    the pair), with their range; rows without paired rounds fall back to the medians' ratio."""
+    from bench import model
+
+    sdpa = dict(shape="S", mode="default", variant="sdpa", ms=6.0, work=None, status="ok",
+                rounds=[5.0, 6.0, 7.0])  # fmt: skip
+    dma = dict(sdpa, variant="dma-w4", ms=6.3, work=[0.25], rounds=[5.5, 6.3, 6.3])
+    assert model.paired_ratio(dma, sdpa) == (pytest.approx(1.05), "0.90-1.10")
+    unpaired = dict(dma, rounds=[6.3])
+    assert model.paired_ratio(unpaired, sdpa) == (pytest.approx(1.05), "")
+    failed = dict(dma, ms=None, rounds=[])
+    assert model.paired_ratio(failed, sdpa) == (None, "")
+    table = model.model_table([sdpa, dma])
+    assert " 1.05 |" in table and "0.90-1.10" in table and "0.250" in table
