@@ -422,6 +422,76 @@ def test_symbolic_sizes_keep_the_ops(monkeypatch):
     assert len(said) == 1 and "dynamic=False" in str(said[0].message)
 
 
+def test_launchers_keep_sizes_symbolic(monkeypatch):
+    """The launchers a compiled graph traces (attention forward and backward on key lists, the
+    bias op both ways, the top-k selection), run on fake tensors whose sequence length is
+    symbolic with every launch recorded instead of made, decide by comparisons only: the
+    length stays a free symbol (no guard pins it to its value, which would compile the graph
+    again for every length), and the grids are expressions of it. Graphs with symbolic sizes
+    still keep the ops whole (the test above); this is what tracing them needs of the
+    launchers (bench/NOTES.md 202)."""
+    from torch._dynamo.source import LocalSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    from dmattn_ops import dt_bias, masks
+    from dmattn_ops.executors import _triton
+    from dmattn_ops.registration import ops
+
+    grids = []
+
+    def record(kernel, grid):
+        return lambda *args, **kwargs: grids.append((kernel._name, grid))
+
+    monkeypatch.setattr(_triton.LazyKernel, "__getitem__", record)
+    monkeypatch.setattr(
+        _triton.LazyKernel, "run", lambda kernel, prepared, tensors: grids.append(
+            (kernel._name, prepared.grid)
+        )
+    )  # fmt: skip
+    monkeypatch.setattr(_triton, "tracing_on", lambda: True)
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=False)
+
+    def fake(real, dim, name):
+        sizes = [DimDynamic.DYNAMIC if i == dim else DimDynamic.STATIC for i in range(real.dim())]
+        context = StatelessSymbolicContext(dynamic_sizes=sizes)
+        return mode.from_tensor(real, symbolic_context=context, source=LocalSource(name))
+
+    b, n, h, hkv, d = 2, 300, 4, 2, 32
+    q = fake(torch.randn(b, n, h, d, dtype=torch.bfloat16), 1, "q")
+    k = fake(torch.randn(b, n, hkv, d, dtype=torch.bfloat16), 1, "k")
+    v = fake(torch.randn(b, n, hkv, d, dtype=torch.bfloat16), 1, "v")
+    x = fake(torch.randn(b, n, hkv * d, dtype=torch.bfloat16), 1, "x")
+    weight, c, a = (mode.from_tensor(t, static_shapes=True) for t in (
+        torch.randn(hkv, hkv * d), torch.randn(hkv), torch.rand(hkv)))  # fmt: skip
+    with mode:
+        bias, logits, values = dt_bias._forward_values(x, weight, c, a)
+        mask = masks.topk_select(bias, None, 64, 0, True)  # the op's kernel body
+        out, lse, rem = ops.forward_kernel(ops.DENSE_OPS)(
+            q, k, v, mask, bias, d**-0.5, True, 0.0, None, False
+        )  # fmt: skip
+        grads = ops.backward_kernel(ops.DENSE_OPS)(
+            torch.empty_like(out), None, q, k, v, out, lse, rem, mask, bias, d**-0.5, True,
+            0.0, None, False, True,
+        )  # fmt: skip
+        dx, _ = dt_bias._backward(grads[3], values, weight, a, logits, grads[2].flatten(2))
+    launched = {name for name, _ in grids}
+    assert {"dt_bias_fwd_kernel", "topk_mask_kernel", "key_lists_kernel", "attention_fwd_kernel",
+            "attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel",
+            "dt_bias_bwd_kernel"} <= launched, launched  # fmt: skip
+    for t in (q, out, grads[0], grads[1], grads[3], dx, mask):
+        sizes = [s for s in t.shape if isinstance(s, torch.SymInt)]
+        assert sizes and all(s.node.maybe_as_int() is None for s in sizes), t.shape
+    assert any(
+        isinstance(g, torch.SymInt) and g.node.maybe_as_int() is None
+        for _, grid in grids for g in grid
+    )  # fmt: skip
+
+
 def test_cache_keys_follow_the_fingerprint():
     """Every dmattn op records the fingerprint where AOTAutograd's cache key reads the Triton
     sources of an op (torch.library.triton_op's record), and the source that key hashes changes

@@ -10,7 +10,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+    """The least power of two >= n (1 for n <= 1). A symbolic size (a SymInt while a graph is
+    traced with dynamic shapes) is compared with powers of two instead, so that the trace
+    guards on the bucket (256 < n <= 512) rather than on n's value, which would compile the
+    graph again for every length."""
+    if isinstance(n, int):
+        return 1 if n <= 1 else 1 << (n - 1).bit_length()
+    p = 1
+    while n > p:
+        p *= 2
+    return p
 
 
 def head_block(dim: int) -> int:
