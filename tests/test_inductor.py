@@ -422,14 +422,11 @@ def test_symbolic_sizes_keep_the_ops(monkeypatch):
     assert len(said) == 1 and "dynamic=False" in str(said[0].message)
 
 
-def test_launchers_keep_sizes_symbolic(monkeypatch):
-    """The launchers a compiled graph traces (attention forward and backward on key lists, the
-    bias op both ways, the top-k selection), run on fake tensors whose sequence length is
-    symbolic with every launch recorded instead of made, decide by comparisons only: the
-    length stays a free symbol (no guard pins it to its value, which would compile the graph
-    again for every length), and the grids are expressions of it. Graphs with symbolic sizes
-    still keep the ops whole (the test above); this is what tracing them needs of the
-    launchers (bench/NOTES.md 202)."""
+@pytest.fixture
+def symbolic(monkeypatch):
+    """(fake, grids) for running the launchers a compiled graph traces on fake tensors with a
+    symbolic dim: fake(real, dim, name) is real's fake copy with `dim` symbolic; every launch
+    is recorded in grids as (kernel name, grid) instead of made."""
     from torch._dynamo.source import LocalSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (
@@ -438,9 +435,7 @@ def test_launchers_keep_sizes_symbolic(monkeypatch):
         StatelessSymbolicContext,
     )
 
-    from dmattn_ops import dt_bias, masks
     from dmattn_ops.executors import _triton
-    from dmattn_ops.registration import ops
 
     grids = []
 
@@ -456,19 +451,45 @@ def test_launchers_keep_sizes_symbolic(monkeypatch):
     monkeypatch.setattr(_triton, "tracing_on", lambda: True)
     mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=False)
 
-    def fake(real, dim, name):
+    def fake(real, dim=None, name=None):
+        if dim is None:
+            return mode.from_tensor(real, static_shapes=True)
         sizes = [DimDynamic.DYNAMIC if i == dim else DimDynamic.STATIC for i in range(real.dim())]
         context = StatelessSymbolicContext(dynamic_sizes=sizes)
         return mode.from_tensor(real, symbolic_context=context, source=LocalSource(name))
 
+    fake.mode = mode
+    return fake, grids
+
+
+def _still_symbolic(*tensors) -> bool:
+    """Whether each tensor has a symbolic size that no guard has pinned to a value."""
+    for t in tensors:
+        sizes = [s for s in t.shape if isinstance(s, torch.SymInt)]
+        if not sizes or any(s.node.maybe_as_int() is not None for s in sizes):
+            return False
+    return True
+
+
+def test_launchers_keep_sizes_symbolic(symbolic):
+    """The launchers a compiled graph traces (attention forward and backward on key lists, the
+    bias op both ways, the top-k selection), run on fake tensors whose sequence length is
+    symbolic with every launch recorded instead of made, decide by comparisons only: the
+    length stays a free symbol (no guard pins it to its value, which would compile the graph
+    again for every length), and the grids are expressions of it. Graphs with symbolic sizes
+    still keep the ops whole (the test above); this is what tracing them needs of the
+    launchers (bench/NOTES.md 202)."""
+    from dmattn_ops import dt_bias, masks
+    from dmattn_ops.registration import ops
+
+    fake, grids = symbolic
     b, n, h, hkv, d = 2, 300, 4, 2, 32
     q = fake(torch.randn(b, n, h, d, dtype=torch.bfloat16), 1, "q")
     k = fake(torch.randn(b, n, hkv, d, dtype=torch.bfloat16), 1, "k")
     v = fake(torch.randn(b, n, hkv, d, dtype=torch.bfloat16), 1, "v")
     x = fake(torch.randn(b, n, hkv * d, dtype=torch.bfloat16), 1, "x")
-    weight, c, a = (mode.from_tensor(t, static_shapes=True) for t in (
-        torch.randn(hkv, hkv * d), torch.randn(hkv), torch.rand(hkv)))  # fmt: skip
-    with mode:
+    weight, c, a = (fake(t) for t in (torch.randn(hkv, hkv * d), torch.randn(hkv), torch.rand(hkv)))
+    with fake.mode:
         bias, logits, values = dt_bias._forward_values(x, weight, c, a)
         mask = masks.topk_select(bias, None, 64, 0, True)  # the op's kernel body
         out, lse, rem = ops.forward_kernel(ops.DENSE_OPS)(
@@ -483,13 +504,37 @@ def test_launchers_keep_sizes_symbolic(monkeypatch):
     assert {"dt_bias_fwd_kernel", "topk_mask_kernel", "key_lists_kernel", "attention_fwd_kernel",
             "attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel",
             "dt_bias_bwd_kernel"} <= launched, launched  # fmt: skip
-    for t in (q, out, grads[0], grads[1], grads[3], dx, mask):
-        sizes = [s for s in t.shape if isinstance(s, torch.SymInt)]
-        assert sizes and all(s.node.maybe_as_int() is None for s in sizes), t.shape
+    assert _still_symbolic(q, out, grads[0], grads[1], grads[3], dx, mask)
     assert any(
         isinstance(g, torch.SymInt) and g.node.maybe_as_int() is None
         for _, grid in grids for g in grid
     )  # fmt: skip
+
+
+def test_varlen_launchers_keep_sizes_symbolic(symbolic):
+    """The same for packed sequences: the packed token count symbolic (cu_seqlens and
+    max_seqlen as a compiled graph holds them), a mask and bias per key token."""
+    from dmattn_ops.registration import ops
+
+    fake, grids = symbolic
+    t, h, hkv, d = 700, 4, 2, 32
+    q = fake(torch.randn(t, h, d, dtype=torch.bfloat16), 0, "q")
+    k = fake(torch.randn(t, hkv, d, dtype=torch.bfloat16), 0, "k")
+    v = fake(torch.randn(t, hkv, d, dtype=torch.bfloat16), 0, "v")
+    bias = fake(torch.randn(hkv, t, dtype=torch.bfloat16), 1, "bias")
+    mask = fake(torch.rand(hkv, t) < 0.5, 1, "mask")
+    cu = fake(torch.tensor([0, 300, 700], dtype=torch.int32))
+    with fake.mode:
+        out, lse, rem = ops.forward_kernel(ops.VARLEN_OPS)(
+            q, k, v, cu, cu, 400, 400, mask, bias, d**-0.5, True, 0.0, False
+        )  # fmt: skip
+        grads = ops.backward_kernel(ops.VARLEN_OPS)(
+            torch.empty_like(out), None, q, k, v, out, lse, rem, cu, cu, 400, 400, mask, bias,
+            d**-0.5, True, 0.0, False, True,
+        )  # fmt: skip
+    assert {"varlen_key_lists_kernel", "attention_fwd_kernel", "attention_bwd_dq_kernel",
+            "attention_bwd_dkdv_kernel"} <= {name for name, _ in grids}  # fmt: skip
+    assert _still_symbolic(q, out, lse, *grads[:4])
 
 
 def test_cache_keys_follow_the_fingerprint():
