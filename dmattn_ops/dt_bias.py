@@ -89,7 +89,7 @@ def dt_bias(
     Returns:
         (B, Hkv, 1, L) in x's dtype. Differentiable in all four inputs.
     """
-    if kernel and plan.use_triton(x) and not torch._C._are_functorch_transforms_active():
+    if _takes_op(x, kernel):
         return torch.ops.dmattn.dt_bias(x, weight, bias, A)[0]  # the op checks the shapes
     _check(x, weight, bias, A)
     return pytorch_form(x, weight, bias, A)
@@ -107,11 +107,17 @@ def dt_bias_values(
     values is x itself.
 
     Args and shapes as `dt_bias`; values (B, L, C) contiguous in x's dtype."""
-    if kernel and plan.use_triton(x) and not torch._C._are_functorch_transforms_active():
+    if _takes_op(x, kernel):
         out, _, values = torch.ops.dmattn.dt_bias_values(x, weight, bias, A)
         return out, values
     _check(x, weight, bias, A)
     return pytorch_form(x, weight, bias, A), x
+
+
+def _takes_op(x: torch.Tensor, kernel: bool) -> bool:
+    """Whether dt_bias / dt_bias_values run through their op: asked for, where Triton runs,
+    and outside torch.func transforms (the op has no functorch rule)."""
+    return kernel and plan.use_triton(x) and not torch._C._are_functorch_transforms_active()
 
 
 def pytorch_form(x, weight, bias, A) -> torch.Tensor:
