@@ -30,7 +30,8 @@ dkdv_split=1)``: the dK/dV kernel unsplit, without the reduce kernel a split lau
 Gluon forward, dQ and dK/dV kernels wherever they apply) instead of its default; ``+dense``,
 ``+tables`` and ``+lists`` force that Triton route; ``+dyn`` compiles the step with symbolic
 sizes (``dynamic=True``, as PyTorch's automatic dynamic shapes do once a second sequence length
-is seen: our ops then stay whole in the graph). Suffixes combine (``dma-w4+dense+split1``).
+is seen; such graphs launch our kernels too, and ``+dyn+ops`` keeps the ops whole in them).
+Suffixes combine (``dma-w4+dense+split1``).
 
 ``profile``: cProfile of those calls (forward+backward), the functions by own time.
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from dmattn_ops.core.device import next_power_of_2
+from dmattn_ops.core.device import hint, next_power_of_2, symbolic
 from dmattn_ops.core.operands import operand_strides
 from dmattn_ops.dispatch import plan
 from dmattn_ops.executors import _triton
@@ -234,8 +234,11 @@ def topk_select(
     if out.numel() > 0:
         bias_e = bias.expand(shape)
         mask_e = allowed.expand(shape) if allowed is not None else None
-        chunked = lk > FUSED_MAX_KEYS
-        block = max(ROW_CHUNK if chunked else next_power_of_2(lk), smooth)
+        # A symbolic Lk (a graph with dynamic shapes) reads its row in chunks, sized for the
+        # example's length: one kernel for every length, no guard on it.
+        chunked = symbolic(lk) or lk > FUSED_MAX_KEYS
+        block = min(ROW_CHUNK, next_power_of_2(hint(lk))) if chunked else next_power_of_2(lk)
+        block = max(block, smooth)
         warps = 1 if _triton.interpreter_on() else min(16, max(4, block // 512))
         topk_mask_kernel[(b * h * lq,)](
             bias_e, mask_e, out, *operand_strides(bias_e),

@@ -6,11 +6,17 @@ On CPU the mechanism is checked through the chunked PyTorch path (float64), with
 condition lifted; on a GPU the Triton kernels run from Inductor's generated code and must give
 exactly the eager results."""
 
-import warnings
-
 import pytest
 import torch
-from helpers import Case, assert_close, low_precision_bound, make_bias, make_mask, make_qkv
+from helpers import (
+    DEVICE,
+    Case,
+    assert_close,
+    low_precision_bound,
+    make_bias,
+    make_mask,
+    make_qkv,
+)
 
 import dmattn_ops
 from dmattn_ops import reference
@@ -383,31 +389,30 @@ def test_traced_seqused_k_skips_the_value_check(monkeypatch):
     torch.testing.assert_close(out, want)
 
 
-def test_symbolic_sizes_keep_the_ops(monkeypatch):
-    """Under dynamic shapes the launchers would guard their tile configurations to one size;
-    such graphs keep the ops whole (and compile once for every size), and say once per
-    process what that costs (SymbolicSizesWarning)."""
+def _aot_backend(graphs):
+    """A torch.compile backend that keeps AOTAutograd's forward and backward graphs."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def keep(g, _):
+        graphs.append(g)
+        return make_boxed_func(g)
+
+    return lambda gm, example_inputs: aot_module_simplified(
+        gm, example_inputs, fw_compiler=keep, bw_compiler=keep
+    )
+
+
+def test_symbolic_sizes_switched_off_keep_the_ops(monkeypatch):
+    """DMATTN_SYMBOLIC_KERNELS=0: a graph with symbolic sizes keeps the ops whole (one node
+    each, the launchers run at each call), compiles once for every size, and computes the
+    same."""
     monkeypatch.setattr(inductor, "applies", lambda first: inductor._traced())
-    monkeypatch.setattr(inductor, "_warned_symbolic", False)
+    monkeypatch.setenv("DMATTN_SYMBOLIC_KERNELS", "0")
     torch._dynamo.reset()
     graphs = []
-
-    def backend(gm, example_inputs):
-        from functorch.compile import make_boxed_func
-        from torch._functorch.aot_autograd import aot_module_simplified
-
-        def keep(g, _):
-            graphs.append(g)
-            return make_boxed_func(g)
-
-        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
-
-    cf = torch.compile(_attention_loss, backend=backend, fullgraph=True, dynamic=True)
-    with (
-        torch._dynamo.config.patch(error_on_recompile=True),
-        warnings.catch_warnings(record=True) as caught,
-    ):
-        warnings.simplefilter("always")
+    cf = torch.compile(_attention_loss, backend=_aot_backend(graphs), fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
         for lq, lk in [(17, 29), (33, 41)]:
             c = Case(1, lq, lk, 2, 1, 16, 16)
             q, k, v = make_qkv(c, requires_grad=True)
@@ -418,8 +423,40 @@ def test_symbolic_sizes_keep_the_ops(monkeypatch):
             ref = reference.attention(q, k, v, mask, bias, is_causal=True).square().sum()
             torch.testing.assert_close(loss, ref)
     assert "dmattn.attention_forward.default" in _dmattn_nodes(graphs)
-    said = [w for w in caught if issubclass(w.category, inductor.SymbolicSizesWarning)]
-    assert len(said) == 1 and "dynamic=False" in str(said[0].message)
+
+
+@gpu
+def test_symbolic_sizes_trace_the_kernels(inductor_kernels):
+    """A DMA call (per-key bias, top-k mask, causal, GQA, bf16) compiled with dynamic=True:
+    the graphs launch our kernels (no dmattn op left in them), one compile serves every length
+    from 100 to 5000 (the launchers' speed choices read the example's sizes without guarding,
+    inductor.py), and each length's output and gradients stay within bf16's bound of the
+    float64 oracle."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def loss_of(q, k, v, bias):
+        mask = topk_mask(bias, 64)
+        return torch.ops.dmattn.attention(q, k, v, mask, bias, None, True).float().square().sum()
+
+    cf = torch.compile(loss_of, backend=_aot_backend(graphs), fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for n in (300, 100, 777, 2048, 5000):
+            c = Case(2, n, n, 8, 2, 64, 64)
+            q, k, v = make_qkv(c, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            bias = make_bias((2, 2, 1, n), dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            got = torch.autograd.grad(cf(q, k, v, bias), (q, k, v, bias))
+            mask = topk_mask(bias, 64)
+            leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+            out = reference.attention(*leaves[:3], mask, leaves[3], is_causal=True)
+            want = torch.autograd.grad(out.square().sum(), leaves)
+            low = [t.detach().requires_grad_() for t in (q, k, v, bias)]  # the oracle in bf16
+            out_low = reference.attention(*low[:3], mask, low[3], is_causal=True)
+            lows = torch.autograd.grad(out_low.float().square().sum(), low)
+            for name, g, w, lo in zip("qkvb", got, want, lows):
+                bound = low_precision_bound(w, lo.double(), torch.bfloat16)
+                assert_close(g.double(), w, bound, f"d{name} at L {n}")
+    assert graphs and _dmattn_nodes(graphs) == []
 
 
 @pytest.fixture
@@ -452,6 +489,7 @@ def symbolic(monkeypatch):
     mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=False)
 
     def fake(real, dim=None, name=None):
+        real = real.to(DEVICE)
         if dim is None:
             return mode.from_tensor(real, static_shapes=True)
         sizes = [DimDynamic.DYNAMIC if i == dim else DimDynamic.STATIC for i in range(real.dim())]
@@ -460,6 +498,16 @@ def symbolic(monkeypatch):
 
     fake.mode = mode
     return fake, grids
+
+
+def _guards_hold_at(env, lengths) -> None:
+    """Every guard the trace put on its sizes holds with each of them (one symbol per tensor,
+    all the same length in a real graph) set to each of `lengths`: a graph traced once would
+    not be compiled again for any of them."""
+    for guard in env.guards:
+        for n in lengths:
+            held = guard.expr.xreplace({s: n for s in guard.expr.free_symbols})
+            assert bool(held), f"guard {guard.expr} ({guard.sloc}) fails at length {n}"
 
 
 def _still_symbolic(*tensors) -> bool:
@@ -474,11 +522,10 @@ def _still_symbolic(*tensors) -> bool:
 def test_launchers_keep_sizes_symbolic(symbolic):
     """The launchers a compiled graph traces (attention forward and backward on key lists, the
     bias op both ways, the top-k selection), run on fake tensors whose sequence length is
-    symbolic with every launch recorded instead of made, decide by comparisons only: the
-    length stays a free symbol (no guard pins it to its value, which would compile the graph
-    again for every length), and the grids are expressions of it. Graphs with symbolic sizes
-    still keep the ops whole (the test above); this is what tracing them needs of the
-    launchers (bench/NOTES.md 202)."""
+    symbolic with every launch recorded instead of made: the length stays a free symbol, every
+    guard put on it holds from 17 keys to 40000 (their speed choices read the example's sizes
+    without guarding: one compile serves every length), and the grids are expressions of it
+    (bench/NOTES.md 202, 203)."""
     from dmattn_ops import dt_bias, masks
     from dmattn_ops.registration import ops
 
@@ -505,6 +552,7 @@ def test_launchers_keep_sizes_symbolic(symbolic):
             "attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel",
             "dt_bias_bwd_kernel"} <= launched, launched  # fmt: skip
     assert _still_symbolic(q, out, grads[0], grads[1], grads[3], dx, mask)
+    _guards_hold_at(fake.mode.shape_env, (17, 100, 1000, 5000, 40000))
     assert any(
         isinstance(g, torch.SymInt) and g.node.maybe_as_int() is None
         for _, grid in grids for g in grid
@@ -512,8 +560,11 @@ def test_launchers_keep_sizes_symbolic(symbolic):
 
 
 def test_varlen_launchers_keep_sizes_symbolic(symbolic):
-    """The same for packed sequences: the packed token count symbolic (cu_seqlens and
-    max_seqlen as a compiled graph holds them), a mask and bias per key token."""
+    """The same for packed sequences: the packed token count and the longest sequence
+    symbolic (as a compiled graph with dynamic shapes holds them), a mask and bias per key
+    token."""
+    from torch._dynamo.source import ConstantSource
+
     from dmattn_ops.registration import ops
 
     fake, grids = symbolic
@@ -524,17 +575,20 @@ def test_varlen_launchers_keep_sizes_symbolic(symbolic):
     bias = fake(torch.randn(hkv, t, dtype=torch.bfloat16), 1, "bias")
     mask = fake(torch.rand(hkv, t) < 0.5, 1, "mask")
     cu = fake(torch.tensor([0, 300, 700], dtype=torch.int32))
+    env = fake.mode.shape_env
+    longest = env.create_symintnode(env.create_symbol(400, ConstantSource("max_seqlen")), hint=400)
     with fake.mode:
         out, lse, rem = ops.forward_kernel(ops.VARLEN_OPS)(
-            q, k, v, cu, cu, 400, 400, mask, bias, d**-0.5, True, 0.0, False
+            q, k, v, cu, cu, longest, longest, mask, bias, d**-0.5, True, 0.0, False
         )  # fmt: skip
         grads = ops.backward_kernel(ops.VARLEN_OPS)(
-            torch.empty_like(out), None, q, k, v, out, lse, rem, cu, cu, 400, 400, mask, bias,
-            d**-0.5, True, 0.0, False, True,
+            torch.empty_like(out), None, q, k, v, out, lse, rem, cu, cu, longest, longest,
+            mask, bias, d**-0.5, True, 0.0, False, True,
         )  # fmt: skip
     assert {"varlen_key_lists_kernel", "attention_fwd_kernel", "attention_bwd_dq_kernel",
             "attention_bwd_dkdv_kernel"} <= {name for name, _ in grids}  # fmt: skip
     assert _still_symbolic(q, out, lse, *grads[:4])
+    _guards_hold_at(fake.mode.shape_env, (17, 100, 1000, 5000, 40000))
 
 
 def test_cache_keys_follow_the_fingerprint():

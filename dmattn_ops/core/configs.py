@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dmattn_ops.core.device import head_block
+from dmattn_ops.core.device import head_block, hint
 
 SM90_SHARED = 232_448  # H100 / H200: cudaDevAttrMaxSharedMemoryPerBlockOptin
 SM80_SHARED = 166_912  # A100
@@ -255,6 +255,9 @@ def dkdv_split(
     where a program would step over fewer than SPLIT_MIN_STEPS query tiles (`query_tiles`
     per head): at the model's B16 L512 call (16 query tiles of 32 rows per head) split 2 ran
     dk/dv and its reduce in 0.144 ms, split 4 in 0.168."""
+    # Sizes read as their example's under symbolic sizes: the split only changes speed.
+    programs, query_tiles = hint(programs), hint(query_tiles)
+    bytes_per_split, query_bytes = hint(bytes_per_split), hint(query_bytes)
     split = 1
     for s in range(2, g + 1):
         if not listed and programs * split >= SPLIT_PROGRAMS_PER_SM * sms:

@@ -22,6 +22,29 @@ def next_power_of_2(n: int) -> int:
     return p
 
 
+def symbolic(n) -> bool:
+    """Whether n is a symbolic size (a SymInt with no fixed value: a graph traced with dynamic
+    shapes)."""
+    return isinstance(n, torch.SymInt) and n.node.maybe_as_int() is None
+
+
+def hint(n) -> int:
+    """n, or for a symbolic size the value it has in the example the graph is traced with,
+    read without guarding on it: for choices that only change speed (tile configurations,
+    splits, packing), made once for the example and valid at every size, so that a graph
+    with symbolic sizes is not compiled again when a size crosses one of their thresholds.
+    Choices a result depends on compare n itself (and guard)."""
+    if not isinstance(n, torch.SymInt):
+        return n
+    fixed = n.node.maybe_as_int()
+    if fixed is not None:
+        return fixed
+    found = n.node.hint
+    if found is None:  # an unbacked size (data-dependent): no example value to read
+        raise ValueError(f"no example value for the symbolic size {n}")
+    return int(found)
+
+
 def head_block(dim: int) -> int:
     """Block of a head dim (or of any dim a kernel holds whole): the next power of two, at
     least 16 (tl.dot's smallest)."""

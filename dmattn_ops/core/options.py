@@ -286,7 +286,7 @@ def blocks_active() -> bool:
 # graph's kernels depend on: the launchers and Inductor's lowering read them below the op,
 # where Dynamo does not see them.
 _SWITCHES = ("DMATTN_DENSE_SDPA", "DMATTN_CUDNN_GRAPHS", "DMATTN_HOPPER")
-GRAPH_SWITCHES = (*_SWITCHES, "DMATTN_INDUCTOR_KERNELS")
+GRAPH_SWITCHES = (*_SWITCHES, "DMATTN_INDUCTOR_KERNELS", "DMATTN_SYMBOLIC_KERNELS")
 
 
 def read_graph_switches() -> None:

@@ -188,14 +188,16 @@ class Operands:
     @classmethod
     def packed(cls, problem: Problem) -> Operands:
         """A packed (cu_seqlens) problem's operands: (1, total, H, D) views, the per-key-token
-        mask and bias as 4-D operands, grids over the longest sequences."""
+        mask and bias as 4-D operands, grids over the longest sequences (sym_min: an expression,
+        not a guard, where the sizes are symbolic)."""
         total_q, total_k = problem.query.shape[0], problem.key.shape[0]
+        span_q = torch.sym_min(problem.max_seqlen_q, total_q)
+        span_k = torch.sym_min(problem.max_seqlen_k, total_k)
         return cls(
             problem.query[None], problem.key[None], problem.value[None],
             _varlen_operand(problem.mask), _varlen_operand(problem.bias), None,
             problem.cu_seqlens_q, problem.cu_seqlens_k, None, problem.batch, total_q, total_k,
-            min(problem.max_seqlen_q, total_q), min(problem.max_seqlen_k, total_k),
-            (0, total_q),
+            span_q, span_k, (0, total_q),
         )  # fmt: skip
 
     @property

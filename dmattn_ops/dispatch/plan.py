@@ -41,6 +41,7 @@ from dmattn_ops.core import configs, options
 from dmattn_ops.core._compat import sdp_priority_order
 from dmattn_ops.core.band import Band
 from dmattn_ops.core.configs import Config
+from dmattn_ops.core.device import hint, symbolic
 from dmattn_ops.core.operands import PER_ENTRY, compactable, is_limit, operand_kind
 from dmattn_ops.core.problem import Options, Problem
 from dmattn_ops.executors import hopper, sdpa
@@ -101,8 +102,8 @@ def config(kind: str, problem: Problem, tuning=None, lq=None, band=None, keys=No
     interpreted = interpreter_on()
     limit = configs.shared_limit(query.device) if query.is_cuda and not interpreted else None
     window = band.width() if band is not None else None
-    return configs.config(
-        kind, problem.head_dim, problem.value_dim, ops, lq=lq, limit=limit,
+    return configs.config(  # tile sizes change speed alone: from the example's Lq (hint)
+        kind, problem.head_dim, problem.value_dim, ops, lq=hint(lq), limit=limit,
         interpreter=interpreted, window=window,
     )  # fmt: skip
 
@@ -170,7 +171,7 @@ def _pack_heads(problem: Problem, cfg: Config, tuning) -> int:
     g = problem.groups
     wanted = tuning.pack_heads
     if wanted is None:
-        wanted = problem.lq >= PACK_HEADS_MIN_LQ
+        wanted = hint(problem.lq) >= PACK_HEADS_MIN_LQ  # speed only: no guard on a symbolic Lq
     if g == 1 or not wanted or cfg.block_m % g:
         return 1
     # A packed call's mask has one key list per KV group or one in all (tiles.compactable); a
@@ -261,7 +262,8 @@ def _decode_reasons(problem: Problem, p: _Pass) -> list[str]:
     lq, g = problem.lq, problem.groups
     if lq > 16 or g * lq > DECODE_MAX_ROWS:
         found.append(f"Lq {lq} with G {g}: decode takes Lq <= 16, G * Lq <= {DECODE_MAX_ROWS}")
-    if problem.lk <= decode_block_n():
+    # A symbolic Lk already ruled out is not compared (that would guard the graph on it).
+    if not (found and symbolic(problem.lk)) and problem.lk <= decode_block_n():
         found.append(f"Lk {problem.lk}: decode takes caches longer than {decode_block_n()} keys")
     mask = problem.mask
     if mask is not None and not (mask.shape[2] == 1 and (mask.shape[1] != problem.heads or g == 1)):
@@ -358,7 +360,7 @@ def _plan(problem: Problem, opts: Options, tuning, p: _Pass, first: str | None) 
         if route == DECODE:
             plan = replace(plan, config=config("decode", problem, tuning, problem.lq))
         if route == VARLEN:
-            lq = min(problem.max_seqlen_q, problem.lq)
+            lq = min(hint(problem.max_seqlen_q), hint(problem.lq))  # for the configs alone
             if p.direction == FORWARD:
                 plan = replace(plan, config=config("fwd", problem, tuning, lq))
             else:

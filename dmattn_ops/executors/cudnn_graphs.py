@@ -30,6 +30,7 @@ import threading
 import torch
 
 from dmattn_ops.core.band import UNBOUNDED, Band
+from dmattn_ops.core.device import symbolic
 from dmattn_ops.core.options import GRAPH_WINDOW_MIN_KEYS
 from dmattn_ops.core.switches import switch
 from dmattn_ops.executors._library import define_launch
@@ -95,6 +96,8 @@ def supports(
         return False
     b, length, h, d = query.shape
     hkv, dv = key.shape[2], value.shape[3]
+    if any(symbolic(n) for n in (b, length, h, hkv, d, dv, c)):
+        return False  # a graph with symbolic sizes: cuDNN builds its graphs for fixed ones
     kind = "bwd" if backward else "fwd"
     return _builds(kind, query.device.index or 0, query.dtype, b, length, h, hkv, d, dv, c)
 

@@ -35,7 +35,7 @@ import importlib.util
 
 import torch
 
-from dmattn_ops.core.device import cdiv, sm_count
+from dmattn_ops.core.device import cdiv, hint, sm_count
 from dmattn_ops.executors._library import define_launch
 from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
@@ -168,7 +168,7 @@ def reasons(
     if on is False:
         return ["off (kernel option hopper=False, DMATTN_HOPPER=0)"]
     least = FORWARD_MIN_LK if forward else BACKWARD_MIN_LK
-    if on is None and problem.lk < least:
+    if on is None and hint(problem.lk) < least:  # speed only: no guard on a symbolic Lk
         pass_ = "forward" if forward else "backward"
         return [f"a {pass_} of Lk < {least} takes the Gluon kernels with hopper=True only"]
     if not query.is_cuda or interpreter_on():

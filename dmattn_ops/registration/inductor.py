@@ -18,11 +18,21 @@ register_autograd), so eager calls, torch.func, opcheck and the fake kernels are
 
 Inductor launches them through its static launcher where it can (static_launch.py).
 
-The ops stay whole (one node each) in graphs with symbolic sizes (see _symbolic; the first such
-graph warns, SymbolicSizesWarning: bench.model's B4 L2048 DMA step took 1.77x as long); for
-torch.export, which keeps them serialisable as triton_op does; for CPU tensors (Triton's
-interpreter cannot run on fake tensors, and the chunked PyTorch path gains nothing); and where
-DMATTN_INDUCTOR_KERNELS=0 (see enabled()).
+Graphs with symbolic sizes (``torch.compile(dynamic=True)``, or PyTorch's automatic dynamic
+shapes once a second sequence length was seen) are traced too. The launchers then compute grids
+and scalars as expressions of the sizes, and make the choices that only change speed (tile
+configurations, the dK/dV split, head packing, the Gluon kernels' length threshold) from the
+example sizes the graph is traced with, without guarding on them (core/device.hint); choices a
+result depends on compare the sizes themselves and guard (the decode kernel's Lq <= 16, a
+window's chunk, the Gluon kernels' Lk % 64; the top-k kernel reads a symbolic row in chunks, so
+that one kernel serves every length). So such a graph is not compiled again for new lengths,
+and runs each of them with the example's configurations. bench.model's B4 L2048 DMA step,
+compiled with dynamic=True on an H200: 6.72 ms traced, 12.80 ms with the ops whole (static:
+6.89). DMATTN_SYMBOLIC_KERNELS=0 keeps the ops whole in such graphs (symbolic_enabled()).
+
+The ops stay whole (one node each) for torch.export, which keeps them serialisable as
+triton_op does; for CPU tensors (Triton's interpreter cannot run on fake tensors, and the
+chunked PyTorch path gains nothing); and where DMATTN_INDUCTOR_KERNELS=0 (see enabled()).
 
 ``dmattn::topk_select`` is traced the same way. Its kernel writes bytes and the traced body
 returns ``bytes != 0``, not the bool buffer itself: Inductor inlines a buffer allocated by
@@ -41,7 +51,6 @@ import importlib.util
 import logging
 import os
 import pathlib
-import warnings
 import weakref
 
 import torch
@@ -62,6 +71,12 @@ def enabled() -> bool:
     """On unless DMATTN_INDUCTOR_KERNELS=0 (read per trace): then compiled graphs keep the ops
     whole and run the eager launchers."""
     return switch("DMATTN_INDUCTOR_KERNELS", True)
+
+
+def symbolic_enabled() -> bool:
+    """On unless DMATTN_SYMBOLIC_KERNELS=0 (read per trace): graphs with symbolic sizes trace
+    the kernels too (module docstring); off, such graphs keep the ops whole."""
+    return switch("DMATTN_SYMBOLIC_KERNELS", True)
 
 
 def _export_keeps_ops() -> bool:
@@ -92,34 +107,9 @@ def applies(first: torch.Tensor) -> bool:
     )
 
 
-class SymbolicSizesWarning(UserWarning):
-    """A compiled graph with symbolic sizes runs the dmattn ops whole (`_rule`): a warning once
-    per process, which ``warnings.filterwarnings("ignore", category=SymbolicSizesWarning)``
-    silences."""
-
-
-SYMBOLIC_SIZES = (
-    "dmattn: a compiled graph with symbolic sizes (torch.compile(dynamic=True), or PyTorch's "
-    "automatic dynamic shapes once a second sequence length was seen) runs the dmattn ops "
-    "whole, their Python launchers at every call, instead of launching their kernels from the "
-    "graph: a compiled DMA training step measured 1.77x slower this way on an H200. Compile "
-    "with dynamic=False (one graph per length) or pad lengths to a few buckets to keep the "
-    "kernels in the graph (README, 'Backends')."
-)
-_warned_symbolic = False
-
-
-def _warn_symbolic() -> None:
-    global _warned_symbolic
-    if not _warned_symbolic:
-        _warned_symbolic = True
-        warnings.warn(SYMBOLIC_SIZES, SymbolicSizesWarning, stacklevel=2)
-
-
 def _symbolic(args) -> bool:
     """Whether a tensor argument has a symbolic size (torch.compile(dynamic=True), or a size that
-    changed since the first compile). The launchers choose tile configurations and grids from
-    sizes, which would guard them to one value per compile; such graphs keep the ops whole."""
+    changed since the first compile)."""
     return any(
         isinstance(t, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in t.shape)
         for t in args
@@ -151,8 +141,7 @@ def _rule(body, op, keeps_lists: bool):
         first = next(v for v in call.values() if isinstance(v, torch.Tensor))
         if not applies(first):
             return mode.__torch_dispatch__(op_, types, args, kwargs)
-        if _symbolic(args):
-            _warn_symbolic()
+        if _symbolic(args) and not symbolic_enabled():
             return mode.__torch_dispatch__(op_, types, args, kwargs)
         launch_statically()
         if keeps_lists:
