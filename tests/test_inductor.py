@@ -559,6 +559,34 @@ def test_launchers_keep_sizes_symbolic(symbolic):
     )  # fmt: skip
 
 
+def test_backward_takes_the_forwards_key_lists_under_symbolic_sizes(symbolic):
+    """A compiled graph's backward reads the key lists its forward built (launch.KeptLists),
+    found by the call's tensors and layout; with dynamic shapes the bias's head count is
+    symbolic too (it does not hash), and the lists are still found: one key_lists launch for
+    forward and backward."""
+    from dmattn_ops.dispatch import launch
+    from dmattn_ops.registration import ops
+
+    fake, grids = symbolic
+    b, n, h, hkv, d = 2, 300, 4, 2, 32
+    q = fake(torch.randn(b, n, h, d, dtype=torch.bfloat16), 1, "q")
+    k = fake(torch.randn(b, n, hkv, d, dtype=torch.bfloat16), 1, "k")
+    v = fake(torch.randn(b, n, hkv, d, dtype=torch.bfloat16), 1, "v")
+    bias = fake(torch.randn(b, hkv, 1, n, dtype=torch.bfloat16), 1, "bias")
+    mask = fake(torch.rand(b, hkv, 1, n) < 0.3, 3, "mask")
+    kept = launch.KeptLists()
+    with fake.mode:
+        out, lse, rem = ops.forward_kernel(ops.DENSE_OPS)(
+            q, k, v, mask, bias, d**-0.5, True, 0.0, None, False, kept=kept
+        )  # fmt: skip
+        ops.backward_kernel(ops.DENSE_OPS)(
+            torch.empty_like(out), None, q, k, v, out, lse, rem, mask, bias, d**-0.5, True,
+            0.0, None, False, True, kept=kept,
+        )  # fmt: skip
+    assert [name for name, _ in grids].count("key_lists_kernel") == 1, grids
+    assert kept._kept == {}
+
+
 def test_varlen_launchers_keep_sizes_symbolic(symbolic):
     """The same for packed sequences: the packed token count and the longest sequence
     symbolic (as a compiled graph with dynamic shapes holds them), a mask and bias per key

@@ -243,8 +243,9 @@ class KeptLists:
         )  # fmt: skip
         # The packed bias rows' layout follows the bias's heads (build_key_lists); rows past the
         # lists unwritten cannot serve a pass that reads them as zeros (the Hopper kernels).
+        # The head count as text: a symbolic one (a graph with dynamic shapes) does not hash.
         layout = None if pack is None else (
-            0 if pack.bias is None else pack.bias.shape[1], pack.zero_tail)  # fmt: skip
+            "0" if pack.bias is None else str(pack.bias.shape[1]), pack.zero_tail)  # fmt: skip
         return (*map(id, tensors), band, block_m, layout), tensors
 
     def put(self, problem: Problem, band: Band, block_m: int, pack, lists: KeyLists) -> None:
