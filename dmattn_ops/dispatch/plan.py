@@ -260,7 +260,11 @@ def _decode_reasons(problem: Problem, p: _Pass) -> list[str]:
         return ["packed sequences (cu_seqlens)"]
     found = []
     lq, g = problem.lq, problem.groups
-    if lq > 16 or g * lq > DECODE_MAX_ROWS:
+    if symbolic(lq):
+        # A graph with dynamic shapes (a decode step's Lq of 1 stays fixed): comparing Lq would
+        # guard the graph on it; the other kernels take every Lq.
+        found.append(f"Lq {lq} symbolic: decode takes a fixed Lq <= 16")
+    elif lq > 16 or g * lq > DECODE_MAX_ROWS:
         found.append(f"Lq {lq} with G {g}: decode takes Lq <= 16, G * Lq <= {DECODE_MAX_ROWS}")
     # A symbolic Lk already ruled out is not compared (that would guard the graph on it).
     if not (found and symbolic(problem.lk)) and problem.lk <= decode_block_n():
