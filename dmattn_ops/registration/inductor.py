@@ -25,10 +25,11 @@ configurations, the dK/dV split, head packing, the Gluon kernels' length thresho
 example sizes the graph is traced with, without guarding on them (core/device.hint); choices a
 result depends on compare the sizes themselves and guard (a window's chunk, the Gluon kernels'
 Lk % 64); the decode kernel (a fixed Lq <= 16) is not taken for a symbolic Lq, and the top-k
-kernel reads a symbolic row in chunks, so that one kernel serves every length. So such a graph is not compiled again for new lengths,
-and runs each of them with the example's configurations. bench.model's B4 L2048 DMA step,
-compiled with dynamic=True on an H200: 6.72 ms traced, 12.80 ms with the ops whole (static:
-6.89). DMATTN_SYMBOLIC_KERNELS=0 keeps the ops whole in such graphs (symbolic_enabled()).
+kernel reads a symbolic row in chunks, so that one kernel serves every length. So such a graph
+is not compiled again for new lengths, and runs each of them with the example's
+configurations. bench.model's DMA step compiled with dynamic=True on an H200: B4 L2048 6.88 ms
+traced, 11.92 ms with the ops whole (static: 6.64; bench/NOTES.md 203).
+DMATTN_SYMBOLIC_KERNELS=0 keeps the ops whole in such graphs (symbolic_enabled()).
 
 The ops stay whole (one node each) for torch.export, which keeps them serialisable as
 triton_op does; for CPU tensors (Triton's interpreter cannot run on fake tensors, and the
