@@ -559,6 +559,28 @@ def test_launchers_keep_sizes_symbolic(symbolic):
     )  # fmt: skip
 
 
+def test_symbolic_sizes_take_neither_decode_nor_gluon(symbolic):
+    """Two kernels are left out of graphs with symbolic sizes, without a guard on the length:
+    the decode kernel (it takes a fixed Lq <= 16; comparing would pin the graph) and the Gluon
+    kernels (traced and tested with fixed sizes only), whatever the kernel option asks."""
+    from dmattn_ops.core.band import Band
+    from dmattn_ops.core.problem import Problem
+    from dmattn_ops.dispatch import plan
+    from dmattn_ops.executors import hopper
+
+    fake, _ = symbolic
+    q = fake(torch.randn(1, 8, 8, 128, dtype=torch.bfloat16), 1, "q")
+    k = fake(torch.randn(1, 20000, 2, 128, dtype=torch.bfloat16), 1, "k")
+    problem = Problem(q, k, k)
+    (why,) = plan._decode_reasons(problem, plan._Pass(plan.FORWARD))
+    assert "symbolic" in why
+    for on in (None, True):
+        assert hopper.reasons(problem, Band(True, False, 0, 0), 0.0, None, on, True) == [
+            "symbolic sizes: the Gluon kernels are traced for fixed sizes only"
+        ]
+    assert fake.mode.shape_env.guards == []
+
+
 def test_backward_takes_the_forwards_key_lists_under_symbolic_sizes(symbolic):
     """A compiled graph's backward reads the key lists its forward built (launch.KeptLists),
     found by the call's tensors and layout; with dynamic shapes the bias's head count is

@@ -35,7 +35,7 @@ import importlib.util
 
 import torch
 
-from dmattn_ops.core.device import cdiv, hint, sm_count
+from dmattn_ops.core.device import cdiv, sm_count, symbolic
 from dmattn_ops.executors._library import define_launch
 from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
@@ -162,13 +162,18 @@ def reasons(
     BACKWARD_MIN_LK with a Triton of RAN_ON_TRITON; DMATTN_HOPPER sets it), CUDA sm_90
     with Gluon, fp16/bf16, D = Dv = 128, no window, softcap, sinks or seqused_k, a per-key bias
     shared by a KV group's heads or per head, dbias none or "group", and TMA-ready Q (the
-    packed K/V are), Lk a multiple of LK_MULTIPLE. dbias: the backward's mode, or None;
+    packed K/V are), Lk a multiple of LK_MULTIPLE, fixed sizes (not a compiled graph's
+    symbolic ones). dbias: the backward's mode, or None;
     forward: the plan is the forward's; grad_lse: the backward's has a gradient of lse."""
     query = problem.query
     if on is False:
         return ["off (kernel option hopper=False, DMATTN_HOPPER=0)"]
+    if symbolic(problem.lq) or symbolic(problem.lk):
+        # A compiled graph with dynamic shapes (registration/inductor.py): the Gluon launches
+        # (TMA descriptors, their grids) are traced and tested with fixed sizes only.
+        return ["symbolic sizes: the Gluon kernels are traced for fixed sizes only"]
     least = FORWARD_MIN_LK if forward else BACKWARD_MIN_LK
-    if on is None and hint(problem.lk) < least:  # speed only: no guard on a symbolic Lk
+    if on is None and problem.lk < least:
         pass_ = "forward" if forward else "backward"
         return [f"a {pass_} of Lk < {least} takes the Gluon kernels with hopper=True only"]
     if not query.is_cuda or interpreter_on():

@@ -21,11 +21,11 @@ Inductor launches them through its static launcher where it can (static_launch.p
 Graphs with symbolic sizes (``torch.compile(dynamic=True)``, or PyTorch's automatic dynamic
 shapes once a second sequence length was seen) are traced too. The launchers then compute grids
 and scalars as expressions of the sizes, and make the choices that only change speed (tile
-configurations, the dK/dV split, head packing, the Gluon kernels' length threshold) from the
-example sizes the graph is traced with, without guarding on them (core/device.hint); choices a
-result depends on compare the sizes themselves and guard (a window's chunk, the Gluon kernels'
-Lk % 64); the decode kernel (a fixed Lq <= 16) is not taken for a symbolic Lq, and the top-k
-kernel reads a symbolic row in chunks, so that one kernel serves every length. So such a graph
+configurations, the dK/dV split, head packing) from the example sizes the graph is traced
+with, without guarding on them (core/device.hint); choices a result depends on compare the
+sizes themselves and guard (a window's chunks); the decode kernel (a fixed Lq <= 16) and the
+Gluon kernels (traced and tested with fixed sizes only) are not taken, and the top-k kernel
+reads a symbolic row in chunks, so that one kernel serves every length. So such a graph
 is not compiled again for new lengths, and runs each of them with the example's
 configurations. bench.model's DMA step compiled with dynamic=True on an H200: B4 L2048 6.88 ms
 traced, 11.92 ms with the ops whole (static: 6.64; bench/NOTES.md 203).
