@@ -462,8 +462,8 @@ def test_symbolic_sizes_trace_the_kernels(inductor_kernels):
 @pytest.fixture
 def symbolic(monkeypatch):
     """(fake, grids) for running the launchers a compiled graph traces on fake tensors with a
-    symbolic dim: fake(real, dim, name) is real's fake copy with `dim` symbolic; every launch
-    is recorded in grids as (kernel name, grid) instead of made."""
+    symbolic dim: fake(real, dim, name) is real's fake copy with `dim` (or a tuple of dims)
+    symbolic; every launch is recorded in grids as (kernel name, grid) instead of made."""
     from torch._dynamo.source import LocalSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (
@@ -492,7 +492,8 @@ def symbolic(monkeypatch):
         real = real.to(DEVICE)
         if dim is None:
             return mode.from_tensor(real, static_shapes=True)
-        sizes = [DimDynamic.DYNAMIC if i == dim else DimDynamic.STATIC for i in range(real.dim())]
+        dims = dim if isinstance(dim, tuple) else (dim,)
+        sizes = [DimDynamic.DYNAMIC if i in dims else DimDynamic.STATIC for i in range(real.dim())]
         context = StatelessSymbolicContext(dynamic_sizes=sizes)
         return mode.from_tensor(real, symbolic_context=context, source=LocalSource(name))
 
@@ -579,6 +580,34 @@ def test_symbolic_sizes_take_neither_decode_nor_gluon(symbolic):
             "symbolic sizes: the Gluon kernels are traced for fixed sizes only"
         ]
     assert fake.mode.shape_env.guards == []
+
+
+def test_symbolic_sizes_read_masks_with_query_rows_in_the_dense_kernels(symbolic):
+    """A mask with query rows takes the tile tables with fixed sizes; with symbolic ones the
+    dense kernels read it (the table kernels hold a row of key tiles sized by the length, one
+    graph per power of two), without a guard on the length."""
+    from dmattn_ops.registration import ops
+
+    fake, grids = symbolic
+    b, n, h, hkv, d = 2, 200, 4, 2, 32
+    q = fake(torch.randn(b, n, h, d, dtype=torch.bfloat16), 1, "q")
+    k = fake(torch.randn(b, n, hkv, d, dtype=torch.bfloat16), 1, "k")
+    v = fake(torch.randn(b, n, hkv, d, dtype=torch.bfloat16), 1, "v")
+    mask = fake(torch.rand(b, 1, n, n) < 0.5, (2, 3), "mask")
+    bias = fake(torch.randn(b, h, n, n, dtype=torch.bfloat16), (2, 3), "bias")
+    with fake.mode:
+        out, lse, rem = ops.forward_kernel(ops.DENSE_OPS)(
+            q, k, v, mask, bias, d**-0.5, True, 0.0, None, False
+        )  # fmt: skip
+        ops.backward_kernel(ops.DENSE_OPS)(
+            torch.empty_like(out), None, q, k, v, out, lse, rem, mask, bias, d**-0.5, True,
+            0.0, None, False, True,
+        )  # fmt: skip
+    launched = {name for name, _ in grids}
+    assert "attention_fwd_kernel" in launched and "attention_bwd_dq_kernel" in launched
+    assert not any(name.startswith("tile_") for name in launched), launched
+    assert _still_symbolic(q, out)
+    _guards_hold_at(fake.mode.shape_env, (2, 16, 100, 1000, 5000, 40000))
 
 
 def test_backward_takes_the_forwards_key_lists_under_symbolic_sizes(symbolic):

@@ -282,11 +282,19 @@ def _mask_reasons(route: str, problem: Problem, p: _Pass) -> list[str]:
     if problem.varlen:
         return ["packed sequences (cu_seqlens) take the varlen route"]
     mask = problem.mask
+    # A compiled graph with symbolic sizes (registration/inductor.py): the table kernels hold a
+    # row of key tiles in one block, sized by the length (a graph per power of two of L / 16),
+    # so masks the key lists cannot take are read in the dense kernels instead.
+    sized = symbolic(problem.lq) or symbolic(problem.lk)
     if route == DENSE:
-        return ["a mask: the dense route visits every tile of the band"] if mask is not None else []
+        if mask is not None and not sized:
+            return ["a mask: the dense route visits every tile of the band"]
+        return []
     if mask is None:
         return ["no mask"]
     if route == TILE_TABLES:
+        if sized:
+            return ["symbolic sizes: the table kernels hold a row of key tiles of a fixed length"]
         return ["a row-limit mask: the key-list route tests its limits"] if is_limit(mask) else []
     found = []
     if not compactable(mask, problem.heads, problem.kv_heads):
