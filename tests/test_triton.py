@@ -777,6 +777,23 @@ def test_decode_split_k(decode_spy, case, mask_pattern, bias_pattern):
     assert decode_spy, "the split-K decode path did not run"
 
 
+def test_decode_splits_past_the_last_tile(decode_spy, monkeypatch):
+    """With a symbolic cache length (a compiled graph with dynamic shapes) the split count is
+    the example length's, so a shorter cache leaves splits without a key tile: each writes
+    an empty part (m = -inf, l = 0) and the combine weighs it 0. Here 8 times the splits the
+    cache has tiles for (the launcher told every size is symbolic, its example 8 times as
+    long), against the float64 oracle."""
+    from dmattn_ops.dispatch import launch
+
+    monkeypatch.setattr(launch, "symbolic", lambda n: True)
+    monkeypatch.setattr(launch, "hint", lambda n: 8 * n)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 10_000)
+    c = Case(3, 1, 333, 6, 2, 24, 24)  # a shape of its own: no plan made before the patch
+    seqused = torch.tensor([0, 77, c.lk], dtype=torch.int32)
+    run_case(c, torch.float32, (c.b, c.hkv, 1, c.lk), (c.b, c.hkv, 1, c.lk), seqused=seqused)
+    assert decode_spy, "the split-K decode path did not run"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_dtypes_without_seqused(decode_spy, dtype):
     c = Case(2, 2, 130, 8, 2, 40, 40)

@@ -19,7 +19,7 @@ import torch
 from dmattn_ops.core import configs, options
 from dmattn_ops.core.band import UNBOUNDED, Band
 from dmattn_ops.core.configs import Config
-from dmattn_ops.core.device import cdiv, head_block, next_power_of_2, sm_count
+from dmattn_ops.core.device import cdiv, head_block, hint, next_power_of_2, sm_count, symbolic
 from dmattn_ops.core.operands import (
     PER_ENTRY,
     batch_strides,
@@ -1073,11 +1073,20 @@ def _decode_layout(problem: Problem, opts: Options, p: plan.Plan, lists) -> _Dec
     block_m = max(16, next_power_of_2(g * lq))
     span = lk
     if band.has_window and band.left < UNBOUNDED and band.right < UNBOUNDED:
-        span = min(lk, band.left + lq + band.right + block_n)  # + a tile of alignment
+        span = torch.sym_min(lk, band.left + lq + band.right + block_n)  # + a tile of alignment
     tiles = cdiv(span, block_n)
-    splits = max(1, min(tiles, cdiv(DECODE_WAVES * sm_count(query.device), b * hkv)))
-    tiles_per_split = cdiv(tiles, splits)
-    splits = cdiv(tiles, tiles_per_split)
+    most = cdiv(DECODE_WAVES * sm_count(query.device), hint(b) * hkv)
+    if symbolic(tiles):
+        # A compiled graph with a symbolic cache length (registration/inductor.py): as many
+        # splits as the example's length takes, whatever the length (a split past the last
+        # tile writes an empty part, which the combine weighs 0), so that the split count
+        # and the combine's block guard nothing.
+        splits = max(1, min(hint(tiles), most))
+        tiles_per_split = cdiv(tiles, splits)
+    else:
+        splits = max(1, min(tiles, most))
+        tiles_per_split = cdiv(tiles, splits)
+        splits = cdiv(tiles, tiles_per_split)  # no split without a tile
     rows = b * h * lq
     decode = Prepared(
         (splits, b * hkv),
