@@ -33,6 +33,11 @@ sizes (``dynamic=True``, as PyTorch's automatic dynamic shapes do once a second 
 is seen; such graphs launch our kernels too, and ``+dyn+ops`` keeps the ops whole in them).
 Suffixes combine (``dma-w4+dense+split1``).
 
+``lengths``: one compiled training step per variant, run at each of ``--lengths`` in turn
+(PyTorch's default dynamic shapes: static at the first length, symbolic from the second), as
+a model trained on varied sequence lengths runs: per length the first call's seconds, the
+graphs Dynamo has made so far, and the step's ms (``+ops``: our ops whole in those graphs).
+
 ``profile``: cProfile of those calls (forward+backward), the functions by own time.
 
 ``trace``: torch.profiler over five compiled model steps of each variant: GPU time per step
@@ -481,6 +486,68 @@ def run_model(shapes, variants, modes, log, rounds: int = MODEL_ROUNDS) -> list[
     return rows
 
 
+LENGTHS = (512, 640, 1024, 1500, 2048, 3000, 4096, 700, 8192, 300)
+
+
+def run_lengths(variants, lengths, batch: int, log) -> list[dict]:
+    """A training step compiled once per variant in the default mode and PyTorch's default
+    dynamic shapes (static at the first length, symbolic from the second), run at each length
+    in turn, as a model trained on varied sequence lengths runs: per length the first call's
+    seconds (a compile where it made a graph), the graphs Dynamo made so far and the step's
+    ms (bench_ms). DMA variants keep the top first-length / 4 keys at every length (the
+    layer's window is fixed when it is built)."""
+    rows = []
+    torch._functorch.config.enable_autograd_cache = False
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, 4 * len(lengths))
+    try:
+        for variant in variants:
+            if _dynamic(variant):
+                raise ValueError(f"{variant}: `lengths` takes PyTorch's default dynamic shapes")
+            torch._dynamo.reset()
+            with _variant(variant) as base:
+                rows += _lengths_of(variant, base, lengths, batch, log)
+            torch.cuda.empty_cache()
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+    return rows
+
+
+def _lengths_of(variant: str, base: str, lengths, batch: int, log) -> list[dict]:
+    graphs = torch._dynamo.utils.counters["stats"]
+    start = graphs["unique_graphs"]
+    torch.manual_seed(0)
+    model = make_model(base, lengths[0], "cuda", torch.bfloat16)
+    compiled = torch.compile(model, fullgraph=True)
+
+    def step(x):
+        model.zero_grad(set_to_none=True)
+        compiled(x).float().square().mean().backward()
+
+    rows = []
+    for n in lengths:
+        x = torch.randn(batch, n, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        t0 = time.perf_counter()
+        step(x)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        made = graphs["unique_graphs"] - start
+        ms = bench_ms(lambda x=x: step(x))
+        log(f"  lengths {variant} L{n}: first call {first:.1f} s, {made} graphs, {ms:.2f} ms")
+        rows.append(dict(variant=variant, length=n, first_s=first, graphs=made, ms=ms))
+    return rows
+
+
+def lengths_table(rows, limit: int) -> str:
+    table = [
+        (r["variant"], r["length"], r["first_s"], r["graphs"], r["ms"],
+         "past recompile_limit" if r["graphs"] > limit else "")
+        for r in rows
+    ]  # fmt: skip
+    headers = ["variant", "L", "first call s", "graphs so far", "ms / step", ""]
+    return markdown(headers, table, ("", "", ".1f", "", ".2f", ""))
+
+
 def model_table(rows) -> str:
     """ms per step against the dense SDPA stack of the same shape, mode and kind (the
     pre-norm stack, or "-plain"), with the DMA layers' mean causal work (selection_work).
@@ -688,12 +755,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.model", description=__doc__.splitlines()[0])
     p.add_argument(
         "what", nargs="?", default="model,host",
-        help="model, host, profile (cProfile of host calls), trace (kernels per step)",
+        help="model, host, profile (cProfile of host calls), trace (kernels per step), "
+        "lengths (one compiled step run at many sequence lengths)",
     )  # fmt: skip
     p.add_argument("--shapes", default="B4-L2048,B16-L512,B1-L8192,B1-L32768")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--modes", default="default,reduce-overhead")
     p.add_argument("--kinds", default=",".join(HOST_KINDS))
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="for lengths")
+    p.add_argument("--batch", type=int, default=2, help="for lengths")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.model needs a CUDA GPU")
@@ -712,6 +782,10 @@ def main(argv=None) -> int:
         for shape in args.shapes.split(","):
             for variant in args.variants.split(","):
                 trace_step(variant, shape, args.modes.split(",")[0], log)
+    if "lengths" in args.what:
+        lengths = [int(n) for n in args.lengths.split(",")]
+        rows = run_lengths(args.variants.split(","), lengths, args.batch, log)
+        tables.append(lengths_table(rows, torch._dynamo.config.recompile_limit))
     if "model" in args.what:
         rows = run_model(
             args.shapes.split(","), args.variants.split(","), args.modes.split(","), log

@@ -384,3 +384,33 @@ def test_model_ratio_pairs_each_round_with_the_references():
     assert model.paired_ratio(failed, sdpa) == (None, "")
     table = model.model_table([sdpa, dma])
     assert " 1.05 |" in table and "0.90-1.10" in table and "0.250" in table
+
+
+def test_model_lengths_runs_each_variant_under_its_switches_and_marks_the_limit(monkeypatch):
+    """bench.model's `lengths` on a stub of the GPU: each variant runs under its own switches
+    with Dynamo's recompile_limit raised to count every graph (and restored after), a `+dyn`
+    variant is refused (the run takes PyTorch's default dynamic shapes), and the table marks
+    lengths whose graphs went past the default limit."""
+    from bench import model
+
+    seen = []
+
+    def lengths_of(variant, base, lengths, batch, log):
+        seen.append((variant, base, os.environ["DMATTN_INDUCTOR_KERNELS"],
+                     torch._dynamo.config.recompile_limit))  # fmt: skip
+        return [dict(variant=variant, length=n, first_s=1.0, graphs=i + 8, ms=2.0)
+                for i, n in enumerate(lengths)]  # fmt: skip
+
+    monkeypatch.setattr(model, "_lengths_of", lengths_of)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    limit = torch._dynamo.config.recompile_limit
+    config = torch._functorch.config
+    with config.patch(enable_autograd_cache=config.enable_autograd_cache):
+        rows = model.run_lengths(["sdpa", "dma-w4+ops"], [512, 1024], 2, lambda line: None)
+        with pytest.raises(ValueError, match="default dynamic shapes"):
+            model.run_lengths(["dma-w4+dyn"], [512], 2, lambda line: None)
+    assert torch._dynamo.config.recompile_limit == limit
+    assert [s[:3] for s in seen] == [("sdpa", "sdpa", "1"), ("dma-w4+ops", "dma-w4", "0")]
+    assert all(s[3] >= 8 for s in seen)
+    table = model.lengths_table(rows, 8)
+    assert table.count("past recompile_limit") == 2  # the second length of each variant
