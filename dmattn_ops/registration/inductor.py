@@ -30,7 +30,11 @@ top-k kernel reads a symbolic row in chunks, so that one kernel serves every len
 is not compiled again for new lengths, and runs each of them with the example's
 configurations. bench.model's DMA step compiled with dynamic=True on an H200: B4 L2048 6.88 ms
 traced, 11.92 ms with the ops whole (static: 6.64; bench/NOTES.md 203).
-DMATTN_SYMBOLIC_KERNELS=0 keeps the ops whole in such graphs (symbolic_enabled()).
+DMATTN_SYMBOLIC_KERNELS=0 keeps the ops whole in such graphs (symbolic_enabled()). The varlen
+ops stay whole there: traced, a graph first compiled with every sequence within one 16-row
+query tile compiled again for longer ones (PyTorch's functionalization guards a size-1 dim of a
+buffer shaped by the query tiles; tests/test_varlen.py with lengths 9, 11, 17, on the H200),
+where the contract (SPEC) says no recompiles for new cu_seqlens.
 
 The ops stay whole (one node each) for torch.export, which keeps them serialisable as
 triton_op does; for CPU tensors (Triton's interpreter cannot run on fake tensors, and the
@@ -131,9 +135,10 @@ def _kept(mode) -> launch.KeptLists:
     return found
 
 
-def _rule(body, op, keeps_lists: bool):
+def _rule(body, op, keeps_lists: bool, symbolic: bool):
     """The FunctionalTensorMode rule of one op: its CUDA kernel's body, traced, where it applies;
-    the op as one node otherwise. keeps_lists: the body takes the trace's KeptLists."""
+    the op as one node otherwise. keeps_lists: the body takes the trace's KeptLists; symbolic:
+    the body is traced with symbolic sizes too (symbolic_enabled() permitting)."""
 
     def rule(mode, op_, types, args, kwargs):
         known = (torch.Tensor, FunctionalTensor, torch._subclasses.FakeTensor)
@@ -143,7 +148,7 @@ def _rule(body, op, keeps_lists: bool):
         first = next(v for v in call.values() if isinstance(v, torch.Tensor))
         if not applies(first):
             return mode.__torch_dispatch__(op_, types, args, kwargs)
-        if _symbolic(args) and not symbolic_enabled():
+        if _symbolic(args) and not (symbolic and symbolic_enabled()):
             return mode.__torch_dispatch__(op_, types, args, kwargs)
         launch_statically()
         if keeps_lists:
@@ -229,13 +234,15 @@ def register() -> None:
     `import dmattn_ops`: neither changes a setting of PyTorch's)."""
     key_compiled_graphs_on_fingerprint()
     for layout in (ops.DENSE_OPS, ops.VARLEN_OPS):
-        trace_into_graphs(layout.forward, ops.forward_kernel(layout), keeps_lists=True)
-        trace_into_graphs(layout.backward, ops.backward_kernel(layout), keeps_lists=True)
+        # The varlen ops stay whole with symbolic sizes (module docstring).
+        symbolic = layout is ops.DENSE_OPS
+        trace_into_graphs(layout.forward, ops.forward_kernel(layout), True, symbolic)
+        trace_into_graphs(layout.backward, ops.backward_kernel(layout), True, symbolic)
 
 
-def trace_into_graphs(op, body, keeps_lists: bool = False) -> None:
+def trace_into_graphs(op, body, keeps_lists: bool = False, symbolic: bool = True) -> None:
     """Compiled graphs trace `body`, the op's CUDA kernel, in place of `op` (module docstring;
     masks.py installs dmattn::topk_select's). keeps_lists: `body` takes `kept`, the trace's
-    launch.KeptLists."""
-    rule = _rule(body, op, keeps_lists)
+    launch.KeptLists; symbolic: with symbolic sizes too."""
+    rule = _rule(body, op, keeps_lists, symbolic)
     torch.library.register_torch_dispatch(op.name(), FunctionalTensorMode, rule)
