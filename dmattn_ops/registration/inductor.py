@@ -26,8 +26,8 @@ with, without guarding on them (core/device.hint); choices a result depends on c
 sizes themselves and guard (a window's chunks); the decode kernel (a fixed Lq <= 16) and the
 Gluon kernels (traced and tested with fixed sizes only) are not taken, masks with query rows
 are read in the dense kernels (the tile tables' kernels are sized by the length), and the
-top-k kernel reads a symbolic row in chunks, so that one kernel serves every length. So such a graph
-is not compiled again for new lengths, and runs each of them with the example's
+top-k kernel reads a symbolic row in chunks, so that one kernel serves every length. So such a
+graph is not compiled again for new lengths, and runs each of them with the example's
 configurations. bench.model's DMA step compiled with dynamic=True on an H200: B4 L2048 6.88 ms
 traced, 11.92 ms with the ops whole (static: 6.64; bench/NOTES.md 203).
 DMATTN_SYMBOLIC_KERNELS=0 keeps the ops whole in such graphs (symbolic_enabled()). The varlen
