@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dmattn_ops.core.device import cdiv, next_power_of_2
+from dmattn_ops.core.device import cdiv, next_power_of_2, symbolic
 from dmattn_ops.dispatch import plan
 from dmattn_ops.executors._alloc import empty
 from dmattn_ops.executors._triton import LazyKernel
@@ -209,7 +209,10 @@ def _backward(grad, x, weight, A, logits, grad_values=None, tiles: Tiles = BACKW
         return dx, torch.cat((dw, dca.flatten())).to(dtype)
     meta = _meta(h, ch, tiles, backward=True)
     tokens = meta["BLOCK_T"] * cdiv(n, meta["BLOCK_T"] * tiles.groups)
-    groups = cdiv(n, tokens)
+    # With a symbolic token count (a compiled graph with dynamic shapes) every group runs,
+    # those past the last token writing zero parts: a count that may be 1 would be guarded on
+    # (tiles.py _per_query_tile says why).
+    groups = tiles.groups if symbolic(n) else cdiv(n, tokens)
     parts = empty((groups, h * ch + 2 * h), torch.float32, device=x.device)
     w, a = weight.contiguous(), A.contiguous()
     gv = grad_values

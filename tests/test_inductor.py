@@ -463,7 +463,8 @@ def test_symbolic_sizes_trace_the_kernels(inductor_kernels):
 def symbolic(monkeypatch):
     """(fake, grids) for running the launchers a compiled graph traces on fake tensors with a
     symbolic dim: fake(real, dim, name) is real's fake copy with `dim` (or a tuple of dims)
-    symbolic; every launch is recorded in grids as (kernel name, grid) instead of made."""
+    symbolic; every launch is recorded in grids as (kernel name, grid) instead of made, its
+    tensors cloned as functionalization does."""
     from torch._dynamo.source import LocalSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (
@@ -476,14 +477,21 @@ def symbolic(monkeypatch):
 
     grids = []
 
+    def launched(name, grid, args):
+        # What functionalizing the launch does to its tensors (it clones those the kernel
+        # writes, checking their layout: a dim that may be 1 would be guarded there).
+        for t in args:
+            if isinstance(t, torch.Tensor):
+                t.clone()
+        grids.append((name, grid))
+
     def record(kernel, grid):
-        return lambda *args, **kwargs: grids.append((kernel._name, grid))
+        return lambda *args, **kwargs: launched(kernel._name, grid, args)
 
     monkeypatch.setattr(_triton.LazyKernel, "__getitem__", record)
     monkeypatch.setattr(
-        _triton.LazyKernel, "run", lambda kernel, prepared, tensors: grids.append(
-            (kernel._name, prepared.grid)
-        )
+        _triton.LazyKernel, "run",
+        lambda kernel, prepared, tensors: launched(kernel._name, prepared.grid, tensors),
     )  # fmt: skip
     monkeypatch.setattr(_triton, "tracing_on", lambda: True)
     mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=False)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from dmattn_ops.core.band import Band
-from dmattn_ops.core.device import cdiv, head_block
+from dmattn_ops.core.device import cdiv, head_block, symbolic
 from dmattn_ops.core.operands import batch_strides, head_div, operand_strides
 from dmattn_ops.executors._alloc import Carving, carve, empties, empty
 from dmattn_ops.executors._triton import LazyKernel, Prepared, interpreter_on, prepared
@@ -238,6 +238,15 @@ class _ListsLayout(NamedTuple):
     strides: tuple[int, int, int]
 
 
+def _per_query_tile(bt, hm, nq) -> tuple:
+    """The shape of key_end and key_start, (Bt, Hm, NQ). With a symbolic NQ (a compiled graph
+    with dynamic shapes) one flat row with a spare element instead: functionalizing a traced
+    launch clones the buffers it writes, and the clone's layout check guards a dim that may be
+    1 (a graph first traced with one query tile compiled again for more). The kernels read
+    them through explicit strides either way."""
+    return (bt * hm * nq + 1,) if symbolic(nq) else (bt, hm, nq)
+
+
 def _key_lists_layout(mask, seqused_k, b, lq, lk, band: Band, block_m, pack) -> _ListsLayout:
     bm, hm = mask.shape[0], mask.shape[1]
     bt = b if seqused_k is not None else bm
@@ -261,8 +270,9 @@ def _key_lists_layout(mask, seqused_k, b, lq, lk, band: Band, block_m, pack) -> 
             ((b, lk, groups, d), key.dtype), ((b, lk, groups, dv), value.dtype),
             None if bias is None else ((b, groups * bias_heads, 1, lk), bias.dtype),
         ]  # fmt: skip
+    ends = _per_query_tile(bt, hm, nq)
     buffers = [
-        ((bm, hm, lk), i32), ((bt, hm, nq), i32), ((bt, hm, nq), i32) if band.has_window else None,
+        ((bm, hm, lk), i32), (ends, i32), (ends, i32) if band.has_window else None,
         ((bt, hm), i32), ((rows * groups, lk), i32), *packs,
     ]  # fmt: skip
     keys_stride_b = hm * lk if bm > 1 else 0
@@ -304,8 +314,9 @@ def build_varlen_key_lists(
     i32 = torch.int32
     # One allocation, as build_key_lists' (the prefix sums are the kernel's scratch); keys
     # holds total_k where no sequence's list reaches.
+    ends = _per_query_tile(b, hm, nq)
     keys, key_end, key_start, key_count, prefix = empties([
-        ((hm, total_k), i32), ((b, hm, nq), i32), ((b, hm, nq), i32) if band.has_window else None,
+        ((hm, total_k), i32), (ends, i32), (ends, i32) if band.has_window else None,
         ((b, hm), i32), ((b * hm, max(max_k, 1)), i32),
     ], device=mask.device)  # fmt: skip
     keys.fill_(total_k)

@@ -31,10 +31,12 @@ graph is not compiled again for new lengths, and runs each of them with the exam
 configurations. bench.model's DMA step compiled with dynamic=True on an H200: B4 L2048 6.88 ms
 traced, 11.92 ms with the ops whole (static: 6.64; bench/NOTES.md 203).
 DMATTN_SYMBOLIC_KERNELS=0 keeps the ops whole in such graphs (symbolic_enabled()). The varlen
-ops stay whole there: traced, a graph first compiled with every sequence within one 16-row
-query tile compiled again for longer ones (PyTorch's functionalization guards a size-1 dim of a
-buffer shaped by the query tiles; tests/test_varlen.py with lengths 9, 11, 17, on the H200),
-where the contract (SPEC) says no recompiles for new cu_seqlens.
+ops stay whole there: traced on the H200, a graph first compiled with every sequence within
+one 16-row query tile compiled again for longer ones (functionalization clones the key lists'
+ends, whose dim of query tiles was 1; tests/test_varlen.py with lengths 9, 11, 17), where the
+contract (SPEC) says no recompiles for new cu_seqlens. That buffer is now flat under symbolic
+sizes (tiles._per_query_tile) and the CPU check finds no guard left, but the traced varlen
+graph has not run on a GPU since.
 
 The ops stay whole (one node each) for torch.export, which keeps them serialisable as
 triton_op does; for CPU tensors (Triton's interpreter cannot run on fake tensors, and the
