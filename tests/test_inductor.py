@@ -568,6 +568,20 @@ def test_launchers_keep_sizes_symbolic(symbolic):
     )  # fmt: skip
 
 
+def test_unbacked_sizes_keep_the_ops_whole(symbolic):
+    """The rules trace a call with fixed or symbolic sizes; one with a data-dependent size (no
+    example value for the launchers' speed choices to read) keeps the op whole."""
+    fake, _ = symbolic
+    fixed = fake(torch.randn(2, 8))
+    sized = fake(torch.randn(2, 8), 1, "x")
+    with fake.mode:
+        n = fake.mode.shape_env.create_unbacked_symint()
+        unbacked = torch.empty(2, n)
+    assert inductor._sizes((fixed, 1.0, None)) is None
+    assert inductor._sizes((fixed, sized)) == "symbolic"
+    assert inductor._sizes((sized, unbacked)) == "unbacked"
+
+
 def test_symbolic_sizes_take_neither_decode_nor_gluon(symbolic):
     """Two kernels are left out of graphs with symbolic sizes, without a guard on the length:
     the decode kernel (it takes a fixed Lq <= 16; comparing would pin the graph) and the Gluon

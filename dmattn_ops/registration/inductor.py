@@ -115,13 +115,21 @@ def applies(first: torch.Tensor) -> bool:
     )
 
 
-def _symbolic(args) -> bool:
-    """Whether a tensor argument has a symbolic size (torch.compile(dynamic=True), or a size that
-    changed since the first compile)."""
-    return any(
-        isinstance(t, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in t.shape)
-        for t in args
-    )
+def _sizes(args) -> str | None:
+    """None where every tensor argument's sizes are fixed; "symbolic" where one is symbolic
+    (torch.compile(dynamic=True), or a size that changed since the first compile);
+    "unbacked" where one has no example value (a data-dependent size: the launchers' speed
+    choices read the example's, core/device.hint, so such a call keeps the op whole)."""
+    found = None
+    for t in args:
+        if not isinstance(t, torch.Tensor):
+            continue
+        for s in t.shape:
+            if isinstance(s, torch.SymInt) and s.node.maybe_as_int() is None:
+                if s.node.hint is None:
+                    return "unbacked"
+                found = "symbolic"
+    return found
 
 
 # One trace's key lists (launch.KeptLists), by the trace's mode: the backward of a training
@@ -150,7 +158,8 @@ def _rule(body, op, keeps_lists: bool, symbolic: bool):
         first = next(v for v in call.values() if isinstance(v, torch.Tensor))
         if not applies(first):
             return mode.__torch_dispatch__(op_, types, args, kwargs)
-        if _symbolic(args) and not (symbolic and symbolic_enabled()):
+        sizes = _sizes(args)
+        if sizes == "unbacked" or (sizes and not (symbolic and symbolic_enabled())):
             return mode.__torch_dispatch__(op_, types, args, kwargs)
         launch_statically()
         if keeps_lists:
