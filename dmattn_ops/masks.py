@@ -140,9 +140,14 @@ def select_topk(
     # Allowed numbers rank by value, allowed NaN below them, disallowed keys below everything
     # (rank_key): when fewer than `window` keys are allowed all of them are picked, and the
     # final & drops the rest.
-    k = min(window, score.shape[-1])
+    lk = score.shape[-1]
     _check_block_size(block_size)
-    if k > 0 and _fused_applies(score, k):
+    # Compiled (the length may be symbolic: Dynamo does not tell), the kernel takes k = window
+    # whatever Lk, selecting every allowed key where window >= Lk as the unfused path does;
+    # comparing the window with a symbolic Lk would compile the graph again at that length.
+    any_length = torch.compiler.is_compiling() and _fused_dtype(score)
+    k = window if any_length else min(window, lk)
+    if k > 0 and (any_length or _fused_applies(score, k)):
         fuse_smooth = block_size is not None and block_size & (block_size - 1) == 0
         smooth = block_size if fuse_smooth else 0
         selected = torch.ops.dmattn.topk_select(bias.detach(), allowed, k, smooth, direct)
@@ -196,10 +201,15 @@ FUSED_MAX_KEYS = 16384
 ROW_CHUNK = 16384
 
 
+def _fused_dtype(score: torch.Tensor) -> bool:
+    """Where Triton runs, on a dtype it takes."""
+    return plan.triton_runs_on(score) and score.dtype in plan.TRITON_DTYPES
+
+
 def _fused_applies(score: torch.Tensor, k: int) -> bool:
     """The fused kernel (kernels/topk_mask.py) runs where Triton runs, for a selection that is
     not the whole row."""
-    return plan.triton_runs_on(score) and score.dtype in plan.TRITON_DTYPES and k < score.shape[-1]
+    return _fused_dtype(score) and k < score.shape[-1]
 
 
 def topk_select(

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import DEVICE, TRITON
 
 import dmattn_ops
 from dmattn_ops import masks
@@ -177,3 +178,20 @@ def test_opcheck_topk_select():
     torch.library.opcheck(torch.ops.dmattn.topk_select.default, (bias, allowed, 7, 0))
     torch.library.opcheck(torch.ops.dmattn.topk_select.default, (bias, allowed, 7, 16))
     torch.library.opcheck(torch.ops.dmattn.topk_select.default, (bias, None, 7, 0))
+
+
+@pytest.mark.skipif(not TRITON, reason="the fused top-k kernel needs CUDA or TRITON_INTERPRET=1")
+def test_compiled_topk_with_symbolic_lengths_does_not_recompile_at_the_window():
+    """Compiled with dynamic=True, the selection takes k = window whatever the length (the
+    fused kernel keeps every allowed key where the window covers the row), so a length below
+    the window does not compile the graph again, and each length selects as eagerly."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda b, m: topk_mask(b, 8, m), fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for n in (20, 6, 40, 8):
+            bias = torch.randn(2, 3, 1, n, dtype=torch.float32, device=DEVICE)
+            allowed = torch.rand(2, 1, 1, n, device=DEVICE) < 0.7
+            got = fn(bias, allowed)
+            assert torch.equal(got, topk_mask(bias, 8, allowed)), n
+            if n <= 8:
+                assert torch.equal(got, allowed.expand_as(got)), n
