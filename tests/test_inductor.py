@@ -632,6 +632,28 @@ def test_symbolic_sizes_read_masks_with_query_rows_in_the_dense_kernels(symbolic
     _guards_hold_at(fake.mode.shape_env, (2, 16, 100, 1000, 5000, 40000))
 
 
+def test_decoding_over_a_symbolic_cache_length_guards_nothing(symbolic):
+    """One query against a cache whose length is symbolic (a compiled generate loop with a
+    growing cache): the decode kernel runs with the example's split count, and no guard on
+    the length remains (the cache may be shorter than a key tile or far longer)."""
+    from dmattn_ops.registration import ops
+
+    fake, grids = symbolic
+    b, n, h, hkv, d = 2, 3000, 8, 2, 32
+    q = fake(torch.randn(b, 1, h, d, dtype=torch.bfloat16))
+    k = fake(torch.randn(b, n, hkv, d, dtype=torch.bfloat16), 1, "k")
+    v = fake(torch.randn(b, n, hkv, d, dtype=torch.bfloat16), 1, "v")
+    bias = fake(torch.randn(b, hkv, 1, n, dtype=torch.bfloat16), 3, "bias")
+    mask = fake(torch.rand(b, hkv, 1, n) < 0.3, 3, "mask")
+    with fake.mode:
+        out, _, _ = ops.forward_kernel(ops.DENSE_OPS)(
+            q, k, v, mask, bias, d**-0.5, True, 0.0, None, False
+        )  # fmt: skip
+    assert "attention_decode_kernel" in {name for name, _ in grids}
+    assert out.shape == (b, 1, h, d)
+    _guards_hold_at(fake.mode.shape_env, (1, 2, 16, 100, 5000, 40000))
+
+
 def test_backward_takes_the_forwards_key_lists_under_symbolic_sizes(symbolic):
     """A compiled graph's backward reads the key lists its forward built (launch.KeptLists),
     found by the call's tensors and layout; with dynamic shapes the bias's head count is

@@ -266,8 +266,9 @@ def _decode_reasons(problem: Problem, p: _Pass) -> list[str]:
         found.append(f"Lq {lq} symbolic: decode takes a fixed Lq <= 16")
     elif lq > 16 or g * lq > DECODE_MAX_ROWS:
         found.append(f"Lq {lq} with G {g}: decode takes Lq <= 16, G * Lq <= {DECODE_MAX_ROWS}")
-    # A symbolic Lk already ruled out is not compared (that would guard the graph on it).
-    if not (found and symbolic(problem.lk)) and problem.lk <= decode_block_n():
+    # Speed only (the kernel computes caches of any length): read without a guard on a
+    # symbolic Lk, as a growing cache in a compiled generate loop has.
+    if hint(problem.lk) <= decode_block_n():
         found.append(f"Lk {problem.lk}: decode takes caches longer than {decode_block_n()} keys")
     mask = problem.mask
     if mask is not None and not (mask.shape[2] == 1 and (mask.shape[1] != problem.heads or g == 1)):
