@@ -583,11 +583,13 @@ def test_unbacked_sizes_keep_the_ops_whole(symbolic):
 
 
 def test_symbolic_sizes_take_neither_decode_nor_gluon(symbolic):
-    """Two kernels are left out of graphs with symbolic sizes, without a guard on the length:
-    the decode kernel (it takes a fixed Lq <= 16; comparing would pin the graph) and the Gluon
-    kernels (traced and tested with fixed sizes only), whatever the kernel option asks."""
+    """Three paths are left out of graphs with symbolic sizes, without a guard on the length:
+    the decode kernel (it takes a fixed Lq <= 16; comparing would pin the graph), the Gluon
+    kernels (traced and tested with fixed sizes only), whatever the kernel option asks, and a
+    window on PyTorch's fused kernels (taken in whole chunks and a tail: L modulo the window)."""
+    from dmattn_ops.core import options
     from dmattn_ops.core.band import Band
-    from dmattn_ops.core.problem import Problem
+    from dmattn_ops.core.problem import Options, Problem
     from dmattn_ops.dispatch import plan
     from dmattn_ops.executors import hopper
 
@@ -601,6 +603,9 @@ def test_symbolic_sizes_take_neither_decode_nor_gluon(symbolic):
         assert hopper.reasons(problem, Band(True, False, 0, 0), 0.0, None, on, True) == [
             "symbolic sizes: the Gluon kernels are traced for fixed sizes only"
         ]
+    windowed = Options(0.1, window=(255, 0))
+    fused = plan._sdpa(problem, windowed, options.tuning(None), plan._Pass(plan.FORWARD))
+    assert fused.kernel is None and "a window with symbolic sizes" in fused.reasons[0]
     assert fake.mode.shape_env.guards == []
 
 

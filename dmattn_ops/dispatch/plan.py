@@ -228,10 +228,14 @@ def _sdpa(problem: Problem, opts: Options, tuning, p: _Pass) -> _Fused:
         found.append("a gradient of lse: the fused backwards take none")
     if p.direction == BACKWARD and p.deterministic:
         found.append("deterministic: the fused backwards accumulate dq with atomics")
+    band = opts.band
+    if band.has_window and (symbolic(problem.lq) or symbolic(problem.lk)):
+        # A compiled graph with dynamic shapes: the fused kernels take a window in whole chunks
+        # and a tail of the rest, which would guard the graph on L modulo the window.
+        found.append("a window with symbolic sizes: the fused kernels take it in chunks of L")
     if found:
         return _Fused(None, None, 0, found)
     query, key, value = problem.query, problem.key, problem.value
-    band = opts.band
     graphs, chunk, found = sdpa.window_route(
         query, key, value, band, tuning.window_min_keys, tuning.cudnn_graphs,
         tuning.graph_window_min_keys,

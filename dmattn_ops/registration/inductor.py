@@ -21,12 +21,14 @@ Inductor launches them through its static launcher where it can (static_launch.p
 Graphs with symbolic sizes (``torch.compile(dynamic=True)``, or PyTorch's automatic dynamic
 shapes once a second sequence length was seen) are traced too. The launchers then compute grids
 and scalars as expressions of the sizes, and make the choices that only change speed (tile
-configurations, the dK/dV split, head packing) from the example sizes the graph is traced
-with, without guarding on them (core/device.hint); choices a result depends on compare the
-sizes themselves and guard (a window's chunks); the decode kernel (a fixed Lq <= 16) and the
-Gluon kernels (traced and tested with fixed sizes only) are not taken, masks with query rows
-are read in the dense kernels (the tile tables' kernels are sized by the length), and the
-top-k kernel reads a symbolic row in chunks, so that one kernel serves every length. So such a
+configurations, the dK/dV split, head packing, the decode split) from the example sizes the
+graph is traced with, without guarding on them (core/device.hint). Paths that would guard on a
+size, or were never traced with symbolic ones, are left out: the decode kernel for a symbolic Lq (it takes a fixed Lq <= 16), the Gluon
+kernels (traced and tested with fixed sizes only), the tile tables (their kernels are sized by
+the length: masks with query rows are read in the dense kernels), a window on PyTorch's fused
+kernels (whole chunks of L and a tail: our kernels take it); the top-k kernel reads a symbolic
+row in chunks, so that one kernel serves every length (tests/test_inductor.py checks every
+guard the traced launchers leave holds from 2 tokens to 40000). So such a
 graph is not compiled again for new lengths, and runs each of them with the example's
 configurations. bench.model's DMA step compiled with dynamic=True on an H200: B4 L2048 6.88 ms
 traced, 11.92 ms with the ops whole (static: 6.64; bench/NOTES.md 203).
