@@ -23,22 +23,22 @@ shapes once a second sequence length was seen) are traced too. The launchers the
 and scalars as expressions of the sizes, and make the choices that only change speed (tile
 configurations, the dK/dV split, head packing, the decode split) from the example sizes the
 graph is traced with, without guarding on them (core/device.hint). Paths that would guard on a
-size, or were never traced with symbolic ones, are left out: the decode kernel for a symbolic Lq (it takes a fixed Lq <= 16), the Gluon
-kernels (traced and tested with fixed sizes only), the tile tables (their kernels are sized by
-the length: masks with query rows are read in the dense kernels), a window on PyTorch's fused
-kernels (whole chunks of L and a tail: our kernels take it); the top-k kernel reads a symbolic
-row in chunks, so that one kernel serves every length (tests/test_inductor.py checks every
-guard the traced launchers leave holds from 2 tokens to 40000). So such a
-graph is not compiled again for new lengths, and runs each of them with the example's
-configurations. bench.model's DMA step compiled with dynamic=True on an H200: B4 L2048 6.88 ms
-traced, 11.92 ms with the ops whole (static: 6.64; bench/NOTES.md 203).
+size, or were never traced with symbolic ones, are left out: the decode kernel for a symbolic Lq
+(it takes a fixed Lq <= 16), the Gluon kernels (traced and tested with fixed sizes only), the
+tile tables (their kernels are sized by the length: masks with query rows are read in the dense
+kernels), a window on PyTorch's fused kernels (whole chunks of L and a tail: our kernels take
+it); the top-k kernel reads a symbolic row in chunks, so that one kernel serves every length
+(tests/test_inductor.py checks every guard the traced launchers leave holds from 2 tokens to
+40000). So such a graph is not compiled again for new lengths, and runs each of them with the
+example's configurations. bench.model's DMA step compiled with dynamic=True on an H200: B4 L2048
+6.88 ms traced, 11.92 ms with the ops whole (static: 6.64; bench/NOTES.md 203).
 DMATTN_SYMBOLIC_KERNELS=0 keeps the ops whole in such graphs (symbolic_enabled()). The varlen
-ops stay whole there: traced on the H200, a graph first compiled with every sequence within
-one 16-row query tile compiled again for longer ones (functionalization clones the key lists'
-ends, whose dim of query tiles was 1; tests/test_varlen.py with lengths 9, 11, 17), where the
-contract (SPEC) says no recompiles for new cu_seqlens. That buffer is now flat under symbolic
-sizes (tiles._per_query_tile) and the CPU check finds no guard left, but the traced varlen
-graph has not run on a GPU since.
+ops stay whole there: traced on the H200, a graph first compiled with every sequence within one
+16-row query tile compiled again for longer ones (functionalization clones the key lists' ends,
+whose dim of query tiles was 1; tests/test_varlen.py with lengths 9, 11, 17), where the contract
+(SPEC) says no recompiles for new cu_seqlens. That buffer is now flat under symbolic sizes
+(tiles._per_query_tile) and the CPU check finds no guard left, but the traced varlen graph has
+not run on a GPU since.
 
 The ops stay whole (one node each) for torch.export, which keeps them serialisable as
 triton_op does; for CPU tensors (Triton's interpreter cannot run on fake tensors, and the
