@@ -36,7 +36,8 @@ Suffixes combine (``dma-w4+dense+split1``).
 ``lengths``: one compiled training step per variant, run at each of ``--lengths`` in turn
 (PyTorch's default dynamic shapes: static at the first length, symbolic from the second), as
 a model trained on varied sequence lengths runs: per length the first call's seconds, the
-graphs Dynamo has made so far, and the step's ms (``+ops``: our ops whole in those graphs).
+graphs Dynamo has made so far, and the step's ms (``+ops``: our ops whole in those graphs);
+``--static`` also compiles each length on its own (``dynamic=False``) and times that step.
 
 ``profile``: cProfile of those calls (forward+backward), the functions by own time.
 
@@ -489,13 +490,14 @@ def run_model(shapes, variants, modes, log, rounds: int = MODEL_ROUNDS) -> list[
 LENGTHS = (512, 640, 1024, 1500, 2048, 3000, 4096, 700, 8192, 300)
 
 
-def run_lengths(variants, lengths, batch: int, log) -> list[dict]:
+def run_lengths(variants, lengths, batch: int, log, static: bool = False) -> list[dict]:
     """A training step compiled once per variant in the default mode and PyTorch's default
     dynamic shapes (static at the first length, symbolic from the second), run at each length
     in turn, as a model trained on varied sequence lengths runs: per length the first call's
     seconds (a compile where it made a graph), the graphs Dynamo made so far and the step's
     ms (bench_ms). DMA variants keep the top first-length / 4 keys at every length (the
-    layer's window is fixed when it is built)."""
+    layer's window is fixed when it is built). static: each length also compiled on its own
+    with dynamic=False (static_ms): what the first length's speed choices cost the others."""
     rows = []
     torch._functorch.config.enable_autograd_cache = False
     limit = torch._dynamo.config.recompile_limit
@@ -506,7 +508,12 @@ def run_lengths(variants, lengths, batch: int, log) -> list[dict]:
                 raise ValueError(f"{variant}: `lengths` takes PyTorch's default dynamic shapes")
             torch._dynamo.reset()
             with _variant(variant) as base:
-                rows += _lengths_of(variant, base, lengths, batch, log)
+                found = _lengths_of(variant, base, lengths, batch, log)
+                for row in found if static else ():
+                    torch._dynamo.reset()
+                    row["static_ms"] = _static_ms(base, lengths[0], row["length"], batch)
+                    log(f"  lengths {variant} L{row['length']} static: {row['static_ms']:.2f} ms")
+            rows += found
             torch.cuda.empty_cache()
     finally:
         torch._dynamo.config.recompile_limit = limit
@@ -538,14 +545,29 @@ def _lengths_of(variant: str, base: str, lengths, batch: int, log) -> list[dict]
     return rows
 
 
+def _static_ms(base: str, built: int, n: int, batch: int) -> float:
+    """ms a step of the variant's model compiled for length n alone (dynamic=False), built as
+    _lengths_of's (at length `built`: the same weights and as many keys kept)."""
+    torch.manual_seed(0)
+    model = make_model(base, built, "cuda", torch.bfloat16)
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    x = torch.randn(batch, n, HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        compiled(x).float().square().mean().backward()
+
+    return bench_ms(step)
+
+
 def lengths_table(rows, limit: int) -> str:
     table = [
-        (r["variant"], r["length"], r["first_s"], r["graphs"], r["ms"],
+        (r["variant"], r["length"], r["first_s"], r["graphs"], r["ms"], r.get("static_ms"),
          "past recompile_limit" if r["graphs"] > limit else "")
         for r in rows
     ]  # fmt: skip
-    headers = ["variant", "L", "first call s", "graphs so far", "ms / step", ""]
-    return markdown(headers, table, ("", "", ".1f", "", ".2f", ""))
+    headers = ["variant", "L", "first call s", "graphs so far", "ms / step", "static ms", ""]
+    return markdown(headers, table, ("", "", ".1f", "", ".2f", ".2f", ""))
 
 
 def model_table(rows) -> str:
@@ -764,6 +786,10 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default=",".join(HOST_KINDS))
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="for lengths")
     p.add_argument("--batch", type=int, default=2, help="for lengths")
+    p.add_argument(
+        "--static", action="store_true",
+        help="for lengths: also compile each length on its own (dynamic=False) and time it",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.model needs a CUDA GPU")
@@ -784,7 +810,7 @@ def main(argv=None) -> int:
                 trace_step(variant, shape, args.modes.split(",")[0], log)
     if "lengths" in args.what:
         lengths = [int(n) for n in args.lengths.split(",")]
-        rows = run_lengths(args.variants.split(","), lengths, args.batch, log)
+        rows = run_lengths(args.variants.split(","), lengths, args.batch, log, args.static)
         tables.append(lengths_table(rows, torch._dynamo.config.recompile_limit))
     if "model" in args.what:
         rows = run_model(

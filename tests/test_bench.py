@@ -390,7 +390,8 @@ def test_model_lengths_runs_each_variant_under_its_switches_and_marks_the_limit(
     """bench.model's `lengths` on a stub of the GPU: each variant runs under its own switches
     with Dynamo's recompile_limit raised to count every graph (and restored after), a `+dyn`
     variant is refused (the run takes PyTorch's default dynamic shapes), and the table marks
-    lengths whose graphs went past the default limit."""
+    lengths whose graphs went past the default limit; with `static`, each length is also
+    timed compiled on its own, its model built as the first length's."""
     from bench import model
 
     seen = []
@@ -414,3 +415,18 @@ def test_model_lengths_runs_each_variant_under_its_switches_and_marks_the_limit(
     assert all(s[3] >= 8 for s in seen)
     table = model.lengths_table(rows, 8)
     assert table.count("past recompile_limit") == 2  # the second length of each variant
+
+    # --static: each length compiled on its own, its model built as the first length's.
+    built = []
+
+    def static_ms(base, first, n, batch):
+        built.append((base, first, n, os.environ["DMATTN_INDUCTOR_KERNELS"]))
+        return 1.5
+
+    monkeypatch.setattr(model, "_static_ms", static_ms)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
+    with config.patch(enable_autograd_cache=config.enable_autograd_cache):
+        rows = model.run_lengths(["dma-w4+ops"], [512, 1024], 2, lambda line: None, static=True)
+    assert built == [("dma-w4", 512, 512, "0"), ("dma-w4", 512, 1024, "0")]
+    assert [r["static_ms"] for r in rows] == [1.5, 1.5]
+    assert "1.50" in model.lengths_table(rows, 8)
