@@ -195,3 +195,23 @@ def test_compiled_topk_with_symbolic_lengths_does_not_recompile_at_the_window():
             assert torch.equal(got, topk_mask(bias, 8, allowed)), n
             if n <= 8:
                 assert torch.equal(got, allowed.expand_as(got)), n
+
+
+@pytest.mark.skipif(not TRITON, reason="the fused top-k kernel needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_topk_select_with_k_past_the_row_keeps_every_allowed_key(monkeypatch, chunked, dtype):
+    """A compiled selection passes the window as k whatever the length (select_topk): where k
+    exceeds the row the kernel keeps every allowed key, NaN and -inf scores included, smoothed
+    or not, as the unfused path does with k = Lk; rows read whole or in chunks."""
+    if chunked:
+        monkeypatch.setattr(masks, "FUSED_MAX_KEYS", 8)
+        monkeypatch.setattr(masks, "ROW_CHUNK", 8)
+    torch.manual_seed(0)
+    for smooth in (0, 4):
+        bias = torch.randn(2, 3, 1, 20, dtype=dtype, device=DEVICE)
+        bias[0, 0, 0, 3], bias[1, 1, 0, 5] = float("nan"), float("-inf")
+        allowed = torch.rand(2, 1, 1, 20, device=DEVICE) < 0.6
+        got = torch.ops.dmattn.topk_select(bias, allowed, 25, smooth, False)
+        want = topk_mask(bias, 20, allowed, block_size=smooth or None)
+        assert torch.equal(got, want), smooth
