@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dmattn_ops.core.band import Band
+from dmattn_ops.core.device import symbolic
 from dmattn_ops.core.operands import is_limit
 
 DENSE, SEQUSED, VARLEN = "dense", "seqused_k", "cu_seqlens"
@@ -93,6 +94,12 @@ class Problem:
     @property
     def lk(self) -> int:
         return self.key.shape[-3]
+
+    @property
+    def symbolic(self) -> bool:
+        """Whether Lq or Lk is symbolic (a compiled graph with dynamic shapes): the planner then
+        leaves out the paths that would guard on them (registration/inductor.py)."""
+        return symbolic(self.lq) or symbolic(self.lk)
 
     @property
     def heads(self) -> int:

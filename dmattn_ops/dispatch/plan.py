@@ -229,7 +229,7 @@ def _sdpa(problem: Problem, opts: Options, tuning, p: _Pass) -> _Fused:
     if p.direction == BACKWARD and p.deterministic:
         found.append("deterministic: the fused backwards accumulate dq with atomics")
     band = opts.band
-    if band.has_window and (symbolic(problem.lq) or symbolic(problem.lk)):
+    if band.has_window and problem.symbolic:
         # A compiled graph with dynamic shapes: the fused kernels take a window in whole chunks
         # and a tail of the rest, which would guard the graph on L modulo the window.
         found.append("a window with symbolic sizes: the fused kernels take it in chunks of L")
@@ -290,15 +290,14 @@ def _mask_reasons(route: str, problem: Problem, p: _Pass) -> list[str]:
     # A compiled graph with symbolic sizes (registration/inductor.py): the table kernels hold a
     # row of key tiles in one block, sized by the length (a graph per power of two of L / 16),
     # so masks the key lists cannot take are read in the dense kernels instead.
-    sized = symbolic(problem.lq) or symbolic(problem.lk)
     if route == DENSE:
-        if mask is not None and not sized:
+        if mask is not None and not problem.symbolic:
             return ["a mask: the dense route visits every tile of the band"]
         return []
     if mask is None:
         return ["no mask"]
     if route == TILE_TABLES:
-        if sized:
+        if problem.symbolic:
             return ["symbolic sizes: the table kernels hold a row of key tiles of a fixed length"]
         return ["a row-limit mask: the key-list route tests its limits"] if is_limit(mask) else []
     found = []

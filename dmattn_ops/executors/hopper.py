@@ -35,7 +35,7 @@ import importlib.util
 
 import torch
 
-from dmattn_ops.core.device import cdiv, sm_count, symbolic
+from dmattn_ops.core.device import cdiv, sm_count
 from dmattn_ops.executors._library import define_launch
 from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
@@ -168,7 +168,7 @@ def reasons(
     query = problem.query
     if on is False:
         return ["off (kernel option hopper=False, DMATTN_HOPPER=0)"]
-    if symbolic(problem.lq) or symbolic(problem.lk):
+    if problem.symbolic:
         # A compiled graph with dynamic shapes (registration/inductor.py): the Gluon launches
         # (TMA descriptors, their grids) are traced and tested with fixed sizes only.
         return ["symbolic sizes: the Gluon kernels are traced for fixed sizes only"]

@@ -67,6 +67,7 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from dmattn_ops.core import options
+from dmattn_ops.core.device import symbolic
 from dmattn_ops.core.switches import switch
 from dmattn_ops.dispatch import launch, plan
 from dmattn_ops.executors import _triton, cudnn_graphs
@@ -127,7 +128,7 @@ def _sizes(args) -> str | None:
         if not isinstance(t, torch.Tensor):
             continue
         for s in t.shape:
-            if isinstance(s, torch.SymInt) and s.node.maybe_as_int() is None:
+            if symbolic(s):
                 if s.node.hint is None:
                     return "unbacked"
                 found = "symbolic"
@@ -147,10 +148,10 @@ def _kept(mode) -> launch.KeptLists:
     return found
 
 
-def _rule(body, op, keeps_lists: bool, symbolic: bool):
+def _rule(body, op, keeps_lists: bool, symbolic_sizes: bool):
     """The FunctionalTensorMode rule of one op: its CUDA kernel's body, traced, where it applies;
-    the op as one node otherwise. keeps_lists: the body takes the trace's KeptLists; symbolic:
-    the body is traced with symbolic sizes too (symbolic_enabled() permitting)."""
+    the op as one node otherwise. keeps_lists: the body takes the trace's KeptLists;
+    symbolic_sizes: the body is traced with symbolic sizes too (symbolic_enabled() permitting)."""
 
     def rule(mode, op_, types, args, kwargs):
         known = (torch.Tensor, FunctionalTensor, torch._subclasses.FakeTensor)
@@ -161,7 +162,7 @@ def _rule(body, op, keeps_lists: bool, symbolic: bool):
         if not applies(first):
             return mode.__torch_dispatch__(op_, types, args, kwargs)
         sizes = _sizes(args)
-        if sizes == "unbacked" or (sizes and not (symbolic and symbolic_enabled())):
+        if sizes == "unbacked" or (sizes and not (symbolic_sizes and symbolic_enabled())):
             return mode.__torch_dispatch__(op_, types, args, kwargs)
         launch_statically()
         if keeps_lists:
@@ -248,14 +249,14 @@ def register() -> None:
     key_compiled_graphs_on_fingerprint()
     for layout in (ops.DENSE_OPS, ops.VARLEN_OPS):
         # The varlen ops stay whole with symbolic sizes (module docstring).
-        symbolic = layout is ops.DENSE_OPS
-        trace_into_graphs(layout.forward, ops.forward_kernel(layout), True, symbolic)
-        trace_into_graphs(layout.backward, ops.backward_kernel(layout), True, symbolic)
+        dense = layout is ops.DENSE_OPS
+        trace_into_graphs(layout.forward, ops.forward_kernel(layout), True, dense)
+        trace_into_graphs(layout.backward, ops.backward_kernel(layout), True, dense)
 
 
-def trace_into_graphs(op, body, keeps_lists: bool = False, symbolic: bool = True) -> None:
+def trace_into_graphs(op, body, keeps_lists: bool = False, symbolic_sizes: bool = True) -> None:
     """Compiled graphs trace `body`, the op's CUDA kernel, in place of `op` (module docstring;
     masks.py installs dmattn::topk_select's). keeps_lists: `body` takes `kept`, the trace's
-    launch.KeptLists; symbolic: with symbolic sizes too."""
-    rule = _rule(body, op, keeps_lists, symbolic)
+    launch.KeptLists; symbolic_sizes: with symbolic sizes too."""
+    rule = _rule(body, op, keeps_lists, symbolic_sizes)
     torch.library.register_torch_dispatch(op.name(), FunctionalTensorMode, rule)
