@@ -285,13 +285,19 @@ def _compiled_step(variant: str, shape: str, mode: str, dynamic: bool = False):
     x = torch.randn(b, n, HIDDEN, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        model.zero_grad(set_to_none=True)  # a training step: fresh gradients, as after a step
-        if mode == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()  # each step reuses the graph's outputs
-        compiled(x).float().square().mean().backward()
+        _train_step(model, compiled, x, graphs=mode == "reduce-overhead")
 
     step.model, step.x = model, x  # for selection_work
     return step
+
+
+def _train_step(model, compiled, x, graphs: bool = False) -> None:
+    """One training step: fresh gradients (as after an optimizer step), forward, backward.
+    graphs: under CUDA graphs (reduce-overhead), each step reuses the graph's outputs."""
+    model.zero_grad(set_to_none=True)
+    if graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    compiled(x).float().square().mean().backward()
 
 
 # A variant's suffixes: kernel options its calls take (dmattn_ops.kernel_options blocks, which
@@ -526,20 +532,15 @@ def _lengths_of(variant: str, base: str, lengths, batch: int, log) -> list[dict]
     torch.manual_seed(0)
     model = make_model(base, lengths[0], "cuda", torch.bfloat16)
     compiled = torch.compile(model, fullgraph=True)
-
-    def step(x):
-        model.zero_grad(set_to_none=True)
-        compiled(x).float().square().mean().backward()
-
     rows = []
     for n in lengths:
         x = torch.randn(batch, n, HIDDEN, device="cuda", dtype=torch.bfloat16)
         t0 = time.perf_counter()
-        step(x)
+        _train_step(model, compiled, x)
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
         made = graphs["unique_graphs"] - start
-        ms = bench_ms(lambda x=x: step(x))
+        ms = bench_ms(lambda x=x: _train_step(model, compiled, x))
         log(f"  lengths {variant} L{n}: first call {first:.1f} s, {made} graphs, {ms:.2f} ms")
         rows.append(dict(variant=variant, length=n, first_s=first, graphs=made, ms=ms))
     return rows
@@ -552,12 +553,7 @@ def _static_ms(base: str, built: int, n: int, batch: int) -> float:
     model = make_model(base, built, "cuda", torch.bfloat16)
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     x = torch.randn(batch, n, HIDDEN, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        compiled(x).float().square().mean().backward()
-
-    return bench_ms(step)
+    return bench_ms(lambda: _train_step(model, compiled, x))
 
 
 def lengths_table(rows, limit: int) -> str:
