@@ -557,6 +557,9 @@ def _static_ms(base: str, built: int, n: int, batch: int) -> float:
 
 
 def lengths_table(rows, limit: int) -> str:
+    """run_lengths' rows as a table: per variant and length the first call's seconds, the
+    graphs so far (marked past Dynamo's recompile_limit `limit`), ms a step, and with
+    --static the step compiled for that length alone."""
     table = [
         (r["variant"], r["length"], r["first_s"], r["graphs"], r["ms"], r.get("static_ms"),
          "past recompile_limit" if r["graphs"] > limit else "")
