@@ -165,3 +165,23 @@ def compile_for_gpu(kernel, values: dict, types: dict, cc: int, num_warps: int =
             signature[name] = types.get(name, default)
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=num_warps))
+
+
+def aot_graphs(graphs: list):
+    """A torch.compile backend that keeps AOTAutograd's forward and backward graphs in
+    `graphs` and runs them without Inductor (what our ops trace into is then visible)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def keep(g, _):
+        graphs.append(g)
+        return make_boxed_func(g)
+
+    return lambda gm, example_inputs: aot_module_simplified(
+        gm, example_inputs, fw_compiler=keep, bw_compiler=keep
+    )
+
+
+def dmattn_nodes(graphs) -> list[str]:
+    """The dmattn ops left whole in `graphs` (none where compiled graphs trace our kernels)."""
+    return [str(n.target) for g in graphs for n in g.graph.nodes if "dmattn" in str(n.target)]

@@ -10,6 +10,8 @@ import pytest
 import torch
 from helpers import (
     DEVICE,
+    aot_graphs,
+    dmattn_nodes,
     Case,
     assert_close,
     low_precision_bound,
@@ -46,10 +48,6 @@ def _graphs_of(fn, *args):
     return aot_function(fn, keep, keep)(*args), graphs
 
 
-def _dmattn_nodes(graphs) -> list[str]:
-    return [str(n.target) for g in graphs for n in g.graph.nodes if "dmattn" in str(n.target)]
-
-
 def _attention_loss(q, k, v, bias, mask):
     out = torch.ops.dmattn.attention(q, k, v, mask, bias, None, True)
     return out.square().sum()
@@ -68,7 +66,7 @@ def test_traced_graphs_hold_the_launchers_not_the_ops(monkeypatch):
     q, k, v, bias, mask = _cpu_inputs()
     loss, graphs = _graphs_of(_attention_loss, q, k, v, bias, mask)
     grads = torch.autograd.grad(loss, (q, k, v, bias))
-    assert len(graphs) == 2 and _dmattn_nodes(graphs) == []  # forward and backward graphs
+    assert len(graphs) == 2 and dmattn_nodes(graphs) == []  # forward and backward graphs
     ref_inputs = [t.detach().requires_grad_() for t in (q, k, v, bias)]
     ref_loss = reference.attention(*ref_inputs[:3], mask, ref_inputs[3], is_causal=True)
     ref_grads = torch.autograd.grad(ref_loss.square().sum(), ref_inputs)
@@ -86,7 +84,7 @@ def test_traced_topk_writes_bytes_and_compares(inductor_kernels):
     bias = make_bias((2, 3, 1, 50), dtype=torch.float32, device="cuda")
     allowed = make_mask((2, 1, 1, 50), 0.8, "cuda")
     got, graphs = _graphs_of(lambda b, m: topk_mask(b, 12, m), bias, allowed)
-    assert _dmattn_nodes(graphs) == []
+    assert dmattn_nodes(graphs) == []
     targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert any("triton_kernel_wrapper" in t for t in targets)
     assert "aten.ne.Scalar" in targets
@@ -179,8 +177,8 @@ def test_cpu_graphs_keep_the_ops():
     q, k, v, bias, mask = _cpu_inputs()
     loss, graphs = _graphs_of(_attention_loss, q, k, v, bias, mask)
     loss.backward()
-    assert "dmattn.attention_forward.default" in _dmattn_nodes(graphs)
-    assert "dmattn.attention_backward.default" in _dmattn_nodes(graphs)
+    assert "dmattn.attention_forward.default" in dmattn_nodes(graphs)
+    assert "dmattn.attention_backward.default" in dmattn_nodes(graphs)
 
 
 def test_on_by_default(monkeypatch):
@@ -265,7 +263,7 @@ def test_switch_keeps_the_ops(monkeypatch):
     )
     q, k, v, bias, mask = _cpu_inputs()
     _, graphs = _graphs_of(_attention_loss, q, k, v, bias, mask)
-    assert "dmattn.attention_forward.default" in _dmattn_nodes(graphs)
+    assert "dmattn.attention_forward.default" in dmattn_nodes(graphs)
 
 
 def test_only_traces_consult_the_rules(monkeypatch):
@@ -384,23 +382,9 @@ def test_traced_seqused_k_skips_the_value_check(monkeypatch):
         return torch.ops.dmattn.attention(q, k, v, mask, bias, None, True, 0.0, seqused)
 
     out, graphs = _graphs_of(f, q, k, v, bias, mask, seqused)
-    assert _dmattn_nodes(graphs) == []
+    assert dmattn_nodes(graphs) == []
     want = reference.attention(q, k, v, mask, bias, is_causal=True, seqused_k=seqused)
     torch.testing.assert_close(out, want)
-
-
-def _aot_backend(graphs):
-    """A torch.compile backend that keeps AOTAutograd's forward and backward graphs."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    def keep(g, _):
-        graphs.append(g)
-        return make_boxed_func(g)
-
-    return lambda gm, example_inputs: aot_module_simplified(
-        gm, example_inputs, fw_compiler=keep, bw_compiler=keep
-    )
 
 
 def test_symbolic_sizes_switched_off_keep_the_ops(monkeypatch):
@@ -411,7 +395,7 @@ def test_symbolic_sizes_switched_off_keep_the_ops(monkeypatch):
     monkeypatch.setenv("DMATTN_SYMBOLIC_KERNELS", "0")
     torch._dynamo.reset()
     graphs = []
-    cf = torch.compile(_attention_loss, backend=_aot_backend(graphs), fullgraph=True, dynamic=True)
+    cf = torch.compile(_attention_loss, backend=aot_graphs(graphs), fullgraph=True, dynamic=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for lq, lk in [(17, 29), (33, 41)]:
             c = Case(1, lq, lk, 2, 1, 16, 16)
@@ -422,7 +406,7 @@ def test_symbolic_sizes_switched_off_keep_the_ops(monkeypatch):
             loss.backward()
             ref = reference.attention(q, k, v, mask, bias, is_causal=True).square().sum()
             torch.testing.assert_close(loss, ref)
-    assert "dmattn.attention_forward.default" in _dmattn_nodes(graphs)
+    assert "dmattn.attention_forward.default" in dmattn_nodes(graphs)
 
 
 @gpu
@@ -439,7 +423,7 @@ def test_symbolic_sizes_trace_the_kernels(inductor_kernels):
         mask = topk_mask(bias, 64)
         return torch.ops.dmattn.attention(q, k, v, mask, bias, None, True).float().square().sum()
 
-    cf = torch.compile(loss_of, backend=_aot_backend(graphs), fullgraph=True, dynamic=True)
+    cf = torch.compile(loss_of, backend=aot_graphs(graphs), fullgraph=True, dynamic=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for n in (300, 100, 777, 2048, 5000):
             c = Case(2, n, n, 8, 2, 64, 64)
@@ -456,7 +440,7 @@ def test_symbolic_sizes_trace_the_kernels(inductor_kernels):
             for name, g, w, lo in zip("qkvb", got, want, lows):
                 bound = low_precision_bound(w, lo.double(), torch.bfloat16)
                 assert_close(g.double(), w, bound, f"d{name} at L {n}")
-    assert graphs and _dmattn_nodes(graphs) == []
+    assert graphs and dmattn_nodes(graphs) == []
 
 
 @pytest.fixture

@@ -33,12 +33,12 @@ it); the top-k kernel reads a symbolic row in chunks, so that one kernel serves 
 example's configurations. bench.model's DMA step compiled with dynamic=True on an H200: B4 L2048
 6.88 ms traced, 11.92 ms with the ops whole (static: 6.64; bench/NOTES.md 203).
 DMATTN_SYMBOLIC_KERNELS=0 keeps the ops whole in such graphs (symbolic_enabled()). The varlen
-ops stay whole there: traced on the H200, a graph first compiled with every sequence within one
-16-row query tile compiled again for longer ones (functionalization clones the key lists' ends,
-whose dim of query tiles was 1; tests/test_varlen.py with lengths 9, 11, 17), where the contract
-(SPEC) says no recompiles for new cu_seqlens. That buffer is now flat under symbolic sizes
-(tiles._per_query_tile) and the CPU check finds no guard left, but the traced varlen graph has
-not run on a GPU since.
+ops are traced there too, with one buffer shaped for it: functionalization clones the buffers a
+kernel writes and checks their layout, and the key lists' ends, (B, H, query tiles), guarded on
+a dim of 1 (a graph first compiled with every sequence within one 16-row query tile compiled
+again for longer ones on an H200, where the contract (SPEC) says no recompiles for new
+cu_seqlens). Under symbolic sizes that buffer is one flat row (tiles._per_query_tile);
+tests/test_varlen.py's dynamic test checks it.
 
 The ops stay whole (one node each) for torch.export, which keeps them serialisable as
 triton_op does; for CPU tensors (Triton's interpreter cannot run on fake tensors, and the
@@ -148,10 +148,10 @@ def _kept(mode) -> launch.KeptLists:
     return found
 
 
-def _rule(body, op, keeps_lists: bool, symbolic_sizes: bool):
-    """The FunctionalTensorMode rule of one op: its CUDA kernel's body, traced, where it applies;
-    the op as one node otherwise. keeps_lists: the body takes the trace's KeptLists;
-    symbolic_sizes: the body is traced with symbolic sizes too (symbolic_enabled() permitting)."""
+def _rule(body, op, keeps_lists: bool):
+    """The FunctionalTensorMode rule of one op: its CUDA kernel's body, traced, where it applies
+    (with symbolic sizes too where symbolic_enabled()); the op as one node otherwise.
+    keeps_lists: the body takes the trace's KeptLists."""
 
     def rule(mode, op_, types, args, kwargs):
         known = (torch.Tensor, FunctionalTensor, torch._subclasses.FakeTensor)
@@ -162,7 +162,7 @@ def _rule(body, op, keeps_lists: bool, symbolic_sizes: bool):
         if not applies(first):
             return mode.__torch_dispatch__(op_, types, args, kwargs)
         sizes = _sizes(args)
-        if sizes == "unbacked" or (sizes and not (symbolic_sizes and symbolic_enabled())):
+        if sizes == "unbacked" or (sizes and not symbolic_enabled()):
             return mode.__torch_dispatch__(op_, types, args, kwargs)
         launch_statically()
         if keeps_lists:
@@ -248,15 +248,13 @@ def register() -> None:
     `import dmattn_ops`: neither changes a setting of PyTorch's)."""
     key_compiled_graphs_on_fingerprint()
     for layout in (ops.DENSE_OPS, ops.VARLEN_OPS):
-        # The varlen ops stay whole with symbolic sizes (module docstring).
-        dense = layout is ops.DENSE_OPS
-        trace_into_graphs(layout.forward, ops.forward_kernel(layout), True, dense)
-        trace_into_graphs(layout.backward, ops.backward_kernel(layout), True, dense)
+        trace_into_graphs(layout.forward, ops.forward_kernel(layout), True)
+        trace_into_graphs(layout.backward, ops.backward_kernel(layout), True)
 
 
-def trace_into_graphs(op, body, keeps_lists: bool = False, symbolic_sizes: bool = True) -> None:
+def trace_into_graphs(op, body, keeps_lists: bool = False) -> None:
     """Compiled graphs trace `body`, the op's CUDA kernel, in place of `op` (module docstring;
     masks.py installs dmattn::topk_select's). keeps_lists: `body` takes `kept`, the trace's
-    launch.KeptLists; symbolic_sizes: with symbolic sizes too."""
-    rule = _rule(body, op, keeps_lists, symbolic_sizes)
+    launch.KeptLists."""
+    rule = _rule(body, op, keeps_lists)
     torch.library.register_torch_dispatch(op.name(), FunctionalTensorMode, rule)
