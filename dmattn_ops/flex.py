@@ -37,14 +37,10 @@ from dmattn_ops.core.problem import Problem
 from dmattn_ops.core.validate import (
     NO_WINDOW,
     check_backend,
-    check_cu_seqlens_values,
     check_flags,
-    check_inputs,
-    check_seqused_k_values,
+    check_problem,
     check_sinks,
     check_sinks_values,
-    check_varlen_inputs,
-    check_window,
     has_window,
 )
 from dmattn_ops.executors.chunked import add_sinks, varlen_bounds, zero_unseen_keys
@@ -470,9 +466,7 @@ def attention(
         out, lse = add_sinks(out, lse, sinks)
         return (out, lse.float()) if return_lse else out
     problem = Problem(query, key, value, mask, bias, seqused_k=seqused_k)
-    check_inputs(problem, scale, softcap, "dmattn.flex")
-    check_seqused_k_values(seqused_k, key.shape[1], "dmattn.flex")
-    window = check_window(window_size, "dmattn.flex")
+    window = check_problem(problem, scale, softcap, window_size, "dmattn.flex")
     b, lq, h, d = query.shape
     lk, hkv = key.shape[1], key.shape[2]
     needs_grad = torch.is_grad_enabled() and any(
@@ -590,13 +584,9 @@ def attention_varlen(
         query, key, value, mask, bias, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k,
     )  # fmt: skip
-    check_varlen_inputs(problem, scale, softcap, fn)
-    window = check_window(window_size, fn)
+    window = check_problem(problem, scale, softcap, window_size, fn)
     total_q, h, d = query.shape
     total_k, hkv = key.shape[0], key.shape[1]
-    check_cu_seqlens_values(
-        cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, fn
-    )
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, bias)
     )

@@ -366,3 +366,35 @@ def check_window(window_size, fn: str) -> tuple[int, int]:
 def has_window(window_size) -> bool:
     """Whether a checked window bounds either side."""
     return window_size[0] >= 0 or window_size[1] >= 0
+
+
+def check_problem(
+    problem: Problem, scale, softcap, window_size, fn: str, values: bool = True
+) -> tuple[int, int]:
+    """Every check of one call, dense, seqused_k or packed: shapes, dtypes, devices, scalars,
+    sinks and the window; with `values` also what reads tensor data (seqused_k's range, the
+    sinks', cu_seqlens'), which fake tensors do not have (check_values). Returns the window as
+    check_window does. The registered ops (registration/ops.check_call) and the Flex backend
+    run this same function."""
+    window = check_window(window_size, fn)
+    if problem.varlen:
+        check_varlen_inputs(problem, scale, softcap, fn)
+    else:
+        check_inputs(problem, scale, softcap, fn)
+        check_sinks(problem.sinks, problem.query, fn)
+    if values:
+        check_values(problem, fn)
+    return window
+
+
+def check_values(problem: Problem, fn: str) -> None:
+    """The checks that read tensor values: cu_seqlens' (packed calls), or seqused_k's range and
+    the sinks' (dense calls)."""
+    if problem.varlen:
+        check_cu_seqlens_values(
+            problem.cu_seqlens_q, problem.cu_seqlens_k, problem.lq, problem.lk,
+            problem.max_seqlen_q, problem.max_seqlen_k, fn,
+        )  # fmt: skip
+    else:
+        check_seqused_k_values(problem.seqused_k, problem.lk, fn)
+        check_sinks_values(problem.sinks, fn)

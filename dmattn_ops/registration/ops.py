@@ -50,15 +50,7 @@ from dmattn_ops.core._compat import (
     without_autocast,
 )
 from dmattn_ops.core.problem import Options, Problem
-from dmattn_ops.core.validate import (
-    check_cu_seqlens_values,
-    check_inputs,
-    check_seqused_k_values,
-    check_sinks,
-    check_sinks_values,
-    check_varlen_inputs,
-    check_window,
-)
+from dmattn_ops.core.validate import check_problem, check_values, check_window
 from dmattn_ops.dispatch import launch
 from dmattn_ops.executors import chunked
 from dmattn_ops.executors.chunked import stats_dtype
@@ -140,33 +132,13 @@ VARLEN_OPS = Op(
 
 
 def check_call(call: dict, fn: str, values: bool = True) -> Problem:
-    """Validates a bound call (shapes, dtypes, the window, the kernel options; with `values`
-    also the values of seqused_k, cu_seqlens and sinks, which fake tensors do not have) and
-    returns its problem."""
+    """Validates a bound call (validate.check_problem, and the kernel options; `values`: also
+    the checks that read tensor data) and returns its problem."""
     problem = problem_of(call)
-    check_window(call.get("window_size", (-1, -1)), fn)
-    scale, softcap = call.get("scale"), call.get("softcap")
-    if problem.varlen:
-        check_varlen_inputs(problem, scale, softcap, fn)
-        if values:
-            check_cu_seqlens_values(
-                problem.cu_seqlens_q, problem.cu_seqlens_k, problem.lq, problem.lk,
-                problem.max_seqlen_q, problem.max_seqlen_k, fn,
-            )  # fmt: skip
-    else:
-        check_inputs(problem, scale, softcap, fn)
-        check_sinks(problem.sinks, problem.query, fn)
-        if values:
-            check_values(problem, fn)
+    window = call.get("window_size", (-1, -1))
+    check_problem(problem, call.get("scale"), call.get("softcap"), window, fn, values)
     options.decode(call.get("kernel_options"), fn)
     return problem
-
-
-def check_values(problem: Problem, fn: str) -> None:
-    """The checks of a dense or seqused_k call that read tensor values (seqused_k's range, the
-    sinks'), which fake tensors do not have."""
-    check_seqused_k_values(problem.seqused_k, problem.lk, fn)
-    check_sinks_values(problem.sinks, fn)
 
 
 # Backend kernels.
