@@ -417,6 +417,25 @@ def flex_kernel_options(bias, d: int, device) -> dict | None:
     return options or None
 
 
+def _check_trainable(problem: Problem, deterministic: bool, fn: str) -> None:
+    """What FlexAttention cannot differentiate: any call on CPU, and a deterministic bias
+    gradient (it sums it with atomics). Checked where a gradient is wanted."""
+    bias = problem.bias
+    operands = (problem.query, problem.key, problem.value, bias)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in operands):
+        return
+    if problem.query.device.type != "cuda":
+        raise RuntimeError(
+            f"{fn}: FlexAttention has no backward on CPU; use backend='auto' (or 'triton' with "
+            "TRITON_INTERPRET=1, or 'reference') to train on CPU"
+        )
+    if deterministic and bias is not None and bias.requires_grad:
+        raise ValueError(
+            f"{fn}: FlexAttention accumulates the bias gradient with atomics, so it cannot be "
+            "deterministic; use backend='triton' for deterministic=True"
+        )
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -469,20 +488,8 @@ def attention(
     window = check_problem(problem, scale, softcap, window_size, "dmattn.flex")
     b, lq, h, d = query.shape
     lk, hkv = key.shape[1], key.shape[2]
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, bias)
-    )
+    _check_trainable(problem, deterministic, "dmattn.flex")
     device = query.device
-    if needs_grad and device.type != "cuda":
-        raise RuntimeError(
-            "dmattn.flex: FlexAttention has no backward on CPU; use backend='auto' (or "
-            "'triton' with TRITON_INTERPRET=1, or 'reference') to train on CPU"
-        )
-    if needs_grad and deterministic and bias is not None and bias.requires_grad:
-        raise ValueError(
-            "dmattn.flex: FlexAttention accumulates the bias gradient with atomics, so it "
-            "cannot be deterministic; use backend='triton' for deterministic=True"
-        )
     if b * lq * h == 0 or lk == 0 or d == 0:
         # Flex has nothing to launch (or, for D = 0, cannot): the registered op computes it.
         out, lse, _ = torch.ops.dmattn.attention_forward(
@@ -587,20 +594,8 @@ def attention_varlen(
     window = check_problem(problem, scale, softcap, window_size, fn)
     total_q, h, d = query.shape
     total_k, hkv = key.shape[0], key.shape[1]
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, bias)
-    )
+    _check_trainable(problem, deterministic, fn)
     device = query.device
-    if needs_grad and device.type != "cuda":
-        raise RuntimeError(
-            f"{fn}: FlexAttention has no backward on CPU; use backend='auto' (or 'triton' with "
-            "TRITON_INTERPRET=1, or 'reference') to train on CPU"
-        )
-    if needs_grad and deterministic and bias is not None and bias.requires_grad:
-        raise ValueError(
-            f"{fn}: FlexAttention accumulates the bias gradient with atomics, so it cannot be "
-            "deterministic; use backend='triton' for deterministic=True"
-        )
     if total_q * h == 0 or total_k == 0 or cu_seqlens_q.shape[0] < 2 or d == 0:
         out, lse, _ = torch.ops.dmattn.attention_varlen_forward(
             query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
