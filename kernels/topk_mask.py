@@ -11,7 +11,9 @@ selected, deterministically.
 A row of at most BLOCK keys is loaded once and held in registers. A longer row (CHUNKED; the
 model's long contexts: 32768 keys per KV head) is read in chunks of BLOCK keys on every pass,
 from L2 after the first: no length is too long, and torch.topk's ~48 launches per call (radix
-passes, sort, scatter) become one.
+passes, sort, scatter) become one. A graph with symbolic sizes launches the chunked kernel at
+every length (masks.topk_select); a row that fits one block is still held in registers there
+(a branch on Lk at run time).
 """
 
 import triton
@@ -75,6 +77,77 @@ def _select_store(
 
 
 @triton.jit
+def _bisect_start(p_bias):
+    """(lo, hi, steps) of the bisection over the integer images of p_bias's dtype: lo and hi
+    in int64 (their sum overflows int32)."""
+    if p_bias.dtype.element_ty.primitive_bitwidth == 16:
+        lo = tl.full([], -32768, tl.int64)
+        hi = tl.full([], 32767, tl.int64)
+    else:
+        lo = tl.full([], -2147483648, tl.int64)
+        hi = tl.full([], 2147483647, tl.int64)
+    return lo, hi
+
+
+@triton.jit
+def _select_whole(
+    p_bias, p_mask, p_out, stride_bn, stride_mn, Lk, k,
+    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, SMOOTH: tl.constexpr,
+):  # fmt: skip
+    """A row of at most BLOCK keys: loaded once, held in registers through the bisection."""
+    steps: tl.constexpr = 16 if p_bias.dtype.element_ty.primitive_bitwidth == 16 else 32
+    lo, hi = _bisect_start(p_bias)
+    key, valid, allowed = _rank_keys(p_bias, p_mask, stride_bn, stride_mn, 0, Lk, HAS_MASK, BLOCK)
+    # The largest t with #{key >= t} >= k, by bisection over the integer range. The keys
+    # compare in int32 with mid, which lies in [lo + 1, hi], inside int32's range. `above` =
+    # #{key > hi}: the count at the last midpoint rejected (hi = mid - 1 then), 0 while hi is
+    # the range's top.
+    above = tl.full([], 0, tl.int32)
+    for _ in range(steps):
+        mid = (lo + hi + 1) // 2
+        count = tl.sum(tl.where(valid & (key >= mid.to(tl.int32)), 1, 0), 0)
+        take = count >= k
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid - 1)
+        above = tl.where(take, above, count)
+    # lo == hi now: every key above lo is selected (`above` of them), and of those at lo the
+    # first k - above in key order.
+    _select_store(p_out, 0, key, valid, allowed, lo.to(tl.int32), k - above, 0, BLOCK, SMOOTH)
+
+
+@triton.jit
+def _select_chunked(
+    p_bias, p_mask, p_out, stride_bn, stride_mn, Lk, k,
+    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, SMOOTH: tl.constexpr,
+):  # fmt: skip
+    """_select_whole's selection for a row of any length, read BLOCK keys at a time on every
+    pass (from L2 after the first)."""
+    steps: tl.constexpr = 16 if p_bias.dtype.element_ty.primitive_bitwidth == 16 else 32
+    lo, hi = _bisect_start(p_bias)
+    above = tl.full([], 0, tl.int32)
+    for _ in range(steps):
+        mid = (lo + hi + 1) // 2
+        count = tl.full([], 0, tl.int32)
+        for j0 in range(0, Lk, BLOCK):
+            key, valid, allowed = _rank_keys(
+                p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK, BLOCK
+            )
+            count += tl.sum(tl.where(valid & (key >= mid.to(tl.int32)), 1, 0), 0)
+        take = count >= k
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid - 1)
+        above = tl.where(take, above, count)
+    seen = tl.full([], 0, tl.int32)
+    for j0 in range(0, Lk, BLOCK):
+        key, valid, allowed = _rank_keys(
+            p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK, BLOCK
+        )
+        seen += _select_store(
+            p_out, j0, key, valid, allowed, lo.to(tl.int32), k - above, seen, BLOCK, SMOOTH
+        )
+
+
+@triton.jit
 def topk_mask_kernel(
     BIAS,
     MASK,
@@ -98,8 +171,10 @@ def topk_mask_kernel(
 ):
     """Row program_id(0) = (b * H + h) * Lq + q of the (B, H, Lq, Lk) output; bias and mask
     are read through their (broadcast, stride-0) strides. Without CHUNKED the row fits in one
-    block of BLOCK keys; with it, the row is read BLOCK keys at a time. SMOOTH > 0 applies
-    masks.py's block smoothing with blocks of SMOOTH keys (a power of two <= BLOCK)."""
+    block of BLOCK keys; with it, a row of any length: one that fits a block (checked at run
+    time: a graph with symbolic sizes launches this one kernel at every length) is still held
+    in registers, a longer one read BLOCK keys at a time. SMOOTH > 0 applies masks.py's block
+    smoothing with blocks of SMOOTH keys (a power of two <= BLOCK)."""
     row = tl.program_id(0).to(tl.int64)
     i_b = row // (H * Lq)
     i_h = (row // Lq) % H
@@ -109,50 +184,14 @@ def topk_mask_kernel(
     if HAS_MASK:
         p_mask = MASK + i_b * stride_mb + i_h * stride_mh + i_q * stride_mm
     p_out = OUT + row * Lk
-    if BIAS.dtype.element_ty.primitive_bitwidth == 16:
-        lo = tl.full([], -32768, tl.int64)
-        hi = tl.full([], 32767, tl.int64)
-        steps: tl.constexpr = 16
-    else:
-        lo = tl.full([], -2147483648, tl.int64)
-        hi = tl.full([], 2147483647, tl.int64)
-        steps: tl.constexpr = 32
-    if not CHUNKED:
-        key, valid, allowed = _rank_keys(
-            p_bias, p_mask, stride_bn, stride_mn, 0, Lk, HAS_MASK, BLOCK
-        )
-    # The largest t with #{key >= t} >= k, by bisection over the integer range.
-    # lo and hi in int64 (their sum overflows int32); the keys compare in int32 with mid, which
-    # lies in [lo + 1, hi], inside int32's range. `above` = #{key > hi}: the count at the last
-    # midpoint rejected (hi = mid - 1 then), 0 while hi is the range's top.
-    above = tl.full([], 0, tl.int32)
-    for _ in range(steps):
-        mid = (lo + hi + 1) // 2
-        mid32 = mid.to(tl.int32)
-        if CHUNKED:
-            count = tl.full([], 0, tl.int32)
-            for j0 in range(0, Lk, BLOCK):
-                key, valid, allowed = _rank_keys(
-                    p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK, BLOCK
-                )
-                count += tl.sum(tl.where(valid & (key >= mid32), 1, 0), 0)
-        else:
-            count = tl.sum(tl.where(valid & (key >= mid32), 1, 0), 0)
-        take = count >= k
-        lo = tl.where(take, mid, lo)
-        hi = tl.where(take, hi, mid - 1)
-        above = tl.where(take, above, count)
-    # lo == hi now: every key above lo is selected (`above` of them), and of those at lo the
-    # first k - above in key order.
-    lo32 = lo.to(tl.int32)
     if CHUNKED:
-        seen = tl.full([], 0, tl.int32)
-        for j0 in range(0, Lk, BLOCK):
-            key, valid, allowed = _rank_keys(
-                p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK, BLOCK
+        if Lk <= BLOCK:
+            _select_whole(
+                p_bias, p_mask, p_out, stride_bn, stride_mn, Lk, k, HAS_MASK, BLOCK, SMOOTH
             )
-            seen += _select_store(
-                p_out, j0, key, valid, allowed, lo32, k - above, seen, BLOCK, SMOOTH
+        else:
+            _select_chunked(
+                p_bias, p_mask, p_out, stride_bn, stride_mn, Lk, k, HAS_MASK, BLOCK, SMOOTH
             )
     else:
-        _select_store(p_out, 0, key, valid, allowed, lo32, k - above, 0, BLOCK, SMOOTH)
+        _select_whole(p_bias, p_mask, p_out, stride_bn, stride_mn, Lk, k, HAS_MASK, BLOCK, SMOOTH)

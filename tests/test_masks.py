@@ -109,20 +109,24 @@ def _chunked(monkeypatch, chunk: int) -> None:
     monkeypatch.setattr(masks, "ROW_CHUNK", chunk)
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["in-registers", "chunked"])
+@pytest.mark.parametrize("layout", ["in-registers", "chunked", "chunked-fits"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-def test_fused_kernel_matches_torch_topk(monkeypatch, dtype, chunked):
+def test_fused_kernel_matches_torch_topk(monkeypatch, dtype, layout):
     """The fused selection against torch.topk on rows without ties, with a padding mask, a
     broadcast 4-D mask, NaN/-inf/finfo.min at allowed and disallowed keys; chunked: the rows
     read 64 keys at a time (5 chunks, the last partial), fewer rows (the interpreter runs a
-    program a row)."""
+    program a row); chunked-fits: the chunked kernel, as a symbolic length launches it, on
+    rows that fit its block (held in registers, a branch at run time)."""
     # Distinct values per row (integers in [-150, 150) are exact in every dtype): no ties.
     bias = (torch.rand(2, 3, 5, 300).argsort(dim=-1) - 150).to(dtype)
     bias[0, 0, 0, :7] = torch.tensor([math.nan, -math.inf, math.inf, 1e30, -1e30, 0.5, 2.5])
     bias[1, 2, 4, 10] = torch.finfo(dtype).min
     mask4 = torch.rand(1, 3, 5, 300) < 0.7
-    if chunked:
+    if layout == "chunked":
         _chunked(monkeypatch, 64)
+    if layout == "chunked-fits":
+        monkeypatch.setattr(masks, "symbolic", lambda n: True)
+    if layout != "in-registers":
         bias, mask4 = bias[:, 1:, 3:], mask4[:, 1:, 3:]  # 8 rows, bias[1, 2, 4] among them
     pad = torch.ones(2, 300, dtype=torch.bool)
     pad[1, 250:] = False
