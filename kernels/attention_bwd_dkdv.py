@@ -224,8 +224,12 @@ def attention_bwd_dkdv_kernel(
     G_PART = G // SPLIT
     i_b = (i_bg // Hkv).to(tl.int64)
     i_g = (i_bg % Hkv).to(tl.int64)
+    # cu_seqlens and seqused_k are loaded here, not in a helper (common.seq_extent says why).
+    cu_q = (tl.load(CU_Q + i_b), tl.load(CU_Q + i_b + 1)) if VARLEN else (0, 0)
+    cu_k = (tl.load(CU_K + i_b), tl.load(CU_K + i_b + 1)) if VARLEN else (0, 0)
+    used = tl.load(SEQUSED + i_b) if HAS_SEQUSED else Lk
     q_start, Lq, k_start, n_keys, Lk = seq_extent(
-        CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED, VARLEN
+        cu_q, cu_k, used, i_b, Lq, Lk, HAS_SEQUSED, VARLEN
     )
     if VARLEN:
         q_row0 = q_start

@@ -18,6 +18,7 @@ from dmattn_ops.kernels.common import (
     row_tile,
     run_tile,
     score_tile,
+    tile_batch,
 )
 
 
@@ -203,8 +204,13 @@ def attention_fwd_kernel(
     scale, softcap = as_fp32(scale), as_fp32(softcap)
     i_mb, i_bh = grid_tile(IS_CAUSAL and not HAS_WINDOW and not VARLEN, True)
     POS_M: tl.constexpr = BLOCK_M // PACK_G  # positions per tile
+    # cu_seqlens and seqused_k are loaded here, not in a helper (common.seq_extent says why).
+    i_b = tile_batch(i_bh, H, PACK_G)
+    cu_q = (tl.load(CU_Q + i_b), tl.load(CU_Q + i_b + 1)) if VARLEN else (0, 0)
+    cu_k = (tl.load(CU_K + i_b), tl.load(CU_K + i_b + 1)) if VARLEN else (0, 0)
+    used = tl.load(SEQUSED + i_b) if HAS_SEQUSED else Lk
     i_b, i_g, i_h, i_hr, i_hc, i_m, _, Lq, n_keys, Lk, k_row0, i_d, i_dv, m_m, o_m = query_tile(
-        i_mb, i_bh, CU_Q, CU_K, SEQUSED, Lq, Lk, H, G, BLOCK_M, BLOCK_D, BLOCK_DV, PACK_G,
+        i_mb, i_bh, cu_q, cu_k, used, Lq, Lk, H, G, BLOCK_M, BLOCK_D, BLOCK_DV, PACK_G,
         HAS_SEQUSED, VARLEN,
     )  # fmt: skip
     b_q = row_tile(Q, i_b, i_hc, o_m, m_m, i_d, stride_qb, stride_qh, stride_qm, stride_qd, D)

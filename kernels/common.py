@@ -313,19 +313,31 @@ def key_count(SEQUSED, i_b, Lk, HAS_SEQUSED: tl.constexpr):
 
 
 @triton.jit
-def seq_extent(CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED: tl.constexpr, VARLEN: tl.constexpr):
-    """Where batch b lives: (q_start, Lq, k_start, n_keys, Lk).
+def seq_extent(cu_q, cu_k, used, i_b, Lq, Lk, HAS_SEQUSED: tl.constexpr, VARLEN: tl.constexpr):
+    """Where batch b lives: (q_start, Lq, k_start, n_keys, Lk), from what the kernel read of
+    it: cu_q = cu_seqlens_q[b], cu_seqlens_q[b + 1] and cu_k likewise (VARLEN), used =
+    seqused_k[b] (HAS_SEQUSED).
 
     q_start / k_start index rows of the contiguous (B * Lq | total_q) and (B * Lk | total_k)
-    flattenings that outputs and gradients use. Batched: b * Lq, b * Lk, n_keys from seqused_k.
-    Varlen (Lq, Lk are then total_q, total_k): from cu_seqlens, clamped into the packed buffers
-    so that no cu_seqlens value, however wrong, reads or writes outside them.
+    flattenings that outputs and gradients use. Batched: b * Lq, b * Lk, n_keys from seqused_k
+    clamped to [0, Lk]. Varlen (Lq, Lk are then total_q, total_k): from cu_seqlens, clamped
+    into the packed buffers so that no cu_seqlens value, however wrong, reads or writes outside
+    them.
+
+    The kernels load cu_seqlens and seqused_k in their own bodies, not in a helper: Inductor's
+    analysis of a user kernel (torch/_higher_order_ops/triton_kernel_wrap.py,
+    identify_accessed_tensors) follows each store's address back through the ops that made it
+    and stops at a load, but counts a helper's result as made from all of the helper's
+    arguments; a pointer passed to a helper whose result addresses a store is then "written",
+    and cu_seqlens or seqused_k became graph inputs that a compiled call mutates (copied back
+    after each call, and an AOTAutograd partition of the varlen graph failed on it).
+    tests/test_inductor.py holds every kernel to writing its outputs alone.
     """
     if VARLEN:
-        q_end = tl.minimum(tl.maximum(tl.load(CU_Q + i_b + 1), 0), Lq)
-        q_start = tl.minimum(tl.maximum(tl.load(CU_Q + i_b), 0), q_end)
-        k_end = tl.minimum(tl.maximum(tl.load(CU_K + i_b + 1), 0), Lk)
-        k_start = tl.minimum(tl.maximum(tl.load(CU_K + i_b), 0), k_end)
+        q_end = tl.minimum(tl.maximum(cu_q[1], 0), Lq)
+        q_start = tl.minimum(tl.maximum(cu_q[0], 0), q_end)
+        k_end = tl.minimum(tl.maximum(cu_k[1], 0), Lk)
+        k_start = tl.minimum(tl.maximum(cu_k[0], 0), k_end)
         lq = q_end - q_start
         lk = k_end - k_start
         n_keys = lk
@@ -336,7 +348,9 @@ def seq_extent(CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED: tl.constexpr, VARL
         k_start = i_b * Lk
         lq = Lq
         lk = Lk
-        n_keys = key_count(SEQUSED, i_b, Lk, HAS_SEQUSED)
+        n_keys = Lk
+        if HAS_SEQUSED:
+            n_keys = tl.minimum(tl.maximum(used.to(tl.int32), 0), Lk)
     return q_start, lq, k_start, n_keys, lk
 
 
@@ -440,19 +454,26 @@ def run_tile(it, a_end, b_start, p_idx, WRAP: tl.constexpr, TABLE: tl.constexpr)
 
 
 @triton.jit
+def tile_batch(i_bh, H, PACK_G: tl.constexpr):
+    """The batch of grid row i_bh of the forward and dq kernels (query_rows)."""
+    return (i_bh // (H // PACK_G) if PACK_G > 1 else i_bh // H).to(tl.int64)
+
+
+@triton.jit
 def query_tile(
-    i_mb, i_bh, CU_Q, CU_K, SEQUSED, Lq, Lk, H, G, BLOCK_M: tl.constexpr,
+    i_mb, i_bh, cu_q, cu_k, used, Lq, Lk, H, G, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PACK_G: tl.constexpr,
     HAS_SEQUSED: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """Query tile i_mb of (batch, head) column i_bh for the forward and dq kernels:
-    (i_b, i_g, i_h, i_hr, i_hc, i_m) as query_rows, (q_start, Lq, n_keys, Lk) as seq_extent,
+    (i_b, i_g, i_h, i_hr, i_hc, i_m) as query_rows, (q_start, Lq, n_keys, Lk) as seq_extent
+    (cu_q, cu_k, used: what the kernel read of the tile's batch, tile_batch),
     k_row0 (the sequence's first key row in the packed operands: k_start with VARLEN, else 0),
     the column indices i_d and i_dv (BLOCK_D, BLOCK_DV), m_m (rows below Lq) and o_m (the
     rows in the packed operands, int64)."""
     i_b, i_g, i_h, i_hr, i_hc, i_m = query_rows(i_mb, i_bh, H, G, BLOCK_M, PACK_G)
     q_start, Lq, k_start, n_keys, Lk = seq_extent(
-        CU_Q, CU_K, SEQUSED, i_b, Lq, Lk, HAS_SEQUSED, VARLEN
+        cu_q, cu_k, used, i_b, Lq, Lk, HAS_SEQUSED, VARLEN
     )
     if VARLEN:
         q_row0 = q_start

@@ -244,7 +244,10 @@ def varlen_key_lists_kernel(
     pid = tl.program_id(0)
     i_bt = pid // Hm
     i_h = pid % Hm
-    _, lq, k_start, n, lk = seq_extent(CU_Q, CU_K, None, i_bt, Lq, Lk, False, True)
+    # cu_seqlens are loaded here, not in a helper (common.seq_extent says why).
+    cu_q = (tl.load(CU_Q + i_bt), tl.load(CU_Q + i_bt + 1))
+    cu_k = (tl.load(CU_K + i_bt), tl.load(CU_K + i_bt + 1))
+    _, lq, k_start, n, lk = seq_extent(cu_q, cu_k, Lk, i_bt, Lq, Lk, False, True)
     # A sequence longer than max_seqlen_k breaks the contract (checked outside compiled code);
     # the scratch row holds prefix_len = max_seqlen_k entries, so never scan more.
     lk = tl.minimum(lk, prefix_len)

@@ -6,6 +6,10 @@ On CPU the mechanism is checked through the chunked PyTorch path (float64), with
 condition lifted; on a GPU the Triton kernels run from Inductor's generated code and must give
 exactly the eager results."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import (
@@ -753,3 +757,106 @@ def test_a_switch_misses_the_compile_cache(monkeypatch, tmp_path):
         compile_and_run()
         assert counters["aot_autograd"]["autograd_cache_hit"] == 1
         assert counters["aot_autograd"]["autograd_cache_miss"] == 2
+
+
+ACCESS = """
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+
+from dmattn_ops import dt_bias, masks
+from dmattn_ops.core import configs
+from dmattn_ops.dispatch import plan
+from dmattn_ops.executors import _triton
+from dmattn_ops.registration import ops
+
+
+class Target:  # Inductor's analysis builds TTIR for the active driver's target: an H100's
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+triton.runtime.driver.set_active(Target())
+plan.interpreter_on = lambda: True  # CPU tensors take the Triton routes, with a GPU's tiles:
+config = configs.config
+configs.config = lambda *a, **k: config(*a, **{**k, "interpreter": False, "limit": 232448})
+_triton.tracing_on = lambda: False
+_triton.launch_cache_on = lambda: False
+inputs, alive, launched = set(), [], []
+
+
+def analyse(fn, args, meta):
+    kwargs = dict(zip(fn.arg_names, args)) | meta
+    written = identify_accessed_tensors(fn, kwargs, {}).read_writes.writes
+    for dep in written:
+        t = kwargs[dep.name]
+        launched.append(fn.__name__)
+        assert t.untyped_storage().data_ptr() not in inputs, (fn.__name__, dep.name)
+
+
+_triton.LazyKernel.run = lambda self, p, tensors: analyse(self.fn, (*tensors, *p.scalars), p.meta)
+_triton.LazyKernel.__getitem__ = lambda self, grid: lambda *a, **m: analyse(self.fn, a, m)
+
+
+def given(*tensors):
+    alive.extend(tensors)  # their storages stay theirs
+    inputs.update(t.untyped_storage().data_ptr() for t in tensors if t is not None)
+    return tensors
+
+
+fwd, bwd = ops.forward_kernel(ops.DENSE_OPS), ops.backward_kernel(ops.DENSE_OPS)
+b, n, h, hkv, d, dt = 2, 256, 4, 2, 64, torch.bfloat16
+q, k, v = torch.randn(b, n, h, d, dtype=dt), *torch.randn(2, b, n, hkv, d, dtype=dt)
+bias, used = torch.randn(b, hkv, 1, n, dtype=dt), torch.tensor([100, 256], dtype=torch.int32)
+keys, rows = torch.rand(b, hkv, 1, n) < 0.3, torch.rand(b, 1, n, n) < 0.3
+for mask, bias_, seqused in ((keys, bias, None), (None, bias, used), (rows, None, used),
+                             (None, torch.randn(1, 1, n, n, dtype=dt), None)):
+    given(q, k, v, mask, bias_, seqused)
+    out, lse, rem = given(*fwd(q, k, v, mask, bias_, d**-0.5, True, 0.0, seqused, False))
+    grad = given(torch.randn_like(out))[0]
+    bwd(grad, None, q, k, v, out, lse, rem, mask, bias_, d**-0.5, True, 0.0, seqused, False,
+        bias_ is not None)
+one = given(torch.randn(b, 1, h, d, dtype=dt))[0]
+fwd(one, k, v, keys, bias, d**-0.5, True, 0.0, used, False)  # decode
+
+lens = torch.tensor([0, 5, 105, 135], dtype=torch.int32)
+qp, kp, vp = given(torch.randn(135, h, d, dtype=dt), *torch.randn(2, 135, hkv, d, dtype=dt))
+mp, bp = given(torch.rand(hkv, 135) < 0.5, torch.randn(hkv, 135, dtype=dt))
+given(lens)
+varlen = ops.forward_kernel(ops.VARLEN_OPS), ops.backward_kernel(ops.VARLEN_OPS)
+out, lse, rem = given(*varlen[0](qp, kp, vp, lens, lens, 100, 100, mp, bp, d**-0.5, True, 0.0,
+                                 False))
+grad = given(torch.randn_like(out))[0]
+varlen[1](grad, None, qp, kp, vp, out, lse, rem, lens, lens, 100, 100, mp, bp, d**-0.5, True,
+          0.0, False, True)
+
+masks.topk_select(*given(bias, None), 64, 0)
+x, w, c, a = given(torch.randn(b, n, 32, dtype=dt), torch.randn(hkv, 32), *torch.randn(2, hkv))
+_, logits, _ = given(*dt_bias._forward_values(x, w, c, a))
+dt_bias._backward(*given(torch.randn(b, hkv, 1, n, dtype=dt), torch.randn(b, n, 32, dtype=dt)),
+                  x, w, a, logits)
+print(" ".join(sorted(set(launched))))
+"""
+
+
+def test_inductor_finds_each_kernel_writing_its_outputs_alone():
+    """Inductor's analysis of a user kernel (identify_accessed_tensors, what a compiled graph
+    takes a kernel to read and write) finds none of ours writing a tensor the call was given:
+    a compiled call mutates none of its inputs (cu_seqlens and seqused_k were counted as
+    written where a helper read them: kernels/common.seq_extent). Every Triton route: key
+    lists, the dense kernels with seqused_k, tile tables, the dbias kernel, decode, varlen
+    forward and backward, top-k, the bias op (H100 tiles, TTIR built for sm_90 without a
+    GPU, out of the interpreter). Not the Gluon kernels (hopper.py), which need an sm_90
+    device to be chosen."""
+    pytest.importorskip("triton")
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", ACCESS], capture_output=True, text=True,
+                         env=env, cwd=os.path.dirname(__file__), timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    kernels = set(res.stdout.split())
+    for name in ("key_lists_kernel", "varlen_key_lists_kernel", "attention_fwd_kernel",
+                 "attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel", "tile_rows_kernel",
+                 "attention_bwd_dbias_kernel", "attention_decode_kernel", "topk_mask_kernel",
+                 "dt_bias_fwd_kernel", "dt_bias_bwd_kernel"):  # fmt: skip
+        assert name in kernels, (name, kernels)
