@@ -496,29 +496,46 @@ def run_model(shapes, variants, modes, log, rounds: int = MODEL_ROUNDS) -> list[
 LENGTHS = (512, 640, 1024, 1500, 2048, 3000, 4096, 700, 8192, 300)
 
 
-def run_lengths(variants, lengths, batch: int, log, static: bool = False) -> list[dict]:
+def run_lengths(
+    variants, lengths, batch: int, log, static: bool = False, rounds: int = MODEL_ROUNDS
+) -> list[dict]:
     """A training step compiled once per variant in the default mode and PyTorch's default
     dynamic shapes (static at the first length, symbolic from the second), run at each length
     in turn, as a model trained on varied sequence lengths runs: per length the first call's
-    seconds (a compile where it made a graph), the graphs Dynamo made so far and the step's
-    ms (bench_ms). DMA variants keep the top first-length / 4 keys at every length (the
-    layer's window is fixed when it is built). static: each length also compiled on its own
-    with dynamic=False (static_ms): what the first length's speed choices cost the others."""
+    seconds (a compile where it made a graph) and the graphs Dynamo made so far. DMA variants
+    keep the top first-length / 4 keys at every length (the layer's window is fixed when it is
+    built). static: each length also compiled on its own with dynamic=False: what the first
+    length's speed choices and the symbolic sizes cost the others. Then `rounds` rounds time
+    every length's step (and its static one), alternating as run_model's do: ms and static_ms
+    are the medians of the rounds, their per-round ratio in "rounds"/"static_rounds"
+    (one step timed once right after its compile varied 20-40% between runs; NOTES 207)."""
     rows = []
     torch._functorch.config.enable_autograd_cache = False
     limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(limit, 4 * len(lengths))
+    # Every static compile adds an entry to the model code's cache beside the dynamic ones.
+    torch._dynamo.config.recompile_limit = max(limit, 6 * len(lengths))
     try:
         for variant in variants:
             if _dynamic(variant):
                 raise ValueError(f"{variant}: `lengths` takes PyTorch's default dynamic shapes")
             torch._dynamo.reset()
             with _variant(variant) as base:
-                found = _lengths_of(variant, base, lengths, batch, log)
-                for row in found if static else ():
-                    torch._dynamo.reset()
-                    row["static_ms"] = _static_ms(base, lengths[0], row["length"], batch)
-                    log(f"  lengths {variant} L{row['length']} static: {row['static_ms']:.2f} ms")
+                found, steps = _lengths_of(variant, base, lengths, batch, log)
+                fixed = [_static_step(base, lengths[0], n, batch) if static else None
+                         for n in lengths]  # fmt: skip
+                for row in found:
+                    row["rounds"], row["static_rounds"] = [], []
+                for _ in range(rounds):
+                    for row, step, alone in zip(found, steps, fixed):
+                        row["rounds"].append(bench_ms(step))
+                        if alone is not None:
+                            row["static_rounds"].append(bench_ms(alone))
+                for row in found:
+                    row["ms"] = _median(row["rounds"])
+                    row["static_ms"] = _median(row["static_rounds"])
+                    log(f"  lengths {variant} L{row['length']}: {row['ms']:.2f} ms"
+                        + (f", static {row['static_ms']:.2f}" if static else ""))  # fmt: skip
+                del steps, fixed
             rows += found
             torch.cuda.empty_cache()
     finally:
@@ -526,13 +543,19 @@ def run_lengths(variants, lengths, batch: int, log, static: bool = False) -> lis
     return rows
 
 
-def _lengths_of(variant: str, base: str, lengths, batch: int, log) -> list[dict]:
+def _median(values):
+    return sorted(values)[len(values) // 2] if values else None
+
+
+def _lengths_of(variant: str, base: str, lengths, batch: int, log) -> tuple[list[dict], list]:
+    """The variant's model compiled once and called at each length in turn: its rows (length,
+    first call's seconds, graphs made so far) and each length's step."""
     graphs = torch._dynamo.utils.counters["stats"]
     start = graphs["unique_graphs"]
     torch.manual_seed(0)
     model = make_model(base, lengths[0], "cuda", torch.bfloat16)
     compiled = torch.compile(model, fullgraph=True)
-    rows = []
+    rows, steps = [], []
     for n in lengths:
         x = torch.randn(batch, n, HIDDEN, device="cuda", dtype=torch.bfloat16)
         t0 = time.perf_counter()
@@ -540,33 +563,39 @@ def _lengths_of(variant: str, base: str, lengths, batch: int, log) -> list[dict]
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
         made = graphs["unique_graphs"] - start
-        ms = bench_ms(lambda x=x: _train_step(model, compiled, x))
-        log(f"  lengths {variant} L{n}: first call {first:.1f} s, {made} graphs, {ms:.2f} ms")
-        rows.append(dict(variant=variant, length=n, first_s=first, graphs=made, ms=ms))
-    return rows
+        log(f"  lengths {variant} L{n}: first call {first:.1f} s, {made} graphs")
+        rows.append(dict(variant=variant, length=n, first_s=first, graphs=made))
+        steps.append(lambda x=x: _train_step(model, compiled, x))
+    return rows, steps
 
 
-def _static_ms(base: str, built: int, n: int, batch: int) -> float:
-    """ms a step of the variant's model compiled for length n alone (dynamic=False), built as
-    _lengths_of's (at length `built`: the same weights and as many keys kept)."""
+def _static_step(base: str, built: int, n: int, batch: int):
+    """A step of the variant's model compiled for length n alone (dynamic=False), built as
+    _lengths_of's (at length `built`: the same weights and as many keys kept), compiled."""
     torch.manual_seed(0)
     model = make_model(base, built, "cuda", torch.bfloat16)
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     x = torch.randn(batch, n, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    return bench_ms(lambda: _train_step(model, compiled, x))
+    _train_step(model, compiled, x)
+    return lambda: _train_step(model, compiled, x)
 
 
 def lengths_table(rows, limit: int) -> str:
     """run_lengths' rows as a table: per variant and length the first call's seconds, the
     graphs so far (marked past Dynamo's recompile_limit `limit`), ms a step, and with
-    --static the step compiled for that length alone."""
-    table = [
-        (r["variant"], r["length"], r["first_s"], r["graphs"], r["ms"], r.get("static_ms"),
-         "past recompile_limit" if r["graphs"] > limit else "")
-        for r in rows
-    ]  # fmt: skip
-    headers = ["variant", "L", "first call s", "graphs so far", "ms / step", "static ms", ""]
-    return markdown(headers, table, ("", "", ".1f", "", ".2f", ".2f", ""))
+    --static the step compiled for that length alone and the median of the rounds' ratios
+    (traced over static)."""
+    table = []
+    for r in rows:
+        ratio, spread = None, ""
+        if r.get("static_rounds"):
+            ratio, spread = paired_ratio(r, dict(rounds=r["static_rounds"], ms=r["static_ms"]))
+        table.append((r["variant"], r["length"], r["first_s"], r["graphs"], r["ms"],
+                      r.get("static_ms"), ratio, spread,
+                      "past recompile_limit" if r["graphs"] > limit else ""))  # fmt: skip
+    headers = ["variant", "L", "first call s", "graphs so far", "ms / step", "static ms",
+               "x static", "range", ""]  # fmt: skip
+    return markdown(headers, table, ("", "", ".1f", "", ".2f", ".2f", ".2f", "", ""))
 
 
 def model_table(rows) -> str:

@@ -391,18 +391,27 @@ def test_model_lengths_runs_each_variant_under_its_switches_and_marks_the_limit(
     with Dynamo's recompile_limit raised to count every graph (and restored after), a `+dyn`
     variant is refused (the run takes PyTorch's default dynamic shapes), and the table marks
     lengths whose graphs went past the default limit; with `static`, each length is also
-    timed compiled on its own, its model built as the first length's."""
+    compiled on its own, its model built as the first length's, and the rounds alternate the
+    traced and static steps of every length (their medians and per-round ratio reported)."""
     from bench import model
 
-    seen = []
+    seen, timed = [], []
 
     def lengths_of(variant, base, lengths, batch, log):
         seen.append((variant, base, os.environ["DMATTN_INDUCTOR_KERNELS"],
                      torch._dynamo.config.recompile_limit))  # fmt: skip
-        return [dict(variant=variant, length=n, first_s=1.0, graphs=i + 8, ms=2.0)
+        rows = [dict(variant=variant, length=n, first_s=1.0, graphs=i + 8)
                 for i, n in enumerate(lengths)]  # fmt: skip
+        return rows, [("traced", variant, n) for n in lengths]
+
+    # Round r times a step at 2 + r ms traced, 1 + r static: per-round ratios 2, 1.5, 1.33.
+    def bench_ms(step):
+        timed.append(step)
+        r = sum(1 for t in timed if t == step) - 1
+        return (2.0 if step[0] == "traced" else 1.0) + r
 
     monkeypatch.setattr(model, "_lengths_of", lengths_of)
+    monkeypatch.setattr(model, "bench_ms", bench_ms)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     limit = torch._dynamo.config.recompile_limit
     config = torch._functorch.config
@@ -413,20 +422,29 @@ def test_model_lengths_runs_each_variant_under_its_switches_and_marks_the_limit(
     assert torch._dynamo.config.recompile_limit == limit
     assert [s[:3] for s in seen] == [("sdpa", "sdpa", "1"), ("dma-w4+ops", "dma-w4", "0")]
     assert all(s[3] >= 8 for s in seen)
+    assert [r["ms"] for r in rows] == [5.0] * 4  # the median of 2..8 over 7 rounds
     table = model.lengths_table(rows, 8)
     assert table.count("past recompile_limit") == 2  # the second length of each variant
 
     # --static: each length compiled on its own, its model built as the first length's.
     built = []
 
-    def static_ms(base, first, n, batch):
+    def static_step(base, first, n, batch):
         built.append((base, first, n, os.environ["DMATTN_INDUCTOR_KERNELS"]))
-        return 1.5
+        return ("static", n)
 
-    monkeypatch.setattr(model, "_static_ms", static_ms)
+    monkeypatch.setattr(model, "_static_step", static_step)
     monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
+    timed.clear()
     with config.patch(enable_autograd_cache=config.enable_autograd_cache):
-        rows = model.run_lengths(["dma-w4+ops"], [512, 1024], 2, lambda line: None, static=True)
+        rows = model.run_lengths(
+            ["dma-w4+ops"], [512, 1024], 2, lambda line: None, static=True, rounds=3
+        )
     assert built == [("dma-w4", 512, 512, "0"), ("dma-w4", 512, 1024, "0")]
-    assert [r["static_ms"] for r in rows] == [1.5, 1.5]
-    assert "1.50" in model.lengths_table(rows, 8)
+    # Alternating: each round times every length's traced step, then its static one.
+    assert timed[:4] == [("traced", "dma-w4+ops", 512), ("static", 512),
+                         ("traced", "dma-w4+ops", 1024), ("static", 1024)]  # fmt: skip
+    assert [r["static_ms"] for r in rows] == [2.0, 2.0] and [r["ms"] for r in rows] == [3.0, 3.0]
+    table = model.lengths_table(rows, 8)
+    assert " 1.50 " in table  # the median of the rounds' ratios
+    assert "1.33-2.00" in table
