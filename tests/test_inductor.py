@@ -860,3 +860,44 @@ def test_inductor_finds_each_kernel_writing_its_outputs_alone():
                  "attention_bwd_dbias_kernel", "attention_decode_kernel", "topk_mask_kernel",
                  "dt_bias_fwd_kernel", "dt_bias_bwd_kernel"):  # fmt: skip
         assert name in kernels, (name, kernels)
+
+
+@gpu
+def test_compiled_calls_mutate_none_of_their_inputs(inductor_kernels):
+    """A compiled decode step over a KV cache with seqused_k, and a compiled packed-sequence
+    call, write none of their inputs in the graph (no copy back into seqused_k or cu_seqlens:
+    kernels/common.seq_extent), so mode="reduce-overhead" runs both under CUDA graphs, each
+    call equal to eager."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    b, n, h, hkv, d = 2, 300, 8, 2, 64
+    cache_k, cache_v = (torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))  # fmt: skip
+    cache_bias = make_bias((b, hkv, 1, n), dtype=torch.bfloat16, device="cuda")
+
+    def decode(q, used):
+        return dmattn_ops.attention(q, cache_k, cache_v, None, cache_bias, seqused_k=used)
+
+    def packed(q, k, v, cu, bias):
+        return dmattn_ops.attention_varlen(q, k, v, cu, cu, 200, 200, None, bias, is_causal=True)
+
+    cu = torch.tensor([0, 50, 250, 300], dtype=torch.int32, device="cuda")
+    qp, kp, vp = (torch.randn(300, hh, d, device="cuda", dtype=torch.bfloat16)
+                  for hh in (h, hkv, hkv))  # fmt: skip
+    bp = torch.randn(hkv, 300, device="cuda", dtype=torch.bfloat16)
+    calls = [(decode, lambda i: (torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16),
+                                 torch.tensor([100 + i, 290 - i], dtype=torch.int32,
+                                              device="cuda"))),
+             (packed, lambda i: (qp, kp, vp, cu, bp))]  # fmt: skip
+    for fn, inputs in calls:
+        _, graphs = _graphs_of(fn, *inputs(0))
+        copies = [n for g in graphs for n in g.graph.nodes if "copy_" in str(n.target)]
+        assert dmattn_nodes(graphs) == [] and copies == [], fn.__name__
+        compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+        for i in range(3):  # warm-up, record, replay
+            args = inputs(i)
+            got = compiled(*args).clone()
+            torch.testing.assert_close(got, fn(*args), rtol=0, atol=0)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
