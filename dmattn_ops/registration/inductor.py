@@ -28,6 +28,7 @@ size, or were never traced with symbolic ones, are left out: the decode kernel f
 tile tables (their kernels are sized by the length: masks with query rows are read in the dense
 kernels), a window on PyTorch's fused kernels (whole chunks of L and a tail: our kernels take
 it); the top-k kernel reads a symbolic row in chunks, so that one kernel serves every length
+(a row within its block is still held in registers: kernels/topk_mask.py)
 (tests/test_inductor.py checks every guard the traced launchers leave holds from 2 tokens to
 40000). So such a graph is not compiled again for new lengths, and runs each of them with the
 example's configurations. bench.model's DMA step compiled with dynamic=True on an H200: B4 L2048
