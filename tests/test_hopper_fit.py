@@ -14,7 +14,7 @@ Compiling takes seconds per kernel, so two checks share the work:
   peaks) is compiled for both targets, and Triton's count must not exceed the model's. Only
   configs the model puts at COMPILED_FROM (60%) of the limit or more are compiled: a lighter
   one could pass the limit only if Triton used 1.7 times what the model counts, and compiling
-  the rest cost a CI machine without a Triton cache minutes (bench/NOTES.md 25, 30).
+  the rest cost a CI machine without a Triton cache minutes.
   Every kernel has configs above that line on both targets (checked).
 
 The kernels are compiled in a subprocess without TRITON_INTERPRET (tests/conftest.py turns the
@@ -284,7 +284,7 @@ def _compile_fp64_floats() -> list:
 def test_kernels_compile_with_fp64_float_arguments():
     """A compiled graph's launcher (Inductor) types Python float arguments fp64 where Triton's
     own launcher passes fp32; the kernels take them to fp32 first (common.as_fp32), or the
-    scores and accumulators turn float64 and tl.dot refuses them (bench/NOTES.md 23)."""
+    scores and accumulators turn float64 and tl.dot refuses them."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(
         [sys.executable, __file__, "fp64"], capture_output=True, text=True, env=env,

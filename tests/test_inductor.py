@@ -521,8 +521,7 @@ def test_launchers_keep_sizes_symbolic(symbolic):
     bias op both ways, the top-k selection), run on fake tensors whose sequence length is
     symbolic with every launch recorded instead of made: the length stays a free symbol, every
     guard put on it holds from 2 keys to 40000 (their speed choices read the example's sizes
-    without guarding: one compile serves every length), and the grids are expressions of it
-    (bench/NOTES.md 202, 203)."""
+    without guarding: one compile serves every length), and the grids are expressions of it."""
     from dmattn_ops import dt_bias, masks
     from dmattn_ops.registration import ops
 

@@ -91,7 +91,7 @@ def _matmul_calls(step) -> list[int]:
 def test_compiled_bias_path_adds_no_matmul_calls():
     """Compiled, the layer issues the matmuls of its q/k/v/o projections and no more: dt_proj
     (Hkv output columns) is fused into Inductor's reductions, because a cuBLAS call per layer
-    and pass cost a compiled step more host time than its GPU time (bench/NOTES.md 60)."""
+    and pass cost a compiled step more host time than its GPU time."""
     layer = make()
     x = torch.randn(2, 24, 32)
 

@@ -955,7 +955,7 @@ def test_varlen_key_lists_kernel_matches_direct_counting(is_causal):
     assert torch.equal(got.key_count.cpu().reshape(key_count.shape), key_count)
 
 
-# The grid order of the causal kernels (kernels/common.py grid_tile, bench/NOTES.md 77).
+# The grid order of the causal kernels (kernels/common.py grid_tile).
 
 
 @triton.jit

@@ -138,7 +138,7 @@ def test_kernels(case, window, is_causal, dtype):
         return
     # bf16: the window against the same kernels given the band as a mask, whose bf16 accuracy
     # the mask tests hold (their dV error is up to ~3x PyTorch's own here, with or without a
-    # window: bench/NOTES.md 35). The two runs differ at most in fp32 summation order, so in
+    # window). The two runs differ at most in fp32 summation order, so in
     # their final bf16 rounding.
     band = _band(b, lq, lk, window, seq.cpu(), is_causal).to(DEVICE)
     both = band if mask is None else band & mask

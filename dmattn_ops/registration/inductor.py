@@ -32,7 +32,7 @@ it); the top-k kernel reads a symbolic row in chunks, so that one kernel serves 
 (tests/test_inductor.py checks every guard the traced launchers leave holds from 2 tokens to
 40000). So such a graph is not compiled again for new lengths, and runs each of them with the
 example's configurations. bench.model's DMA step compiled with dynamic=True on an H200: B4 L2048
-6.88 ms traced, 11.92 ms with the ops whole (static: 6.64; bench/NOTES.md 203).
+6.88 ms traced, 11.92 ms with the ops whole (static: 6.64).
 DMATTN_SYMBOLIC_KERNELS=0 keeps the ops whole in such graphs (symbolic_enabled()). The varlen
 ops are traced there too, with one buffer shaped for it: functionalization clones the buffers a
 kernel writes and checks their layout, and the key lists' ends, (B, H, query tiles), guarded on
