@@ -196,11 +196,14 @@ def attention_bwd_dq_kernel(
     VARLEN: tl.constexpr,
     HAS_GRAD_LSE: tl.constexpr,
     PACK_G: tl.constexpr = 1,
+    LIST_R: tl.constexpr = 1,
 ):
     """One program: dq for BLOCK_M queries of one (batch, head). When the bias has its own
     (batch, head, query) entries, dS is also stored straight into DBIAS (B, H, Lq, Lk).
     PACK_G = G > 1 (key lists only): the G query heads of a KV group at BLOCK_M // G positions,
     as in the forward kernel.
+
+    LIST_R (key lists only): as in the forward kernel.
 
     It runs first in the backward: it also writes its rows' statistics into STATS (B, H, Lq, 4)
     (_dq_row_stats), from OUT, dO, GRAD_LSE (strides stride_g*, as dO's rows) and the forward's
@@ -259,7 +262,7 @@ def attention_bwd_dq_kernel(
     pos0, n_pos, kb_lo, ki_lo, ki_hi, kb_hi = key_tile_bounds(
         KEY_START, KEY_END, KV_INT, KV_NUM, row, i_b, i_hm, i_mb, n_keys, Lq, table_stride_b,
         table_stride_h, win_left, win_right, BLOCK_M, POS_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
-        HAS_MASK, COMPACT,
+        HAS_MASK, COMPACT, LIST_R,
     )  # fmt: skip
     WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
     FULL: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV

@@ -177,6 +177,7 @@ def attention_fwd_kernel(
     VARLEN: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     PACK_G: tl.constexpr = 1,
+    LIST_R: tl.constexpr = 1,
 ):
     """One program: BLOCK_M queries of one (batch, head). Writes out, lse and lse_rem.
 
@@ -184,6 +185,10 @@ def attention_fwd_kernel(
     BLOCK_M // G positions, row r being position r // G of head r % G: the heads share every K,
     V and bias tile it loads, and a tile spans G times fewer positions. Grid (position tiles,
     B * Hkv); the key lists were built for tiles of BLOCK_M // G positions.
+
+    LIST_R > 1 (key lists only): the lists' ends and starts are per tile of POS_M // LIST_R
+    positions (built once for this pass and the dQ pass, at the finer of their tilings); this
+    tile reads those of its first and last list tiles (common.key_tile_bounds).
 
     HAS_SINKS: SINKS (H,) holds a logit per query head that joins every row's denominator as
     a key whose value is 0: the online softmax starts from it (max = sink, sum = 1) instead of
@@ -244,7 +249,7 @@ def attention_fwd_kernel(
     pos0, n_pos, kb_lo, ki_lo, ki_hi, kb_hi = key_tile_bounds(
         KEY_START, KEY_END, KV_INT, KV_NUM, row, i_b, i_hm, i_mb, n_keys, Lq, table_stride_b,
         table_stride_h, win_left, win_right, BLOCK_M, POS_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
-        HAS_MASK, COMPACT,
+        HAS_MASK, COMPACT, LIST_R,
     )  # fmt: skip
     WRAP: tl.constexpr = HAS_WINDOW and not HAS_MASK and not COMPACT
     FULL: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV

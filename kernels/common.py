@@ -280,14 +280,17 @@ def listed_keys(
 
 
 @triton.jit
-def listed_interior_count(p_end, i_mb, n_pos, Lq, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+def listed_interior_count(
+    p_end, i_mb, first, n_pos, Lq, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr
+):  # fmt: skip
     """How many leading entries of a sorted allowed-key list are interior for query tile i_mb
-    (its rows all exist and all see them). p_end[i] is how many entries tile i may see (n_pos
-    for this tile). Under causality that is p_end[i_mb - 1]: the keys the previous tile's last
-    row sees, one fewer than this tile's first row sees."""
+    (its rows all exist and all see them). p_end[i] is how many entries list tile i may see
+    (n_pos for this tile's last); `first` is this tile's first list tile. Under causality that
+    is p_end[first - 1]: the keys the previous row sees, one fewer than this tile's first row
+    sees."""
     n_int = n_pos
     if IS_CAUSAL:
-        n_int = tl.load(p_end + i_mb - 1, mask=i_mb > 0, other=0)
+        n_int = tl.load(p_end + first - 1, mask=first > 0, other=0)
     return tl.where((i_mb + 1) * BLOCK_M <= Lq, n_int, 0)
 
 
@@ -504,7 +507,7 @@ def key_tile_bounds(
     KEY_START, KEY_END, KV_INT, KV_NUM, row, i_b, i_hm, i_mb, n_keys, Lq, table_stride_b,
     table_stride_h, win_left, win_right, BLOCK_M: tl.constexpr, POS_M: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_MASK: tl.constexpr, COMPACT: tl.constexpr,
+    HAS_MASK: tl.constexpr, COMPACT: tl.constexpr, LIST_R: tl.constexpr = 1,
 ):  # fmt: skip
     """(pos0, n_pos, kb_lo, ki_lo, ki_hi, kb_hi): the key tiles of query tile i_mb (POS_M
     positions) for the forward and dq kernels, interior tiles [ki_lo, ki_hi) of [kb_lo, kb_hi)
@@ -513,19 +516,29 @@ def key_tile_bounds(
     COMPACT: tiles of the sorted allowed-key list from list position pos0 (KEY_START under a
     window, else 0) up to n_pos, the entries this tile may see (KEY_END, from causality,
     seqused_k and the window); the interior ones are those every row sees in full (none under a
-    window). HAS_MASK (tile tables): positions in the table row `row`, the KV_INT interior
-    tiles first, KV_NUM in all; tiles outside it are never loaded. Otherwise the tiles come
-    from causality, the window and seqused_k (dense_key_tiles)."""
+    window). LIST_R: the lists hold their ends and starts per tile of POS_M // LIST_R
+    positions (lists built once for the forward and the dQ pass, whose tiles differ: at the
+    finer of the two); this tile's are those of its last and first list tiles. HAS_MASK (tile
+    tables): positions in the table row `row`, the KV_INT interior tiles first, KV_NUM in all;
+    tiles outside it are never loaded. Otherwise the tiles come from causality, the window and
+    seqused_k (dense_key_tiles)."""
     pos0 = 0
     n_pos = 0
     if COMPACT:
         p_end = KEY_END + i_b * table_stride_b + i_hm * table_stride_h
-        n_pos = tl.load(p_end + i_mb)
+        first = i_mb
+        last = i_mb
+        if LIST_R > 1:
+            first = i_mb * LIST_R
+            last = tl.minimum(first + LIST_R, tl.cdiv(Lq, POS_M // LIST_R)) - 1
+        n_pos = tl.load(p_end + last)
         kb_int = 0
         if HAS_WINDOW:
-            pos0 = tl.load(KEY_START + i_b * table_stride_b + i_hm * table_stride_h + i_mb)
+            pos0 = tl.load(KEY_START + i_b * table_stride_b + i_hm * table_stride_h + first)
         else:
-            kb_int = listed_interior_count(p_end, i_mb, n_pos, Lq, POS_M, IS_CAUSAL) // BLOCK_N
+            kb_int = (
+                listed_interior_count(p_end, i_mb, first, n_pos, Lq, POS_M, IS_CAUSAL) // BLOCK_N
+            )
         kb_lo, ki_lo, ki_hi, kb_hi = 0, 0, kb_int, tl.cdiv(n_pos - pos0, BLOCK_N)
     elif HAS_MASK:
         kb_lo, ki_lo, ki_hi, kb_hi = 0, 0, tl.load(KV_INT + row), tl.load(KV_NUM + row)

@@ -646,7 +646,8 @@ def test_decoding_over_a_symbolic_cache_length_guards_nothing(symbolic):
     _guards_hold_at(fake.mode.shape_env, (1, 2, 16, 100, 5000, 40000))
 
 
-def test_backward_takes_the_forwards_key_lists_under_symbolic_sizes(symbolic):
+@pytest.mark.parametrize("h, hkv, d", [(16, 4, 128), (4, 2, 32)], ids=["D128", "D32"])
+def test_backward_takes_the_forwards_key_lists_under_symbolic_sizes(symbolic, h, hkv, d):
     """A compiled graph's backward reads the key lists its forward built (launch.KeptLists),
     found by the call's tensors and layout; with dynamic shapes the bias's head count is
     symbolic too (it does not hash), and the lists are still found: one key_lists launch for
@@ -655,9 +656,9 @@ def test_backward_takes_the_forwards_key_lists_under_symbolic_sizes(symbolic):
     from dmattn_ops.registration import ops
 
     fake, grids = symbolic
-    # The model's heads: on an H200 the forward and dQ tiles then agree (at D32 L300 they
-    # differ, 128 and 64 rows, and the backward builds its own lists).
-    b, n, h, hkv, d = 2, 300, 16, 4, 128
+    # On an H200 the forward and dQ tiles agree at D128 and differ at D32 (128 and 64 rows):
+    # the lists are then built at the finer tiling (plan._list_rows) and serve both.
+    b, n = 2, 300
     q = fake(torch.randn(b, n, h, d, dtype=torch.bfloat16), 1, "q")
     k = fake(torch.randn(b, n, hkv, d, dtype=torch.bfloat16), 1, "k")
     v = fake(torch.randn(b, n, hkv, d, dtype=torch.bfloat16), 1, "v")

@@ -654,6 +654,42 @@ def test_backward_reads_the_forward_key_lists(pack_spy):
     assert len(builds) == 3  # the forward, its recomputation, the backward
 
 
+@pytest.mark.parametrize("fwd_rows, dq_rows", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("window", [(-1, -1), (20, 0)], ids=["causal", "window"])
+@pytest.mark.parametrize("pack_heads", [False, True], ids=["one-head", "group"])
+def test_key_lists_serve_passes_of_different_tiles(
+    kernel_options, pack_spy, fwd_rows, dq_rows, window, pack_heads
+):
+    """Forward and dQ tiles of different rows (as an H200's D64 and D256 configs take): the
+    lists are built once, at the finer tiling (plan._list_rows), and the other pass reads
+    LIST_R list tiles per query tile, clamped at the last (75 rows: 3 tiles of 32, 5 of 16);
+    with and without a window (whose starts come from the first list tile), one head or a KV
+    group per program. Outputs and every gradient match the float64 oracle; the backward
+    builds no lists of its own."""
+    kernel_options(
+        fwd_config=(fwd_rows, 16, 1, 1), dq_config=(dq_rows, 16, 1, 1), pack_heads=pack_heads
+    )
+    c = Case(2, 75, 75, 4, 2, 16, 16)
+    mask = make_mask((c.b, c.hkv, 1, c.lk), density=0.5, device=DEVICE)
+    leaves = [
+        torch.randn(c.b, c.lq, c.h, c.d, device=DEVICE, requires_grad=True),
+        torch.randn(c.b, c.lk, c.hkv, c.d, device=DEVICE, requires_grad=True),
+        torch.randn(c.b, c.lk, c.hkv, c.dv, device=DEVICE, requires_grad=True),
+        make_bias((c.b, c.hkv, 1, c.lk), dtype=torch.float32, device=DEVICE, requires_grad=True),
+    ]
+    kw = dict(is_causal=True, window_size=window)
+    out = dmattn_ops.attention(*leaves[:3], mask, leaves[3], backend="triton", **kw)
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    _, builds = pack_spy
+    assert len(builds) == 1
+    wide = [t.detach().double().requires_grad_() for t in leaves]
+    ref = reference.attention(*wide[:3], mask, wide[3], **kw)
+    ref_grads = torch.autograd.grad(ref.square().sum(), wide)
+    assert_close(out.double(), ref, 1e-5, "out")
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
+        assert_close(g.double(), r, 1e-4, name)
+
+
 @pytest.fixture
 def heads_spy(monkeypatch, kernel_options):
     """Packs a KV group's query heads into one forward / dq program at every length (kernel

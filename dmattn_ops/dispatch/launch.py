@@ -316,11 +316,10 @@ def forward(problem: Problem, opts: Options, kept: KeptLists | None = None) -> S
         return Saved(*decode_forward(problem, opts, p))
     b, lq, h, _ = query.shape
     lk, dv, cfg = key.shape[1], value.shape[3], p.config
-    positions = cfg.block_m // p.heads  # query positions per tile (plan._pack_heads)
     tables = lists = None
     if p.route == KEY_LISTS:
         lists = _key_lists(
-            kept, inputs, problem, p, hopper.BLOCK_M if p.hopper else positions,
+            kept, inputs, problem, p, hopper.BLOCK_M if p.hopper else p.list_rows,
             PackFrom(key, value, bias, h, zero_tail=p.hopper) if p.pack else None, keep=True,
         )  # fmt: skip
     elif p.route == TILE_TABLES:
@@ -390,7 +389,8 @@ def _query_tile_args(ops: Operands, tables, lists, bias, nq, key_tiles, p, opts)
     h, d = ops.query.shape[2], ops.query.shape[3]
     hkv, dv = ops.key.shape[2], ops.value.shape[3]
     return (
-        tables.stride_b if tables else (lists.end_stride_b if lists else 0), nq,
+        tables.stride_b if tables else (lists.end_stride_b if lists else 0),
+        lists.end_stride_h if lists else nq,
         lists.keys_stride_b if lists else 0, lists.keys_stride_h if lists else 0,
         *ops.lse_strides, h, h // hkv, ops.lq, ops.lk, d, dv, key_tiles,
         head_div(ops.mask, h, hkv), head_div(bias, h, hkv), float(opts.scale),
@@ -424,9 +424,16 @@ def _forward_args(ops: Operands, saved, key, value, bias, scored, tables, lists,
         HAS_MASK=operand_kind(scored), HAS_BIAS=operand_kind(bias),
         HAS_SEQUSED=ops.seqused_k is not None, HAS_SOFTCAP=opts.softcap > 0, COMPACT=compact,
         VARLEN=ops.varlen, HAS_SINKS=ops.sinks is not None, PACK_G=pack_heads,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        LIST_R=_list_ratio(lists, cfg.block_m // pack_heads, p), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return Prepared((nq, ops.b * h // pack_heads), scalars, meta)
+
+
+def _list_ratio(lists, positions: int, p: plan.Plan) -> int:
+    """LIST_R of a forward or dq launch: how many list tiles (plan.Plan.list_rows positions
+    each) one of its query tiles (`positions`) spans; 1 without batched key lists."""
+    return positions // p.list_rows if lists is not None and p.list_rows else 1
 
 
 def _sum_to_bias(cols: torch.Tensor, bias: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -518,7 +525,7 @@ def backward(
     if p.route == KEY_LISTS:
         # hopper_dq_kernel reads lists made as the forward's (those kept, where it made them).
         lists = _key_lists(
-            kept, inputs, problem, p, hopper.BLOCK_M if p.hopper else cfgs.dq.block_m // p.heads,
+            kept, inputs, problem, p, hopper.BLOCK_M if p.hopper else p.list_rows,
             PackFrom(key, value, bias, h, zero_tail=p.hopper) if p.pack else None,
         )  # fmt: skip
     elif p.route == TILE_TABLES:
@@ -781,7 +788,8 @@ def _dq_args(ops: Operands, grad_out, rows: RowStats, grads: Grads, dq_tables, l
     meta = dict(
         HAS_MASK=operand_kind(scored_mask(ops.mask, lists)),
         DBIAS_DIRECT=grads.dbias_direct is not None, COMPACT=compact,
-        HAS_GRAD_LSE=rows.grad_lse is not None, PACK_G=pack_heads, **_backward_flags(ops, opts),
+        HAS_GRAD_LSE=rows.grad_lse is not None, PACK_G=pack_heads,
+        LIST_R=_list_ratio(lists, qc.block_m // pack_heads, p), **_backward_flags(ops, opts),
         **_meta(qc, d, d_v, band, query.dtype),
     )  # fmt: skip
     return Prepared((nq, ops.b * h // pack_heads), scalars, meta)

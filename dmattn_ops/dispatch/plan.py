@@ -130,8 +130,10 @@ class Plan:
     run as chunked fused calls of `chunk` rows, whose last `tail` rows run on our kernels.
     pack: a key-list call copies its keys' rows; hopper: it runs hopper.py's kernels. config:
     the forward (or decode) kernel's tiles; configs: the backward kernels'. heads: query heads
-    per forward / dq program (_pack_heads). dbias: how the backward writes dbias (DBIAS_MODES)
-    or None. split: the dk/dv split the options force, or None (the launcher sizes it).
+    per forward / dq program (_pack_heads). list_rows: the query positions per tile of the key
+    lists a Triton key-list call builds or reads (_list_rows). dbias: how the backward writes
+    dbias (DBIAS_MODES) or None. split: the dk/dv split the options force, or None (the
+    launcher sizes it).
     tuning: the resolved kernel options. launches: the launch arguments made for this plan, by
     launch site (_triton.prepared); not part of the plan's value.
     """
@@ -147,6 +149,7 @@ class Plan:
     config: Config | None = None
     configs: BackwardConfigs | None = None
     heads: int = 1
+    list_rows: int | None = None
     dbias: str | None = None
     split: int | None = None
     tuning: options.Tuning | None = None
@@ -391,20 +394,46 @@ def _plan(problem: Problem, opts: Options, tuning, p: _Pass, first: str | None) 
         problem, band, opts.softcap, p.dbias, tuning.hopper, p.direction == FORWARD, p.grad_lse
     )
     lq = problem.lq
+    listed = route == KEY_LISTS and not on_hopper  # its lists' tiles: _list_rows
     if p.direction == FORWARD:
         cfg = config("fwd", problem, tuning, lq, band, keys)
         heads = _pack_heads(problem, cfg, tuning) if pack and not on_hopper else 1
+        rows = None
+        if listed:
+            rows = _list_rows(
+                problem, tuning, pack, cfg, config("dq", problem, tuning, lq, band, keys)
+            )
         return Plan(route, band, FORWARD, pack=pack, hopper=on_hopper, config=cfg, heads=heads,
-                    tuning=tuning)  # fmt: skip
+                    list_rows=rows, tuning=tuning)  # fmt: skip
     cfgs = BackwardConfigs(
         config("dkdv", problem, tuning, lq, band, keys),
         config("dq", problem, tuning, lq, band, keys),
     )
     heads = _pack_heads(problem, cfgs.dq, tuning) if pack and not on_hopper else 1
+    rows = None
+    if listed:
+        rows = _list_rows(
+            problem, tuning, pack, config("fwd", problem, tuning, lq, band, keys), cfgs.dq
+        )
     return Plan(
         route, band, BACKWARD, pack=pack, hopper=on_hopper, configs=cfgs, heads=heads,
-        dbias=p.dbias, split=tuning.dkdv_split, tuning=tuning,
+        list_rows=rows, dbias=p.dbias, split=tuning.dkdv_split, tuning=tuning,
     )  # fmt: skip
+
+
+def _list_rows(problem: Problem, tuning, pack: bool, fwd: Config, dq: Config) -> int:
+    """The query positions per tile of a Triton key-list call's lists: the finer of the
+    forward's and the dQ kernel's (powers of two, so it divides both), each kernel reading its
+    tile's ends from those of its list tiles (kernels/common.py key_tile_bounds, LIST_R). One
+    build then serves both passes, where lists made for one tiling could not serve the other:
+    on an H200 a D64 forward takes 128-row tiles and its dQ 64, a D256 one 16 and 8, and the
+    backward built its lists again (one key_lists launch, seven buffers and the packed rows
+    copied again). (The Hopper kernels read lists of hopper.BLOCK_M rows.)"""
+
+    def positions(cfg: Config) -> int:
+        return cfg.block_m // (_pack_heads(problem, cfg, tuning) if pack else 1)
+
+    return min(positions(fwd), positions(dq))
 
 
 _CACHE: dict = {}
@@ -564,6 +593,8 @@ def _details(p: Plan) -> str:
         shown.append("Hopper kernels")
     if p.heads > 1:
         shown.append(f"{p.heads} heads per program")
+    if p.list_rows:
+        shown.append(f"key lists of {p.list_rows}-position tiles")
     if p.dbias:
         shown.append(f"dbias {p.dbias}")
     if p.config is not None:

@@ -194,6 +194,7 @@ class KeyLists:
     keys_stride_h: int
     end_stride_b: int
     count_stride_b: int
+    end_stride_h: int  # NQ, the list tiles per row of key_end and key_start
     key_start: torch.Tensor | None = None
     packed: Packed | None = None
 
@@ -221,21 +222,22 @@ def build_key_lists(
     key_lists_kernel.run(layout.launch, (
         mask, seqused_k, prefix, keys, key_start, key_end, key_count, key, value, bias, *packs,
     ))  # fmt: skip
-    keys_stride_b, end_stride_b, count_stride_b = layout.strides
+    keys_stride_b, end_stride_b, count_stride_b, nq = layout.strides
     return KeyLists(
         keys=keys, key_end=key_end, key_count=key_count, keys_stride_b=keys_stride_b,
         keys_stride_h=lk, end_stride_b=end_stride_b, count_stride_b=count_stride_b,
-        key_start=key_start, packed=packed,
+        end_stride_h=nq, key_start=key_start, packed=packed,
     )  # fmt: skip
 
 
 class _ListsLayout(NamedTuple):
     """What build_key_lists makes once per plan: its buffers (_alloc.Carving), the launch of
-    key_lists_kernel (Prepared) and the lists' (keys batch, end batch, count batch) strides."""
+    key_lists_kernel (Prepared) and the lists' (keys batch, end batch, count batch, end head)
+    strides."""
 
     buffers: Carving
     launch: Prepared
-    strides: tuple[int, int, int]
+    strides: tuple[int, int, int, int]
 
 
 def _per_query_tile(bt, hm, nq) -> tuple:
@@ -297,7 +299,8 @@ def _key_lists_layout(mask, seqused_k, b, lq, lk, band: Band, block_m, pack) -> 
         BLOCK_D=block_d, BLOCK_DV=block_d, num_warps=1 if interpreted else 4,
     )  # fmt: skip
     launch = Prepared((cdiv(lk, chunk), rows * groups), scalars, meta)
-    return _ListsLayout(carve(buffers), launch, (keys_stride_b, end_stride_b, count_stride_b))
+    strides = (keys_stride_b, end_stride_b, count_stride_b, nq)
+    return _ListsLayout(carve(buffers), launch, strides)
 
 
 def build_varlen_key_lists(
@@ -336,5 +339,6 @@ def build_varlen_key_lists(
         )
     return KeyLists(
         keys=keys, key_end=key_end, key_count=key_count, keys_stride_b=0,
-        keys_stride_h=total_k, end_stride_b=hm * nq, count_stride_b=hm, key_start=key_start,
+        keys_stride_h=total_k, end_stride_b=hm * nq, count_stride_b=hm, end_stride_h=nq,
+        key_start=key_start,
     )  # fmt: skip
