@@ -169,9 +169,8 @@ def compile_for_gpu(kernel, values: dict, types: dict, cc: int, num_warps: int =
 
 def aot_graphs(graphs: list):
     """A torch.compile backend that keeps AOTAutograd's forward and backward graphs in
-    `graphs` and runs them without Inductor (what our ops trace into is then visible).
-    Inductor's partitioner: AOTAutograd's default one failed on a varlen graph with symbolic
-    sizes (torch 2.11, "Node getitem_21 was invalid, but is output"), where Inductor's ran it."""
+    `graphs` and runs them without Inductor (what our ops trace into is then visible),
+    partitioned by Inductor's own partitioner, as Inductor's graphs are."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._functorch.aot_autograd import aot_module_simplified
 
