@@ -93,6 +93,8 @@ def _cases() -> list[Case]:
         Case("F64-A", "dense D64 B2 H16 L4096", 2, 16, 16, 4096, 4096, 64, "dense"),
         Case("F64-B", "4-D bias + top-1024, D64 B1 H16 L4096", 1, 16, 16, 4096, 4096, 64,
              "topk4d", keep=1024),
+        Case("F64-M", "the model's DMA call at D64: B4 H16 Hkv4 L2048, bias (B,Hkv,1,L), "
+             "top-512 per key", 4, 16, 4, 2048, 2048, 64, "gqa", keep=512),
         Case("F256-A", "dense D256 B2 H16 L4096", 2, 16, 16, 4096, 4096, 256, "dense"),
         Case("F256-B", "4-D bias + top-1024, D256 B1 H16 L4096", 1, 16, 16, 4096, 4096, 256,
              "topk4d", keep=1024),
