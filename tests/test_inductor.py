@@ -765,6 +765,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
 
+import dmattn_ops
 from dmattn_ops import dt_bias, masks
 from dmattn_ops.core import configs
 from dmattn_ops.dispatch import plan
@@ -817,6 +818,9 @@ for mask, bias_, seqused in ((keys, bias, None), (None, bias, used), (rows, None
     grad = given(torch.randn_like(out))[0]
     bwd(grad, None, q, k, v, out, lse, rem, mask, bias_, d**-0.5, True, 0.0, seqused, False,
         bias_ is not None)
+with dmattn_ops.kernel_options(dkdv_split=2):  # the dK/dV parts and their reduce kernel
+    out, lse, rem = given(*fwd(q, k, v, keys, bias, d**-0.5, True, 0.0, None, False))
+    bwd(grad, None, q, k, v, out, lse, rem, keys, bias, d**-0.5, True, 0.0, None, False, True)
 one = given(torch.randn(b, 1, h, d, dtype=dt))[0]
 fwd(one, k, v, keys, bias, d**-0.5, True, 0.0, used, False)  # decode
 
@@ -845,7 +849,8 @@ def test_inductor_finds_each_kernel_writing_its_outputs_alone():
     takes a kernel to read and write) finds none of ours writing a tensor the call was given:
     a compiled call mutates none of its inputs (cu_seqlens and seqused_k were counted as
     written where a helper read them: kernels/common.seq_extent). Every Triton route: key
-    lists, the dense kernels with seqused_k, tile tables, the dbias kernel, decode, varlen
+    lists (with the dK/dV split and its reduce), the dense kernels with seqused_k, tile
+    tables, the dbias kernel, decode, varlen
     forward and backward, top-k, the bias op (H100 tiles, TTIR built for sm_90 without a
     GPU, out of the interpreter). Not the Gluon kernels (hopper.py), which need an sm_90
     device to be chosen."""
@@ -857,7 +862,8 @@ def test_inductor_finds_each_kernel_writing_its_outputs_alone():
     kernels = set(res.stdout.split())
     for name in ("key_lists_kernel", "varlen_key_lists_kernel", "attention_fwd_kernel",
                  "attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel", "tile_rows_kernel",
-                 "attention_bwd_dbias_kernel", "attention_decode_kernel", "topk_mask_kernel",
+                 "attention_bwd_dbias_kernel", "attention_bwd_dkdv_reduce_kernel",
+                 "attention_decode_kernel", "topk_mask_kernel",
                  "dt_bias_fwd_kernel", "dt_bias_bwd_kernel"):  # fmt: skip
         assert name in kernels, (name, kernels)
 
