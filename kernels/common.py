@@ -58,6 +58,14 @@ def grid_tile(TILE_MAJOR: tl.constexpr, LAST_FIRST: tl.constexpr):
 
 
 @triton.jit
+def tile_batch(i_bh, H, PACK_G: tl.constexpr):
+    """The batch of grid row i_bh of the forward and dq kernels, as query_rows computes it (there
+    in its own form: the hottest kernels' PTX stays as it was), for the kernels' own loads
+    before query_tile (seq_extent says why)."""
+    return (i_bh // (H // PACK_G) if PACK_G > 1 else i_bh // H).to(tl.int64)
+
+
+@triton.jit
 def query_rows(i_mb, i_bh, H, G, BLOCK_M: tl.constexpr, PACK_G: tl.constexpr):
     """(i_b, i_g, i_h, i_hr, i_hc, i_m) of query tile i_mb of grid row i_bh in the forward and dq
     kernels: the batch, the KV head, the query head whose mask, bias and key list the tile
@@ -306,13 +314,15 @@ def interior_key_end(
 
 @triton.jit
 def key_count(SEQUSED, i_b, Lk, HAS_SEQUSED: tl.constexpr):
-    """n = seqused_k[b] clamped to [0, Lk], or Lk."""
-    if HAS_SEQUSED:
-        n = tl.load(SEQUSED + i_b).to(tl.int32)
-        n = tl.minimum(tl.maximum(n, 0), Lk)
-    else:
-        n = Lk
-    return n
+    """n = seqused_k[b] clamped to [0, Lk] (used_keys), or Lk. For kernels whose stores'
+    addresses do not depend on n (seq_extent says why that matters)."""
+    return used_keys(tl.load(SEQUSED + i_b), Lk) if HAS_SEQUSED else Lk
+
+
+@triton.jit
+def used_keys(used, Lk):
+    """A seqused_k value as a key count: clamped to [0, Lk]."""
+    return tl.minimum(tl.maximum(used.to(tl.int32), 0), Lk)
 
 
 @triton.jit
@@ -353,7 +363,7 @@ def seq_extent(cu_q, cu_k, used, i_b, Lq, Lk, HAS_SEQUSED: tl.constexpr, VARLEN:
         lk = Lk
         n_keys = Lk
         if HAS_SEQUSED:
-            n_keys = tl.minimum(tl.maximum(used.to(tl.int32), 0), Lk)
+            n_keys = used_keys(used, Lk)
     return q_start, lq, k_start, n_keys, lk
 
 
@@ -454,12 +464,6 @@ def run_tile(it, a_end, b_start, p_idx, WRAP: tl.constexpr, TABLE: tl.constexpr)
     if TABLE:
         idx = tl.load(p_idx + idx)
     return idx
-
-
-@triton.jit
-def tile_batch(i_bh, H, PACK_G: tl.constexpr):
-    """The batch of grid row i_bh of the forward and dq kernels (query_rows)."""
-    return (i_bh // (H // PACK_G) if PACK_G > 1 else i_bh // H).to(tl.int64)
 
 
 @triton.jit

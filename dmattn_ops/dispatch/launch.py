@@ -1084,17 +1084,14 @@ def _decode_layout(problem: Problem, opts: Options, p: plan.Plan, lists) -> _Dec
         span = torch.sym_min(lk, band.left + lq + band.right + block_n)  # + a tile of alignment
     tiles = cdiv(span, block_n)
     most = cdiv(DECODE_WAVES * sm_count(query.device), hint(b) * hkv)
-    if symbolic(tiles):
-        # A compiled graph with a symbolic cache length (registration/inductor.py): as many
-        # splits as the example's length takes, whatever the length (a split past the last
-        # tile writes an empty part, which the combine weighs 0), so that the split count
-        # and the combine's block guard nothing.
-        splits = max(1, min(hint(tiles), most))
-        tiles_per_split = cdiv(tiles, splits)
-    else:
-        splits = max(1, min(tiles, most))
-        tiles_per_split = cdiv(tiles, splits)
+    splits = max(1, min(hint(tiles), most))
+    tiles_per_split = cdiv(tiles, splits)
+    if not symbolic(tiles):
         splits = cdiv(tiles, tiles_per_split)  # no split without a tile
+    # A symbolic cache length (a compiled generate loop, registration/inductor.py) keeps the
+    # example's split count whatever the length: a split past the last tile writes an empty
+    # part, which the combine weighs 0, so the split count and the combine's block guard
+    # nothing.
     rows = b * h * lq
     decode = Prepared(
         (splits, b * hkv),

@@ -395,26 +395,17 @@ def _plan(problem: Problem, opts: Options, tuning, p: _Pass, first: str | None) 
     )
     lq = problem.lq
     listed = route == KEY_LISTS and not on_hopper  # its lists' tiles: _list_rows
-    if p.direction == FORWARD:
-        cfg = config("fwd", problem, tuning, lq, band, keys)
-        heads = _pack_heads(problem, cfg, tuning) if pack and not on_hopper else 1
-        rows = None
-        if listed:
-            rows = _list_rows(
-                problem, tuning, pack, cfg, config("dq", problem, tuning, lq, band, keys)
-            )
-        return Plan(route, band, FORWARD, pack=pack, hopper=on_hopper, config=cfg, heads=heads,
+    forward = p.direction == FORWARD
+    # Each pass's own kernels' tiles, and with key lists the other pass's too (_list_rows).
+    fwd = config("fwd", problem, tuning, lq, band, keys) if forward or listed else None
+    dq = config("dq", problem, tuning, lq, band, keys) if not forward or listed else None
+    rows = _list_rows(problem, tuning, pack, fwd, dq) if listed else None
+    if forward:
+        heads = _pack_heads(problem, fwd, tuning) if pack and not on_hopper else 1
+        return Plan(route, band, FORWARD, pack=pack, hopper=on_hopper, config=fwd, heads=heads,
                     list_rows=rows, tuning=tuning)  # fmt: skip
-    cfgs = BackwardConfigs(
-        config("dkdv", problem, tuning, lq, band, keys),
-        config("dq", problem, tuning, lq, band, keys),
-    )
+    cfgs = BackwardConfigs(config("dkdv", problem, tuning, lq, band, keys), dq)
     heads = _pack_heads(problem, cfgs.dq, tuning) if pack and not on_hopper else 1
-    rows = None
-    if listed:
-        rows = _list_rows(
-            problem, tuning, pack, config("fwd", problem, tuning, lq, band, keys), cfgs.dq
-        )
     return Plan(
         route, band, BACKWARD, pack=pack, hopper=on_hopper, configs=cfgs, heads=heads,
         list_rows=rows, dbias=p.dbias, split=tuning.dkdv_split, tuning=tuning,

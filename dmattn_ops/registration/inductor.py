@@ -249,8 +249,8 @@ def register() -> None:
     `import dmattn_ops`: neither changes a setting of PyTorch's)."""
     key_compiled_graphs_on_fingerprint()
     for layout in (ops.DENSE_OPS, ops.VARLEN_OPS):
-        trace_into_graphs(layout.forward, ops.forward_kernel(layout), True)
-        trace_into_graphs(layout.backward, ops.backward_kernel(layout), True)
+        trace_into_graphs(layout.forward, ops.forward_kernel(layout), keeps_lists=True)
+        trace_into_graphs(layout.backward, ops.backward_kernel(layout), keeps_lists=True)
 
 
 def trace_into_graphs(op, body, keeps_lists: bool = False) -> None:
