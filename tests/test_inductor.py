@@ -763,7 +763,7 @@ ACCESS = """
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+from torch._higher_order_ops import triton_kernel_wrap
 
 import dmattn_ops
 from dmattn_ops import dt_bias, masks
@@ -787,13 +787,18 @@ _triton.launch_cache_on = lambda: False
 inputs, alive, launched = set(), [], []
 
 
+def written(fn, kwargs):  # the names Inductor takes the kernel to write
+    if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):  # newer torch
+        access = triton_kernel_wrap.identify_accessed_tensors(fn, kwargs, {})
+        return [dep.name for dep in access.read_writes.writes]
+    return triton_kernel_wrap.identify_mutated_tensors(fn, kwargs, {})  # torch 2.11
+
+
 def analyse(fn, args, meta):
     kwargs = dict(zip(fn.arg_names, args)) | meta
-    written = identify_accessed_tensors(fn, kwargs, {}).read_writes.writes
-    for dep in written:
-        t = kwargs[dep.name]
+    for name in written(fn, kwargs):
         launched.append(fn.__name__)
-        assert t.untyped_storage().data_ptr() not in inputs, (fn.__name__, dep.name)
+        assert kwargs[name].untyped_storage().data_ptr() not in inputs, (fn.__name__, name)
 
 
 _triton.LazyKernel.run = lambda self, p, tensors: analyse(self.fn, (*tensors, *p.scalars), p.meta)
@@ -845,12 +850,12 @@ print(" ".join(sorted(set(launched))))
 
 
 def test_inductor_finds_each_kernel_writing_its_outputs_alone():
-    """Inductor's analysis of a user kernel (identify_accessed_tensors, what a compiled graph
-    takes a kernel to read and write) finds none of ours writing a tensor the call was given:
-    a compiled call mutates none of its inputs (cu_seqlens and seqused_k were counted as
-    written where a helper read them: kernels/common.seq_extent). Every Triton route: key
-    lists (with the dK/dV split and its reduce), the dense kernels with seqused_k, tile
-    tables, the dbias kernel, decode, varlen
+    """Inductor's analysis of a user kernel (identify_accessed_tensors; on torch 2.11
+    identify_mutated_tensors: what a compiled graph takes a kernel to read and write) finds
+    none of ours writing a tensor the call was given: a compiled call mutates none of its
+    inputs (cu_seqlens and seqused_k were counted as written where a helper read them:
+    kernels/common.seq_extent). Every Triton route: key lists (with the dK/dV split and its
+    reduce), the dense kernels with seqused_k, tile tables, the dbias kernel, decode, varlen
     forward and backward, top-k, the bias op (H100 tiles, TTIR built for sm_90 without a
     GPU, out of the interpreter). Not the Gluon kernels (hopper.py), which need an sm_90
     device to be chosen."""
@@ -883,7 +888,7 @@ def test_compiled_calls_mutate_none_of_their_inputs(inductor_kernels):
                         for _ in range(2))  # fmt: skip
     cache_bias = make_bias((b, hkv, 1, n), dtype=torch.bfloat16, device="cuda")
 
-    def decode(q, used):
+    def decode(q, used, cache_k, cache_v, cache_bias):  # arguments: aot_function fakes them
         return dmattn_ops.attention(q, cache_k, cache_v, None, cache_bias, seqused_k=used)
 
     def packed(q, k, v, cu, bias):
@@ -895,7 +900,7 @@ def test_compiled_calls_mutate_none_of_their_inputs(inductor_kernels):
     bp = torch.randn(hkv, 300, device="cuda", dtype=torch.bfloat16)
     calls = [(decode, lambda i: (torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16),
                                  torch.tensor([100 + i, 290 - i], dtype=torch.int32,
-                                              device="cuda"))),
+                                              device="cuda"), cache_k, cache_v, cache_bias)),
              (packed, lambda i: (qp, kp, vp, cu, bp))]  # fmt: skip
     for fn, inputs in calls:
         _, graphs = _graphs_of(fn, *inputs(0))
