@@ -79,6 +79,33 @@ def test_traced_graphs_hold_the_launchers_not_the_ops(monkeypatch):
         torch.testing.assert_close(g, r)
 
 
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+def test_calls_that_want_no_gradient_are_traced_too(monkeypatch, layout):
+    """An inference or decode call (no input requires grad) reaches the public op below
+    autograd; its graph traces the forward's kernels as a training call's does, instead of
+    keeping dmattn::attention whole (whose launcher would run at every call)."""
+    monkeypatch.setattr(inductor, "applies", lambda first: inductor._traced())
+    q, k, v, bias, mask = (t.detach() for t in _cpu_inputs())
+    if layout == "dense":
+        args = (q, k, v, mask, bias)
+
+        def fn(q, k, v, mask, bias):
+            return dmattn_ops.attention(q, k, v, mask, bias, is_causal=True)
+
+    else:
+        b, lq, h, d = q.shape
+        cu = torch.tensor([0, lq, 2 * lq], dtype=torch.int32)
+        bias = bias.transpose(0, 1).reshape(bias.shape[1], -1)  # (Hkv, total keys)
+        args = (*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), cu, bias)
+
+        def fn(q, k, v, cu, bias):
+            return dmattn_ops.attention_varlen(q, k, v, cu, cu, lq, lq, None, bias, is_causal=True)
+
+    got, graphs = _graphs_of(fn, *args)  # aot_function fakes the arguments, not what fn holds
+    assert len(graphs) == 1 and dmattn_nodes(graphs) == []
+    torch.testing.assert_close(got, fn(*args), rtol=0, atol=0)
+
+
 @gpu
 def test_traced_topk_writes_bytes_and_compares(inductor_kernels):
     """topk_select is traced like the attention ops; its graph reads the kernel's bytes through

@@ -7,11 +7,12 @@ graphs) that host time is paid on every call and leaves the GPU idle.
 
 Under torch.compile, AOTAutograd traces the graph under ``FunctionalTensorMode``. For CUDA
 tensors the rules below replace the kernel-carrying ops (``attention_forward``,
-``attention_backward``, their varlen pair, and ``topk_select``) by their own CUDA kernels
-(ops.py: validation, then the launcher; masks.topk_select), traced: the allocations become graph
-buffers and every Triton launch goes through ``torch.library.wrap_triton`` (_triton.tracing),
-so Inductor compiles the kernels into the graph and launches them from its generated code,
-with the grids and arguments computed there.
+``attention_backward``, their varlen pair, ``topk_select``, and the public ``attention`` and
+``attention_varlen`` where a call wants no gradient: inference and decode steps) by their own
+CUDA kernels (ops.py: validation, then the launcher; masks.topk_select), traced: the
+allocations become graph buffers and every Triton launch goes through
+``torch.library.wrap_triton`` (_triton.tracing), so Inductor compiles the kernels into the graph
+and launches them from its generated code, with the grids and arguments computed there.
 This is how ``torch.library.triton_op`` works (torch/_library/triton.py); it is applied here
 below the ops' hand-written autograd and vmap kernels (ops.py says why those cannot come from
 register_autograd), so eager calls, torch.func, opcheck and the fake kernels are unchanged.
@@ -249,7 +250,9 @@ def register() -> None:
     `import dmattn_ops`: neither changes a setting of PyTorch's)."""
     key_compiled_graphs_on_fingerprint()
     for layout in (ops.DENSE_OPS, ops.VARLEN_OPS):
-        trace_into_graphs(layout.forward, ops.forward_kernel(layout), keeps_lists=True)
+        forward = ops.forward_kernel(layout)
+        trace_into_graphs(layout.public, ops.public_kernel(layout, forward))
+        trace_into_graphs(layout.forward, forward, keeps_lists=True)
         trace_into_graphs(layout.backward, ops.backward_kernel(layout), keeps_lists=True)
 
 

@@ -181,11 +181,16 @@ def _backward_result(ops: Op, grads: launch.Gradients) -> tuple:
     return (*tuple(grads)[:4], dsinks)
 
 
-def _public_kernel(ops: Op):
+def public_kernel(ops: Op, forward=None):
+    """ops.public below autograd: the output of `forward` (ops.forward by default; a compiled
+    graph's trace of a call that wants no gradient passes forward_kernel(ops), so that the
+    kernels land in the graph as a training call's do: inductor.py)."""
+    forward = ops.forward if forward is None else forward
+
     def kernel(*args, **kwargs):
         call = bind(ops.public, args, kwargs)
         call["scale"] = options_of(call).scale
-        out, _, _ = ops.forward(*unbind(ops.forward, call))
+        out, _, _ = forward(*unbind(ops.forward, call))
         return out
 
     return kernel
@@ -195,7 +200,7 @@ for _ops in (DENSE_OPS, VARLEN_OPS):
     for _key in ("CPU", "CUDA"):
         _lib.impl(_ops.forward.name().split("::")[1], forward_kernel(_ops), _key)
         _lib.impl(_ops.backward.name().split("::")[1], backward_kernel(_ops), _key)
-    _lib.impl(_ops.public.name().split("::")[1], _public_kernel(_ops), "CompositeExplicitAutograd")
+    _lib.impl(_ops.public.name().split("::")[1], public_kernel(_ops), "CompositeExplicitAutograd")
 
 
 # Fake kernels: exactly the shapes, dtypes and (contiguous) strides the real kernels return.
