@@ -28,10 +28,11 @@ highest point, the live blocks summed by the line of this repository that alloca
 
 ``--fit GIB`` (GPUs): the longest L whose forward+backward fits in GIB per GPU (the process's
 memory capped with `torch.cuda.set_per_process_memory_fraction`), for one GPU and for the ring.
-One GPU: a doubling search then bisection, OOM caught. The ring cannot search so: a rank that
-runs out of memory mid-ring leaves its peers waiting on the exchange, so its peak per rank is
-measured at two lengths (it is linear in L at fixed heads), the longest L under the cap is read
-off that line, and one step at that L is run to show that it fits.
+One GPU: a doubling search then bisection, OOM caught. The ring does not search upward blindly:
+a rank that runs out of memory mid-ring would leave its peers waiting on the exchange. Its peak
+per rank is measured at two lengths, the longest L under the cap is read off that line, and one
+step at that L is run to show that it fits; where it does not (the peak is not quite linear in
+L), bisection between 64k and that L (the ranks hold equal shapes and run out together).
 """
 
 from __future__ import annotations
@@ -453,16 +454,26 @@ def _fits(fn, length: int, kind: str, device, world: int = 1) -> float | None:
         torch.cuda.empty_cache()
 
 
+def bisect(lo: int, hi: int, fits) -> int:
+    """The longest L, a multiple of GRAIN in [lo, hi), for which fits(L) holds, given that it
+    holds at lo and fails at hi (fits is monotone: what fits in less memory fits at less L)."""
+    while hi - lo > GRAIN:
+        mid = (lo + hi) // 2 // GRAIN * GRAIN
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def _search_one(kind: str, device, start: int = 65536) -> int:
     """The longest L (a multiple of GRAIN) whose whole-sequence step fits: doubling, then
     bisection between the last length that fit and the first that did not."""
+
+    def fits(length: int) -> bool:
+        return _fits(_whole, length, kind, device) is not None
+
     lo, hi = 0, start
-    while _fits(_whole, hi, kind, device) is not None:
+    while fits(hi):
         lo, hi = hi, 2 * hi
-    while hi - lo > GRAIN:
-        mid = (lo + hi) // 2 // GRAIN * GRAIN
-        lo, hi = (mid, hi) if _fits(_whole, mid, kind, device) is not None else (lo, mid)
-    return lo
+    return bisect(lo, hi, fits)
 
 
 def _fit_worker(rank, world, rendezvous, kinds, cap_gib, results):
@@ -489,12 +500,21 @@ def _fit_worker(rank, world, rendezvous, kinds, cap_gib, results):
             (l0, p0), (l1, p1) = points
             slope = (p1 - p0) / (l1 - l0)
             # 2% under the line: the allocator's rounding must not make the check run out.
-            longest = int(0.98 * ((cap_gib - p0) / slope + l0)) // GRAIN * GRAIN if slope > 0 else 0
-            # Shown to fit at that length: every rank's step ran (all ranks agree it did).
-            ok = _fits(_ring, longest, kind, device, world) is not None
-            flag = torch.tensor([1.0 if ok else 0.0], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            row.update(ring=longest, ring_ok=bool(flag.item()), points=points)
+            guess = int(0.98 * ((cap_gib - p0) / slope + l0)) // GRAIN * GRAIN if slope > 0 else 0
+
+            def fits(length: int, kind=kind) -> bool:  # every rank's step ran, all agree
+                ok = _fits(_ring, length, kind, device, world) is not None
+                flag = torch.tensor([1.0 if ok else 0.0], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                return bool(flag.item())
+
+            # Shown to fit at that length; where the line promised too much (2 x H200, dense on
+            # our kernels: its 548864 ran out), bisection between the last length measured and
+            # the line's. The ranks hold equal shapes and run out at the same allocation, all of
+            # them, so that none waits on a peer's transfer (as that failed run did).
+            ok = guess > l1 and fits(guess)
+            longest = guess if ok else bisect(l1, guess, fits) if guess > l1 else 0
+            row.update(ring=longest, ring_ok=longest > 0, line=guess, points=points)
             if rank == 0:
                 results.put(row)
     finally:
@@ -513,7 +533,9 @@ def fit_table(rows, world: int) -> str:
                "ratio", f"{world}-GPU peak GiB at 32k / 64k"]  # fmt: skip
     table = []
     for r in rows:
-        ring = r["ring"] if r["ring_ok"] else f"{r['ring']} (did not run)"
+        ring = r["ring"] if r["ring_ok"] else "none"
+        if r["ring"] != r.get("line", r["ring"]):
+            ring = f"{ring} (line: {r['line']})"
         ratio = r["ring"] / r["one"] if r["ring_ok"] and r["one"] else None
         points = " / ".join(f"{p:.2f}" for _, p in r["points"])
         table.append([r["kind"], r["cap"], r["one"], ring, ratio, points])

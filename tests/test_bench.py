@@ -177,6 +177,23 @@ def test_overlap_counts_transfer_time_under_compute():
     assert overlap([(0, 1), (5, 6)], [(1, 5)]) == (2, 0)
 
 
+def test_fit_bisection_finds_the_last_length_that_fits():
+    """bench.cp --fit's bisection between a length known to fit and one known not to: the
+    longest multiple of GRAIN below the limit, asking only inside the interval."""
+    from bench.cp import GRAIN, bisect
+
+    for limit in (65536, 65536 + GRAIN, 300000, 548864 - 1):
+        asked = []
+
+        def fits(length, limit=limit, asked=asked):
+            asked.append(length)
+            return length <= limit
+
+        assert bisect(65536, 548864, fits) == limit // GRAIN * GRAIN
+        assert all(65536 < n < 548864 and n % GRAIN == 0 for n in asked)
+        assert len(asked) <= 6  # log2 of the interval's 59 grains
+
+
 def test_idle_gaps_names_the_kernels_around_each_stretch_the_gpu_ran_nothing():
     """bench.timeline's idle_gaps (bench.cp --overlap, bench.model trace): stretches outside
     every span (overlapping spans, given in any order, close none), the longest first, each
