@@ -51,8 +51,10 @@ sleep kernel so that the GPU never waits on them: wall time / 20; the min and th
 such rounds, as one round varies up to 2x on a shared host, the rounds of all kinds
 alternating so that their ratios hold as the host drifts) beside its GPU time, for
 PyTorch's SDPA and for our op with dense, bias-only, mask-only and DMA operands, forward and
-forward+backward. When host time exceeds GPU time the GPU idles, and a compiled model in the
-default mode (no CUDA graphs) pays it on every call.
+forward+backward; and ``decode``, one decode step over a KV cache (B8, 4096 keys, seqused_k,
+a per-key bias) eager, compiled, and compiled with the op kept whole (`decode_calls`). When
+host time exceeds GPU time the GPU idles, and a compiled model in the default mode (no CUDA
+graphs) pays it on every call.
 """
 
 from __future__ import annotations
@@ -641,7 +643,8 @@ def paired_ratio(row: dict, base: dict) -> tuple[float | None, str]:
 
 # Host time of one call.
 
-HOST_KINDS = ("sdpa", "dense", "bias", "mask", "dma")
+HOST_KINDS = ("sdpa", "dense", "bias", "mask", "dma", "decode")
+DECODE_BATCH, DECODE_KEYS = 8, 4096  # the decode kind: one query per sequence over a KV cache
 
 
 def host_inputs(kind: str, b=4, n=2048, device="cuda", dtype=torch.bfloat16):
@@ -660,8 +663,55 @@ def host_inputs(kind: str, b=4, n=2048, device="cuda", dtype=torch.bfloat16):
     )
 
 
+@contextlib.contextmanager
+def _environ(**values):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def decode_calls(device="cuda", dtype=torch.bfloat16, b=DECODE_BATCH, n=DECODE_KEYS):
+    """[(name, callable)] of one decode step over a KV cache (b sequences, one query each, n
+    cached keys of which seqused_k uses 7 fewer per sequence, a per-key bias):
+    eager; compiled, the graph launching our kernels itself; and compiled with the op whole
+    (DMATTN_INDUCTOR_KERNELS=0 at its trace), as every compiled call that wanted no gradient ran
+    before 2026-11-30 (NOTES 215). Each compiled one is traced at its first call here."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(b, 1, HEADS, HEAD_DIM, device=device, dtype=dtype, generator=g)
+    k, v = (torch.randn(b, n, KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=g)
+            for _ in range(2))  # fmt: skip
+    bias = torch.randn(b, KV_HEADS, 1, n, device=device, dtype=dtype, generator=g)
+    used = torch.arange(n, n - 7 * b, -7, device=device, dtype=torch.int32)
+
+    def step(q, used):
+        return dmattn_ops.attention(q, k, v, None, bias, seqused_k=used)
+
+    def traced(q, used):  # its own code object: its own compiled entry
+        return step(q, used)
+
+    def whole(q, used):
+        return step(q, used)
+
+    traced, whole = (torch.compile(f, fullgraph=True) for f in (traced, whole))
+    traced(q, used)
+    with _environ(DMATTN_INDUCTOR_KERNELS="0"):
+        whole(q, used)
+    return [("eager", lambda: step(q, used)), ("compiled", lambda: traced(q, used)),
+            ("compiled, op whole", lambda: whole(q, used))]  # fmt: skip
+
+
 def host_calls(kind: str):
-    """(forward, forward+backward) callables of one attention call with these operands."""
+    """[(pass, callable)]: the forward and forward+backward of one attention call with these
+    operands; for "decode", decode_calls."""
+    if kind == "decode":
+        return decode_calls()
     q, k, v, mask, bias = host_inputs(kind)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     lb = bias.detach().requires_grad_() if bias is not None else None
@@ -682,7 +732,7 @@ def host_calls(kind: str):
     def fwdbwd():
         call(*leaves, lb).backward(grad)
 
-    return fwd, fwdbwd
+    return [("fwd", fwd), ("fwd+bwd", fwdbwd)]
 
 
 SLEEP_MS = 200.0  # the GPU is kept busy this long while one round of calls is issued
@@ -734,11 +784,7 @@ def host_ms(fns, calls=20, rounds=ROUNDS) -> list[tuple[float, float, bool]]:
 def run_host(kinds, log, calls=20) -> list[dict]:
     """Host ms per call (min and median of ROUNDS rounds, every kind's rounds alternating:
     host_ms) beside the GPU ms."""
-    named = [
-        (kind, name, fn)
-        for kind in kinds
-        for name, fn in zip(("fwd", "fwd+bwd"), host_calls(kind))
-    ]  # fmt: skip
+    named = [(kind, name, fn) for kind in kinds for name, fn in host_calls(kind)]
     rows = []
     for (kind, name, fn), (best, median, waited) in zip(
         named, host_ms([fn for _, _, fn in named], calls)
@@ -780,7 +826,9 @@ def host_profile(kinds, log, calls=20, top=30) -> None:
     shares, and host_ms for the time."""
 
     for kind in kinds:
-        fwdbwd = host_calls(kind)[1]
+        fwdbwd = dict(host_calls(kind)).get("fwd+bwd")
+        if fwdbwd is None:  # decode: no backward
+            continue
         for _ in range(3):
             fwdbwd()
         torch.cuda.synchronize()

@@ -177,6 +177,23 @@ def test_overlap_counts_transfer_time_under_compute():
     assert overlap([(0, 1), (5, 6)], [(1, 5)]) == (2, 0)
 
 
+def test_decode_host_kind_compiles_both_ways_to_the_eager_result():
+    """bench.model host's decode kind: the eager step, the compiled one and the one compiled
+    with the op whole (traced under DMATTN_INDUCTOR_KERNELS=0) give the same output, and the
+    switch is restored after."""
+    from bench import model
+
+    torch._dynamo.reset()
+    before = os.environ.get("DMATTN_INDUCTOR_KERNELS")
+    calls = model.decode_calls(device="cpu", dtype=torch.float32, b=2, n=40)
+    assert [name for name, _ in calls] == ["eager", "compiled", "compiled, op whole"]
+    assert os.environ.get("DMATTN_INDUCTOR_KERNELS") == before
+    outs = [fn() for _, fn in calls]
+    assert outs[0].shape == (2, 1, model.HEADS, model.HEAD_DIM)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0])
+
+
 def test_fit_bisection_finds_the_last_length_that_fits():
     """bench.cp --fit's bisection between a length known to fit and one known not to: the
     longest multiple of GRAIN below the limit, asking only inside the interval."""
