@@ -663,20 +663,6 @@ def host_inputs(kind: str, b=4, n=2048, device="cuda", dtype=torch.bfloat16):
     )
 
 
-@contextlib.contextmanager
-def _environ(**values):
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def decode_calls(device="cuda", dtype=torch.bfloat16, b=DECODE_BATCH, n=DECODE_KEYS):
     """[(name, callable)] of one decode step over a KV cache (b sequences, one query each, n
     cached keys of which seqused_k uses 7 fewer per sequence, a per-key bias):
@@ -701,7 +687,7 @@ def decode_calls(device="cuda", dtype=torch.bfloat16, b=DECODE_BATCH, n=DECODE_K
 
     traced, whole = (torch.compile(f, fullgraph=True) for f in (traced, whole))
     traced(q, used)
-    with _environ(DMATTN_INDUCTOR_KERNELS="0"):
+    with _environ({"DMATTN_INDUCTOR_KERNELS": "0"}):
         whole(q, used)
     return [("eager", lambda: step(q, used)), ("compiled", lambda: traced(q, used)),
             ("compiled, op whole", lambda: whole(q, used))]  # fmt: skip
