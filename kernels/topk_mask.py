@@ -78,8 +78,8 @@ def _select_store(
 
 @triton.jit
 def _bisect_start(p_bias):
-    """(lo, hi, steps) of the bisection over the integer images of p_bias's dtype: lo and hi
-    in int64 (their sum overflows int32)."""
+    """(lo, hi) of the bisection over the integer images of p_bias's dtype, in int64 (their
+    sum overflows int32)."""
     if p_bias.dtype.element_ty.primitive_bitwidth == 16:
         lo = tl.full([], -32768, tl.int64)
         hi = tl.full([], 32767, tl.int64)
@@ -87,6 +87,16 @@ def _bisect_start(p_bias):
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483647, tl.int64)
     return lo, hi
+
+
+@triton.jit
+def _bisect_step(lo, hi, above, count, k):
+    """One bisection step, given count = #{key >= mid} at mid = (lo + hi + 1) // 2: keep the
+    upper half where it still holds k keys. `above` = #{key > hi}: the count at the last
+    midpoint rejected (hi = mid - 1 then), 0 while hi is the range's top."""
+    mid = (lo + hi + 1) // 2
+    take = count >= k
+    return tl.where(take, mid, lo), tl.where(take, hi, mid - 1), tl.where(take, above, count)
 
 
 @triton.jit
@@ -98,18 +108,13 @@ def _select_whole(
     steps: tl.constexpr = 16 if p_bias.dtype.element_ty.primitive_bitwidth == 16 else 32
     lo, hi = _bisect_start(p_bias)
     key, valid, allowed = _rank_keys(p_bias, p_mask, stride_bn, stride_mn, 0, Lk, HAS_MASK, BLOCK)
-    # The largest t with #{key >= t} >= k, by bisection over the integer range. The keys
-    # compare in int32 with mid, which lies in [lo + 1, hi], inside int32's range. `above` =
-    # #{key > hi}: the count at the last midpoint rejected (hi = mid - 1 then), 0 while hi is
-    # the range's top.
+    # The largest t with #{key >= t} >= k, by bisection over the integer range (_bisect_step).
+    # The keys compare in int32 with mid, which lies in [lo + 1, hi], inside int32's range.
     above = tl.full([], 0, tl.int32)
     for _ in range(steps):
         mid = (lo + hi + 1) // 2
         count = tl.sum(tl.where(valid & (key >= mid.to(tl.int32)), 1, 0), 0)
-        take = count >= k
-        lo = tl.where(take, mid, lo)
-        hi = tl.where(take, hi, mid - 1)
-        above = tl.where(take, above, count)
+        lo, hi, above = _bisect_step(lo, hi, above, count, k)
     # lo == hi now: every key above lo is selected (`above` of them), and of those at lo the
     # first k - above in key order.
     _select_store(p_out, 0, key, valid, allowed, lo.to(tl.int32), k - above, 0, BLOCK, SMOOTH)
@@ -133,10 +138,7 @@ def _select_chunked(
                 p_bias, p_mask, stride_bn, stride_mn, j0, Lk, HAS_MASK, BLOCK
             )
             count += tl.sum(tl.where(valid & (key >= mid.to(tl.int32)), 1, 0), 0)
-        take = count >= k
-        lo = tl.where(take, mid, lo)
-        hi = tl.where(take, hi, mid - 1)
-        above = tl.where(take, above, count)
+        lo, hi, above = _bisect_step(lo, hi, above, count, k)
     seen = tl.full([], 0, tl.int32)
     for j0 in range(0, Lk, BLOCK):
         key, valid, allowed = _rank_keys(
