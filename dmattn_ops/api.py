@@ -108,6 +108,7 @@ def attention(
     window_size: tuple[int, int] = (-1, -1),
     kernel_options: KernelOptions | None = None,
     _internal_lse: bool = False,
+    _seqused_k_in_range: bool = False,
 ):
     r"""Dynamic Mask Attention.
 
@@ -220,7 +221,10 @@ def attention(
             # Validated above: the op's Autograd kernel's work, without a second validation.
             cap = 0.0 if softcap is None else softcap
             opts = Options(resolved, bool(is_causal), cap, bool(deterministic), window, tuned)
-            result = ops.attend(problem, opts, public=not lower)
+            # The library's own callers whose seqused_k lies in [0, Lk] by construction (a
+            # count of a cache's used slots) skip its range check: one host sync a call, which
+            # in an eager decode loop stalls the host on every layer.
+            result = ops.attend(problem, opts, public=not lower, values=not _seqused_k_in_range)
         elif lower:
             result = torch.ops.dmattn.attention_forward(
                 query, key, value, mask, bias, resolved, is_causal, softcap, seqused_k,

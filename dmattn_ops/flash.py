@@ -244,7 +244,8 @@ def flash_attn_with_kvcache(
     (int, or int32 (B,)): the filled length of each cache (None: full). ``k``/``v``
     (B, Lnew, Hkv, D|Dv), if given, are written into the caches in place at positions
     cache_seqlens[b] onwards (no host synchronisation) before attending, so the call sees
-    cache_seqlens + Lnew keys; ``cache_batch_idx`` (B,) picks which cache rows batch b uses.
+    cache_seqlens + Lnew keys (whose range check reads them: one host sync, eagerly);
+    ``cache_batch_idx`` (B,) picks which cache rows batch b uses.
     causal and window_size align the last query with the last key of each sequence (SPEC).
     ``mask``/``bias`` index cache positions: (B|1, H|Hkv|1, Lq|1, L) with L = L_cache, or
     max_blocks * page_size when paged. ``num_splits`` is accepted and ignored (the library

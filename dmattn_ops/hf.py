@@ -148,9 +148,10 @@ def dmattn_attention_forward(
         scale=scaling,
         is_causal=causal,
         softcap=float(softcap),
-        seqused_k=seqused_k,
+        seqused_k=seqused_k,  # None, or Lq < Lk: in range, no host read checks it
         sinks=sinks,
         window_size=window,
+        _seqused_k_in_range=True,
     )
     return out, None
 
@@ -335,9 +336,10 @@ def _doge_forward(self, hidden_states, position_embeddings, attention_mask=None,
     limits = causal_topk_mask(
         bias, self.keep_window_size, valid, num_queries=lq, seqused_k=seqused_k
     )
+    # seqused_k counts the cache's used slots: in [0, Lk], so no host read checks it.
     out = attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), limits, bias,
-        scale=self.scaling, is_causal=True, seqused_k=seqused_k,
+        scale=self.scaling, is_causal=True, seqused_k=seqused_k, _seqused_k_in_range=True,
     )  # fmt: skip
     out = self.o_proj(out.reshape(*input_shape, -1).contiguous())
     return out, None

@@ -2,6 +2,7 @@
 Skipped when transformers is not installed."""
 
 import copy
+import traceback
 
 import pytest
 import torch
@@ -373,6 +374,37 @@ def _check_doge_generation(cache, stable_topk):
         want = eager.generate(ids, **kw)
     assert got.shape[1] == 8 + 9  # the cache outgrows keep_window_size: the selection is at work
     assert torch.equal(got, want)
+
+
+def test_doge_native_decoding_reads_no_tensor_on_the_host(monkeypatch):
+    """A static-cache generate step of the native Doge layer reads no tensor value in
+    dmattn_ops (on a GPU each read is a host sync that stalls the step's queue, per layer): its
+    seqused_k counts the cache's used slots, in range by construction, so the range check that
+    a user's seqused_k gets is skipped."""
+    _, native = _doge_pair(keep=4)
+    native.eval()
+    reads = []
+
+    def spy(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args):
+            frames = traceback.extract_stack()[:-1]
+            if any("dmattn_ops" in f.filename for f in frames):
+                reads.append(next(f for f in reversed(frames) if "dmattn_ops" in f.filename))
+            return original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    ids = _distinct_tokens(2, 8, 3)
+    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        native.generate(ids, **kw)  # warm: the first call may read the config's tensors
+        for name in ("tolist", "item", "__bool__"):
+            spy(name)
+        got = native.generate(ids, **kw)
+    assert got.shape[1] == 8 + 4
+    assert reads == []
 
 
 def test_doge_enable_refuses_what_it_does_not_compute():

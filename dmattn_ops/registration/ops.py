@@ -556,13 +556,16 @@ def _run(ops: Op, problem: Problem, opts: Options, public: bool, direct: bool, c
     return saved.out if public else tuple(saved)
 
 
-def attend(problem: Problem, opts: Options, public: bool):
+def attend(problem: Problem, opts: Options, public: bool, values: bool = True):
     """A plain eager (plain_eager) dense or seqused_k call that api.attention has validated
     (shapes, window, sinks' shape, kernel options) as dmattn::attention (public) or
     dmattn::attention_forward would run it: their Autograd kernel's work without the
     dispatcher's hop to it and without validating the call again; the checks that read values
-    run here. Under torch.profiler the call is recorded under the op's name."""
-    check_values(problem, DENSE_OPS.fn)
+    run here unless `values` is False (a caller whose seqused_k is in range by construction,
+    and which passes no sinks). Under torch.profiler the call is recorded under the op's
+    name."""
+    if values or problem.sinks is not None:
+        check_values(problem, DENSE_OPS.fn)
     if not torch.autograd._profiler_enabled():
         return _run(DENSE_OPS, problem, opts, public, True, checked=True)
     name = DENSE_OPS.public.name() if public else DENSE_OPS.forward.name()
