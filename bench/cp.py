@@ -38,7 +38,9 @@ L), bisection between 64k and that L (the ranks hold equal shapes and run out to
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -463,10 +465,25 @@ def bisect(lo: int, hi: int, fits) -> int:
     return lo
 
 
+def _logged(fits, what: str):
+    """fits, printing each length it checks, its answer and its seconds as it ends (stderr,
+    flushed): a search that a time limit cuts still shows how far it got."""
+
+    def checked(length: int) -> bool:
+        start = time.perf_counter()
+        ok = fits(length)
+        print(f"  fit {what} L={length}: {'fits' if ok else 'ran out'} "
+              f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
+        return ok
+
+    return checked
+
+
 def _search_one(kind: str, device, start: int = 65536) -> int:
     """The longest L (a multiple of GRAIN) whose whole-sequence step fits: doubling, then
     bisection between the last length that fit and the first that did not."""
 
+    @functools.partial(_logged, what=f"{kind}, 1 GPU")
     def fits(length: int) -> bool:
         return _fits(_whole, length, kind, device) is not None
 
@@ -507,6 +524,9 @@ def _fit_worker(rank, world, rendezvous, kinds, cap_gib, results):
                 flag = torch.tensor([1.0 if ok else 0.0], device=device)
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN)
                 return bool(flag.item())
+
+            if rank == 0:
+                fits = _logged(fits, f"{kind}, {world} GPUs")
 
             # Shown to fit at that length; where the line promised too much (2 x H200, dense on
             # our kernels: its 548864 ran out), bisection between the last length measured and
