@@ -29,10 +29,12 @@ highest point, the live blocks summed by the line of this repository that alloca
 ``--fit GIB`` (GPUs): the longest L whose forward+backward fits in GIB per GPU (the process's
 memory capped with `torch.cuda.set_per_process_memory_fraction`), for one GPU and for the ring.
 One GPU: a doubling search then bisection, OOM caught. The ring does not search upward blindly:
-a rank that runs out of memory mid-ring would leave its peers waiting on the exchange. Its peak
-per rank is measured at two lengths, the longest L under the cap is read off that line, and one
-step at that L is run to show that it fits; where it does not (the peak is not quite linear in
-L), bisection between 64k and that L (the ranks hold equal shapes and run out together).
+a rank that runs out of memory mid-ring leaves its peers' transfers unmatched. Its peak per rank
+is measured at two lengths, the longest L under the cap is read off that line, and one step at
+that L is run to show that it fits; where it does not (the peak is not quite linear in L),
+bisection between 64k and that L. Each ring check runs in processes of its own, ended after
+RING_CHECK_S seconds (a hang counts as running out), and every check prints its length and
+answer as it ends.
 """
 
 from __future__ import annotations
@@ -493,59 +495,85 @@ def _search_one(kind: str, device, start: int = 65536) -> int:
     return bisect(lo, hi, fits)
 
 
-def _fit_worker(rank, world, rendezvous, kinds, cap_gib, results):
+def _capped(rank: int, cap_gib: float):
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib / total), device)
+    return device
+
+
+def _fit_worker(rank, world, rendezvous, kind, cap_gib, results):
+    """Rank 0's longest whole-sequence L under the cap, then the ring's peak per rank (the
+    largest over ranks) at 32k and 64k, lengths well inside the cap."""
+    device = _capped(rank, cap_gib)
     dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=rank,
                             world_size=world)  # fmt: skip
     try:
-        for kind in kinds:
-            row = dict(kind=kind, cap=cap_gib)
-            if rank == 0:
-                row["one"] = _search_one(kind, device)
-            dist.barrier()
-            # The ring's peak per rank at two lengths, the largest over ranks, well inside the
-            # cap; the line through them gives the longest L under it.
-            points = []
-            for length in (32768, 65536):
-                peak = _fits(_ring, length, kind, device, world) or -1.0
-                peak = torch.tensor([peak], device=device)
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-                points.append((length, peak.item()))
-            (l0, p0), (l1, p1) = points
-            slope = (p1 - p0) / (l1 - l0)
-            # 2% under the line: the allocator's rounding must not make the check run out.
-            guess = int(0.98 * ((cap_gib - p0) / slope + l0)) // GRAIN * GRAIN if slope > 0 else 0
-
-            def fits(length: int, kind=kind) -> bool:  # every rank's step ran, all agree
-                ok = _fits(_ring, length, kind, device, world) is not None
-                flag = torch.tensor([1.0 if ok else 0.0], device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-                return bool(flag.item())
-
-            if rank == 0:
-                fits = _logged(fits, f"{kind}, {world} GPUs")
-
-            # Shown to fit at that length; where the line promised too much (2 x H200, dense on
-            # our kernels: its 548864 ran out), bisection between the last length measured and
-            # the line's. The ranks hold equal shapes and run out at the same allocation, all of
-            # them, so that none waits on a peer's transfer (as that failed run did).
-            ok = guess > l1 and fits(guess)
-            longest = guess if ok else bisect(l1, guess, fits) if guess > l1 else 0
-            row.update(ring=longest, ring_ok=longest > 0, line=guess, points=points)
-            if rank == 0:
-                results.put(row)
+        row = dict(kind=kind, cap=cap_gib)
+        if rank == 0:
+            row["one"] = _search_one(kind, device)
+        dist.barrier()
+        points = []
+        for length in (32768, 65536):
+            peak = _fits(_ring, length, kind, device, world) or -1.0
+            peak = torch.tensor([peak], device=device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            points.append((length, peak.item()))
+        row["points"] = points
+        if rank == 0:
+            results.put(row)
     finally:
         dist.destroy_process_group()
 
 
+def _ring_fit_worker(rank, world, rendezvous, kind, length, cap_gib, results):
+    """Whether the ring's step at `length` ran on every rank under the cap."""
+    device = _capped(rank, cap_gib)
+    dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        ok = _fits(_ring, length, kind, device, world) is not None
+        flag = torch.tensor([1.0 if ok else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if rank == 0:
+            results.put(dict(ok=bool(flag.item())))
+    finally:
+        dist.destroy_process_group()
+
+
+RING_CHECK_S = 180  # a ring check still running after this is taken as run out (a hang)
+
+
 def fit(world: int, kinds, cap_gib: float) -> list[dict]:
+    """Per kind: the longest L on one GPU and on the ring of `world` GPUs under `cap_gib` per
+    GPU. The ring's longest comes from the line through its peaks at 32k and 64k (2% under it:
+    the allocator's rounding must not make the check run out), checked there, and where it ran
+    out (2 x H200, dense on our kernels: the line's 548864) bisected down to the last length
+    measured. Each of these checks runs in processes of its own: a rank that runs out of
+    memory inside the ring leaves its peer's transfers unmatched, and the next collective of
+    the same processes hung (session 59, after 516096 ran out), so a check that outlives
+    RING_CHECK_S is ended and counts as run out."""
     # What a long-context user sets: segments that grow, so that fragmentation does not decide
     # where a capped process runs out (the spawned workers inherit it).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    return _spawn(_fit_worker, world, kinds, cap_gib)
+    rows = []
+    for kind in kinds:
+        (row,) = _spawn(_fit_worker, world, kind, cap_gib)
+        (l0, p0), (l1, p1) = row["points"]
+        slope = (p1 - p0) / (l1 - l0)
+        guess = int(0.98 * ((cap_gib - p0) / slope + l0)) // GRAIN * GRAIN if slope > 0 else 0
+
+        @functools.partial(_logged, what=f"{kind}, {world} GPUs")
+        def fits(length: int, kind=kind) -> bool:
+            found = _spawn(_ring_fit_worker, world, kind, length, cap_gib, timeout=RING_CHECK_S)
+            return bool(found) and found[0]["ok"]
+
+        ok = guess > l1 and fits(guess)
+        longest = guess if ok else bisect(l1, guess, fits) if guess > l1 else 0
+        row.update(ring=longest, ring_ok=longest > 0, line=guess)
+        rows.append(row)
+    return rows
 
 
 def fit_table(rows, world: int) -> str:
@@ -562,14 +590,26 @@ def fit_table(rows, world: int) -> str:
     return markdown(headers, table, ("", ".1f", "", "", ".2f", ""))
 
 
-def _spawn(worker, world: int, *args) -> list[dict]:
+def _spawn(worker, world: int, *args, timeout: float | None = None) -> list[dict]:
     """worker(rank, world, rendezvous, *args, results) on `world` spawned processes; the rows
-    rank 0 put in results."""
+    rank 0 put in results. With `timeout` (seconds), processes still running then are ended
+    and the rows are those put so far (none, where rank 0 had not finished)."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(world, os.path.join(tmp, "rdv"), *args, results),
-                           nprocs=world, start_method="spawn")  # fmt: skip
+        context = mp.start_processes(
+            worker, args=(world, os.path.join(tmp, "rdv"), *args, results), nprocs=world,
+            join=False, start_method="spawn",
+        )  # fmt: skip
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not context.join(timeout=5):
+            if deadline is not None and time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                for process in context.processes:
+                    process.join()
+                break
     rows = []
     while not results.empty():
         rows.append(results.get())

@@ -211,6 +211,33 @@ def test_fit_bisection_finds_the_last_length_that_fits():
         assert len(asked) <= 6  # log2 of the interval's 59 grains
 
 
+def _answering_worker(rank, world, rendezvous, hang, results):
+    """bench.cp._spawn's worker for the test below: rank 0 answers; with `hang`, rank 1 sleeps
+    far past the test's timeout first and rank 0 waits for it (a peer stuck in a transfer)."""
+    import time
+
+    if hang:
+        time.sleep(600 if rank == 1 else 0)
+        while rank == 0:
+            time.sleep(1)
+    if rank == 0:
+        results.put(dict(rank=rank, world=world))
+
+
+def test_spawn_ends_processes_that_outlive_its_timeout():
+    """bench.cp --fit checks each ring length in processes of their own (a rank that ran out
+    of memory left the next collective hung): _spawn with a timeout ends them and returns what
+    rank 0 had put by then, nothing here; without a hang it returns rank 0's rows."""
+    import time
+
+    from bench.cp import _spawn
+
+    assert _spawn(_answering_worker, 2, False, timeout=60) == [dict(rank=0, world=2)]
+    start = time.monotonic()
+    assert _spawn(_answering_worker, 2, True, timeout=3) == []
+    assert time.monotonic() - start < 30
+
+
 def test_idle_gaps_names_the_kernels_around_each_stretch_the_gpu_ran_nothing():
     """bench.timeline's idle_gaps (bench.cp --overlap, bench.model trace): stretches outside
     every span (overlapping spans, given in any order, close none), the longest first, each
