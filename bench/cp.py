@@ -542,7 +542,7 @@ def _ring_fit_worker(rank, world, rendezvous, kind, length, cap_gib, results):
         dist.destroy_process_group()
 
 
-RING_CHECK_S = 180  # a ring check still running after this is taken as run out (a hang)
+RING_CHECK_S = 90  # a ring check still running after this is taken as run out (a hang)
 
 
 def fit(world: int, kinds, cap_gib: float) -> list[dict]:

@@ -668,7 +668,9 @@ def decode_calls(device="cuda", dtype=torch.bfloat16, b=DECODE_BATCH, n=DECODE_K
     cached keys of which seqused_k uses 7 fewer per sequence, a per-key bias):
     eager; compiled, the graph launching our kernels itself; and compiled with the op whole
     (DMATTN_INDUCTOR_KERNELS=0 at its trace), as every compiled call that wanted no gradient ran
-    before 2026-11-30 (NOTES 215). Each compiled one is traced at its first call here."""
+    before 2026-11-30 (NOTES 215). Each compiled one is traced at its first call here. The eager
+    step waits for the GPU: the range check of a caller's seqused_k reads it (one host sync a
+    call, NOTES 219), which compiled calls skip."""
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(b, 1, HEADS, HEAD_DIM, device=device, dtype=dtype, generator=g)
     k, v = (torch.randn(b, n, KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=g)
