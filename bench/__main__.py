@@ -7,6 +7,8 @@ otherwise) and FlexAttention (compiled; BlockMask from the mask, bias through sc
 case checks every implementation's output against float32 math on sampled rows before timing it
 and reports a failure instead of a time. Times are medians of triton.testing.do_bench; TFLOP/s
 count only the allowed (query, key) entries (forward 4*D flops per entry, backward 2.5x that);
+"kernels ms" is the GPU's kernel time per call from the profiler, which do_bench's ms exceeds
+where a call is host-bound (eager short cases on a slow host);
 "work" is a case's allowed entries over those of the same call without its mask (causal,
 seqused_k and sequences kept): the share of the scores its selection leaves to compute.
 On CPU it runs a tiny smoke version of each case with the reference-checked implementations.
@@ -367,6 +369,15 @@ def bench_ms(fn, device: str = "cuda") -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def kernel_ms(fn) -> float:
+    """The GPU's kernel ms per call of fn (the profiler's CUDA time, bench.profile): beside
+    do_bench's ms, which times the host where a call's launches take longer to issue than its
+    kernels take to run (the short cases eagerly on a slow host: bench/NOTES.md 219)."""
+    from bench.profile import kernel_times
+
+    return sum(ms for _, ms, _ in kernel_times(fn))
+
+
 def run_case(c: Case, impls, device, dtype, log, timed: bool = True) -> list[dict]:
     x = build(c, device, dtype)
     entries = allowed_entries(x)
@@ -382,8 +393,8 @@ def run_case(c: Case, impls, device, dtype, log, timed: bool = True) -> list[dic
     results = []
     for name in impls:
         row = dict(case=c.name, impl=name, work=work, fwd_ms=None, fwdbwd_ms=None,
-                   peak_gib=None, fwd_tflops=None, fwdbwd_tflops=None, max_err=None,
-                   status="ok")  # fmt: skip
+                   fwd_kernel_ms=None, fwdbwd_kernel_ms=None, peak_gib=None, fwd_tflops=None,
+                   fwdbwd_tflops=None, max_err=None, status="ok")  # fmt: skip
         try:
             f = IMPLS[name](x)
             if f is None:
@@ -421,6 +432,8 @@ def run_case(c: Case, impls, device, dtype, log, timed: bool = True) -> list[dic
             row["fwdbwd_ms"] = bench_ms(fwdbwd, device)
             row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
             row["fwdbwd_tflops"] = 3.5 * flops_fwd / row["fwdbwd_ms"] / 1e9
+            if device == "cuda":
+                row["fwd_kernel_ms"], row["fwdbwd_kernel_ms"] = kernel_ms(fwd), kernel_ms(fwdbwd)
         except Exception as e:  # a peer failing to compile or run is a result, not a crash
             row["status"] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
         results.append(row)
@@ -470,8 +483,9 @@ def table(results: list[dict]) -> str:
     by_case: dict[str, dict[str, dict]] = {}
     for r in results:
         by_case.setdefault(r["case"], {})[r["impl"]] = r
-    headers = ["case", "impl", "work", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
-               "peak GiB", "fwd x ours", "fwd+bwd x ours", "max err", "status"]  # fmt: skip
+    headers = ["case", "impl", "work", "fwd ms", "fwd+bwd ms", "kernels ms, fwd / fwd+bwd",
+               "fwd TFLOP/s", "fwd+bwd TFLOP/s", "peak GiB", "fwd x ours", "fwd+bwd x ours",
+               "max err", "status"]  # fmt: skip
     rows = []
     for case, impls in by_case.items():
         ours = impls.get("ours", {})
@@ -481,11 +495,15 @@ def table(results: list[dict]) -> str:
                 ratio_f = r["fwd_ms"] / ours["fwd_ms"]
             if ours.get("fwdbwd_ms") and r.get("fwdbwd_ms"):
                 ratio_b = r["fwdbwd_ms"] / ours["fwdbwd_ms"]
+            kernels = None
+            if r.get("fwdbwd_kernel_ms") is not None:
+                kernels = f"{r['fwd_kernel_ms']:.3f} / {r['fwdbwd_kernel_ms']:.3f}"
             rows.append([
-                case, name, r.get("work"), r["fwd_ms"], r["fwdbwd_ms"], r["fwd_tflops"],
-                r["fwdbwd_tflops"], r["peak_gib"], ratio_f, ratio_b, r["max_err"], r["status"],
+                case, name, r.get("work"), r["fwd_ms"], r["fwdbwd_ms"], kernels,
+                r["fwd_tflops"], r["fwdbwd_tflops"], r["peak_gib"], ratio_f, ratio_b,
+                r["max_err"], r["status"],
             ])  # fmt: skip
-    formats = ("", "", ".3f", ".3f", ".3f", ".0f", ".0f", ".2f", ".2f", ".2f", ".1e", "")
+    formats = ("", "", ".3f", ".3f", ".3f", "", ".0f", ".0f", ".2f", ".2f", ".2f", ".1e", "")
     return markdown(headers, rows, formats)
 
 
