@@ -30,6 +30,7 @@ import torch
 
 import dmattn_ops
 from bench.tables import markdown
+from bench.timeline import kernel_times
 from dmattn_ops import reference
 
 
@@ -373,8 +374,6 @@ def kernel_ms(fn) -> float:
     """The GPU's kernel ms per call of fn (the profiler's CUDA time, bench.profile): beside
     do_bench's ms, which times the host where a call's launches take longer to issue than its
     kernels take to run (the short cases eagerly on a slow host: bench/NOTES.md 219)."""
-    from bench.profile import kernel_times
-
     return sum(ms for _, ms, _ in kernel_times(fn))
 
 

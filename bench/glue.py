@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.__main__ import header
-from bench.profile import kernel_times
 from bench.tables import markdown
+from bench.timeline import kernel_times
 
 HKV, WIDTH = 4, 512
 

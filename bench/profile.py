@@ -8,33 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from bench.__main__ import CASES, build, impl_ours
-
-REPEAT = 10
-
-
-def kernel_times(fn) -> list[tuple[str, float, int]]:
-    """(kernel name, device ms per call, launches per call), largest first."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(REPEAT):
-            fn()
-        torch.cuda.synchronize()
-    total: dict[str, float] = defaultdict(float)
-    count: dict[str, int] = defaultdict(int)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total[event.name] += event.device_time
-            count[event.name] += 1
-    rows = [(name, us / 1000 / REPEAT, count[name] // REPEAT) for name, us in total.items()]
-    return sorted(rows, key=lambda r: -r[1])
+from bench.timeline import kernel_times
 
 
 def main(names: list[str]) -> int:

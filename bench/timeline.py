@@ -1,7 +1,34 @@
-"""GPU kernel timelines of a profiled step, as (start, end, name) spans (us): where the GPU ran
-nothing. Shared by bench.model's trace and bench.cp's --overlap."""
+"""What the GPU ran, from the profiler: each kernel's device time per call (kernel_times: bench,
+bench.profile, bench.tune, bench.glue, bench.window), and the stretches where it ran nothing in a
+timeline of (start, end, name) spans (idle_gaps: bench.model's trace, bench.cp's --overlap)."""
 
 from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+REPEAT = 10
+
+
+def kernel_times(fn) -> list[tuple[str, float, int]]:
+    """(kernel name, device ms per call, launches per call), largest first."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPEAT):
+            fn()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total[event.name] += event.device_time
+            count[event.name] += 1
+    rows = [(name, us / 1000 / REPEAT, count[name] // REPEAT) for name, us in total.items()]
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def idle_gaps(spans, top: int | None = None) -> list[tuple[float, float, str, str]]:

@@ -22,7 +22,7 @@ import torch
 
 import dmattn_ops
 from bench.__main__ import CASES, Case, build, impl_ours
-from bench.profile import kernel_times
+from bench.timeline import kernel_times
 
 # Cases only the sweep takes (too long for `python -m bench`, whose other impls would
 # materialise their masks): the model's DMA call at its longest shape.

@@ -215,7 +215,7 @@ def main(argv=None) -> None:
     for shape, name, t, ratio in rows:
         print(f"{shape:<42} {name:<24} {t:>10.3f} {ratio:>7.2f}")
     if args.profile:
-        from bench.profile import kernel_times
+        from bench.timeline import kernel_times
 
         for label, step in PROFILES:
             kernels = kernel_times(step)
