@@ -376,13 +376,10 @@ def _check_doge_generation(cache, stable_topk):
     assert torch.equal(got, want)
 
 
-def test_doge_native_decoding_reads_no_tensor_on_the_host(monkeypatch):
-    """A static-cache generate step of the native Doge layer reads no tensor value in
-    dmattn_ops (on a GPU each read is a host sync that stalls the step's queue, per layer): its
-    seqused_k counts the cache's used slots, in range by construction, so the range check that
-    a user's seqused_k gets is skipped."""
-    _, native = _doge_pair(keep=4)
-    native.eval()
+def _host_reads(monkeypatch, generate) -> list:
+    """The frames in dmattn_ops that read a tensor's value on the host (Tensor.tolist, item,
+    __bool__; on a GPU each is a sync that stalls the host's queue) during generate(), after
+    one call of it to warm up."""
     reads = []
 
     def spy(name):
@@ -396,15 +393,33 @@ def test_doge_native_decoding_reads_no_tensor_on_the_host(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, name, read)
 
-    ids = _distinct_tokens(2, 8, 3)
-    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static")
     with torch.no_grad():
-        native.generate(ids, **kw)  # warm: the first call may read the config's tensors
+        generate()
         for name in ("tolist", "item", "__bool__"):
             spy(name)
-        got = native.generate(ids, **kw)
-    assert got.shape[1] == 8 + 4
-    assert reads == []
+        generate()
+    return reads
+
+
+def test_doge_native_decoding_reads_no_tensor_on_the_host(monkeypatch):
+    """A static-cache generate of the native Doge layer reads no tensor value in dmattn_ops:
+    its seqused_k counts the cache's used slots, in range by construction, so the range check
+    that a caller's seqused_k gets (one host sync a layer eagerly) is skipped."""
+    _, native = _doge_pair(keep=4)
+    native.eval()
+    ids = _distinct_tokens(2, 8, 3)
+    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static")
+    assert _host_reads(monkeypatch, lambda: native.generate(ids, **kw)) == []
+
+
+def test_gpt_oss_decoding_reads_no_tensor_in_its_attention(monkeypatch):
+    """GPT-OSS through attn_implementation="dmattn": its sinks are the model's parameter, so
+    their finiteness check (a host read a layer) is skipped, as transformers' eager attention
+    applies them unchecked; what reads remain are the mask builder's, once a step."""
+    ours, _ = _sliding_models("gpt_oss")
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(4))
+    reads = _host_reads(monkeypatch, lambda: _greedy(ours, ids, cache_implementation="static"))
+    assert all(f.name == "dmattn_mask" for f in reads), reads
 
 
 def test_doge_enable_refuses_what_it_does_not_compute():

@@ -561,10 +561,10 @@ def attend(problem: Problem, opts: Options, public: bool, values: bool = True):
     (shapes, window, sinks' shape, kernel options) as dmattn::attention (public) or
     dmattn::attention_forward would run it: their Autograd kernel's work without the
     dispatcher's hop to it and without validating the call again; the checks that read values
-    run here unless `values` is False (a caller whose seqused_k is in range by construction,
-    and which passes no sinks). Under torch.profiler the call is recorded under the op's
-    name."""
-    if values or problem.sinks is not None:
+    run here unless `values` is False (a caller of the library's own that vouches for them:
+    api.attention's `_trusted_values`). Under torch.profiler the call is recorded under the
+    op's name."""
+    if values:
         check_values(problem, DENSE_OPS.fn)
     if not torch.autograd._profiler_enabled():
         return _run(DENSE_OPS, problem, opts, public, True, checked=True)
