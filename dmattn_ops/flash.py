@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from dmattn_ops.api import attention, attention_varlen
+from dmattn_ops.core.validate import data_readable
 
 
 def _unsupported(fn: str, dropout_p: float, alibi_slopes) -> None:
@@ -243,8 +244,9 @@ def flash_attn_with_kvcache(
     (B, max_blocks) int32 paged caches (num_blocks, page_size, Hkv, D|Dv). ``cache_seqlens``
     (int, or int32 (B,)): the filled length of each cache (None: full). ``k``/``v``
     (B, Lnew, Hkv, D|Dv), if given, are written into the caches in place at positions
-    cache_seqlens[b] onwards (no host synchronisation) before attending, so the call sees
-    cache_seqlens + Lnew keys (whose range check reads them: one host sync, eagerly);
+    cache_seqlens[b] onwards before attending, so the call sees cache_seqlens + Lnew keys
+    (cache_seqlens, cache_batch_idx and the table's pages in use are checked first: one host
+    read eagerly, _check_cache_values);
     ``cache_batch_idx`` (B,) picks which cache rows batch b uses.
     causal and window_size align the last query with the last key of each sequence (SPEC).
     ``mask``/``bias`` index cache positions: (B|1, H|Hkv|1, Lq|1, L) with L = L_cache, or
@@ -278,24 +280,32 @@ def flash_attn_with_kvcache(
         length = block_table.shape[1] * k_cache.shape[1]
     else:
         length = k_cache.shape[1]
-    filled = _lengths(fn, cache_seqlens, b, length, q.device)
+    new = 0
     if k is not None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[0] != b or v.shape[:2] != k.shape[:2]:
             raise ValueError(
                 f"{fn}: k and v must be (B, Lnew, Hkv, D) with B={b}; got {tuple(k.shape)} and "
                 f"{tuple(v.shape)}"
             )
+        new = k.shape[1]
+    filled = _lengths(fn, cache_seqlens, b, length - new, q.device)
+    if cache_batch_idx is not None:
+        _check_batch_index(fn, cache_batch_idx, b)
+    _check_cache_values(fn, cache_seqlens, new, length, cache_batch_idx, block_table, k_cache)
+    if k is not None:
         _append(k_cache, v_cache, k, v, filled, cache_batch_idx, block_table)
-        filled = filled + k.shape[1]
+        filled = filled + new
     if paged:
         key, value = _gather_pages(k_cache, block_table), _gather_pages(v_cache, block_table)
     elif cache_batch_idx is not None:
         key, value = k_cache[cache_batch_idx], v_cache[cache_batch_idx]
     else:
         key, value = k_cache, v_cache
+    # The lengths were checked above (before the write): the call reads them no second time.
     return attention(
         q, key, value, mask, bias, scale=softmax_scale, is_causal=causal, softcap=softcap,
         seqused_k=filled, window_size=window_size, return_lse=return_softmax_lse,
+        _trusted_values=True,
     )  # fmt: skip
 
 
@@ -315,8 +325,65 @@ def _check_table(fn: str, table, b: int) -> None:
         raise ValueError(f"{fn}: block_table has {table.shape[0]} rows for a batch of {b}")
 
 
+def _check_batch_index(fn: str, index, b: int) -> None:
+    if (
+        not isinstance(index, torch.Tensor)
+        or index.dtype not in (torch.int32, torch.int64)
+        or tuple(index.shape) != (b,)
+    ):
+        raise ValueError(f"{fn}: cache_batch_idx must be int32 or int64 ({b},); got {index!r:.80}")
+
+
+def _check_cache_values(fn: str, cache_seqlens, new: int, length: int, index, table, k_cache):
+    """Before anything is written: cache_seqlens (a tensor) in [0, length - new], so that the
+    new rows land inside each cache, cache_batch_idx in [0, B_cache), and the block table's
+    entries that the filled length reaches (with the new rows) in [0, num_blocks). One host
+    read for all of them (a sync on a GPU), where there is a tensor to read; skipped where the
+    values cannot be read (while torch.compile traces, during CUDA graph capture), as the ops'
+    own value checks are. Out of range, flash-attn writes and reads out of bounds; index_put_
+    raised IndexError (a device-side assert on a GPU) or, for a negative length, wrote at the
+    cache's end and attended to nothing."""
+    tensors = [t for t in (cache_seqlens, index, table) if isinstance(t, torch.Tensor)]
+    if not tensors or not all(data_readable(t) for t in tensors):
+        return
+    found = []
+    if isinstance(cache_seqlens, torch.Tensor):
+        found += [cache_seqlens.min(), cache_seqlens.max()]
+    if index is not None:
+        found += [index.min(), index.max()]
+    if table is not None:
+        page, blocks = k_cache.shape[1], table.shape[1]
+        filled = cache_seqlens
+        if not isinstance(cache_seqlens, torch.Tensor):  # an int, or None: a full cache
+            filled = length - new if cache_seqlens is None else cache_seqlens
+            filled = torch.full((table.shape[0],), filled, device=table.device)
+        reached = torch.arange(blocks, device=table.device) * page < (filled + new)[:, None]
+        found += [(reached & ((table < 0) | (table >= k_cache.shape[0]))).any()]
+    values = torch.stack([t.to(torch.int64) for t in found]).tolist()  # the one host read
+    if isinstance(cache_seqlens, torch.Tensor):
+        lo, hi, values = *values[:2], values[2:]
+        if lo < 0 or hi > length - new:
+            raise ValueError(
+                f"{fn}: cache_seqlens values must lie in [0, {length - new}] (a cache of {length} "
+                f"slots{f' and {new} new rows' if new else ''}); got values from {lo} to {hi}"
+            )
+    if index is not None:
+        lo, hi, values = *values[:2], values[2:]
+        if lo < 0 or hi >= k_cache.shape[0]:
+            raise ValueError(
+                f"{fn}: cache_batch_idx values must lie in [0, {k_cache.shape[0]}) (k_cache's "
+                f"batch); got values from {lo} to {hi}"
+            )
+    if table is not None and values[0]:
+        raise ValueError(
+            f"{fn}: block_table names pages outside [0, {k_cache.shape[0]}) (k_cache's pages) "
+            "within the filled length"
+        )
+
+
 def _lengths(fn: str, cache_seqlens, b: int, length: int, device) -> torch.Tensor:
-    """cache_seqlens as int32 (B,) (a full cache where None)."""
+    """cache_seqlens as int32 (B,) (a full cache where None); an int checked against `length`,
+    the slots that may be filled before the new rows."""
     if cache_seqlens is None:
         return torch.full((b,), length, dtype=torch.int32, device=device)
     if isinstance(cache_seqlens, int):
@@ -355,9 +422,12 @@ def _append(k_cache, v_cache, k, v, filled, batch_idx, table) -> None:
 
 
 def _gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """(B, max_blocks * page, Hkv, D): batch b's pages in table order."""
+    """(B, max_blocks * page, Hkv, D): batch b's pages in table order. Entries past the filled
+    length may hold anything, as flash-attn never reads them: clamped into the pool, the pages
+    they gather lie beyond seqused_k, which no query sees."""
     b, blocks = table.shape
-    return cache[table.to(torch.int64)].reshape(b, blocks * cache.shape[1], *cache.shape[2:])
+    index = table.to(torch.int64).clamp(0, cache.shape[0] - 1)
+    return cache[index].reshape(b, blocks * cache.shape[1], *cache.shape[2:])
 
 
 def _unpage_varlen(fn, k, v, table, cu_k, max_k, mask, bias):
@@ -371,6 +441,16 @@ def _unpage_varlen(fn, k, v, table, cu_k, max_k, mask, bias):
     pos = (rows - cu_k.to(torch.int64)[seq]).clamp(0, table.shape[1] * k.shape[1] - 1)
     page = k.shape[1]
     blocks = table.to(torch.int64)[seq, pos // page]
+    if data_readable(blocks) and data_readable(cu_k):
+        # The pages the sequences' keys lie on must be in the pool (one host read); entries
+        # past a sequence's length may hold anything, as flash-attn never reads them.
+        inside = rows < cu_k[-1]
+        if bool((inside & ((blocks < 0) | (blocks >= k.shape[0]))).any()):
+            raise ValueError(
+                f"{fn}: block_table names pages outside [0, {k.shape[0]}) (k's pages) within "
+                "the sequences' lengths"
+            )
+    blocks = blocks.clamp(0, k.shape[0] - 1)  # the rows past every sequence's keys
     key, value = k[blocks, pos % page], v[blocks, pos % page]
 
     def padded(t):

@@ -191,6 +191,50 @@ def test_kvcache_batch_index_and_full_cache():
     assert_close(out, want, F64 * want.abs().max().item(), "int cache_seqlens")
 
 
+def test_kvcache_lengths_and_indices_out_of_range_raise_before_writing():
+    """cache_seqlens that leave no room for the new rows (or are negative), cache_batch_idx
+    outside the caches, and block-table pages outside the pool within the filled length raise
+    ValueError before the caches are written (index_put_ raised IndexError, a device-side
+    assert on a GPU, and a negative length wrote at the cache's end and attended to nothing)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 1, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k_cache = torch.randn(2, 8, 2, 8, generator=g, dtype=torch.float64)
+    v_cache = k_cache.clone()
+    before = k_cache.clone()
+    i32 = torch.int32
+    for lengths in (torch.tensor([8, 3], dtype=i32), torch.tensor([-1, 3], dtype=i32), 8):
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            dmattn_ops.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths)
+        assert torch.equal(k_cache, before)
+    with pytest.raises(ValueError, match=r"cache_batch_idx values must lie in \[0, 2\)"):
+        dmattn_ops.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_batch_idx=torch.tensor([0, 2])
+        )
+    with pytest.raises(ValueError, match="cache_batch_idx must be"):
+        dmattn_ops.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_batch_idx=torch.tensor([0.0, 1])
+        )
+    pool, table = _paged(k_cache, 4)  # 2 pages a sequence, a pool of 7
+    filled = torch.tensor([3, 2], dtype=i32)  # with one new row: the first page of each
+    bad = table.clone()
+    bad[1, 0] = pool.shape[0]
+    with pytest.raises(ValueError, match="block_table names pages outside"):
+        dmattn_ops.flash_attn_with_kvcache(
+            q, pool, pool.clone(), k, v, cache_seqlens=filled, block_table=bad
+        )  # fmt: skip
+    # Entries past the filled length may hold anything, as flash-attn never reads them.
+    unused = table.clone()
+    unused[:, 1] = torch.tensor([-1, 2**20], dtype=i32)
+    got = dmattn_ops.flash_attn_with_kvcache(
+        q, pool.clone(), pool.clone(), k, v, cache_seqlens=filled, block_table=unused, causal=True
+    )  # fmt: skip
+    want = dmattn_ops.flash_attn_with_kvcache(
+        q, pool.clone(), pool.clone(), k, v, cache_seqlens=filled, block_table=table, causal=True
+    )  # fmt: skip
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -226,3 +270,22 @@ def test_paged_varlen_matches_the_packed_call():
         q, kc, vc, cu_q, cu_k, 3, 7, causal=True, block_table=table, bias=bias
     )
     assert_close(out, want, F64 * want.abs().max().item(), "paged varlen")
+    # Shorter sequences of keys (7 and 2): the second one's keys lie on its first page, and
+    # its second entry may hold anything, as flash-attn never reads it (the rows past the
+    # last sequence reached it: IndexError, a device-side assert on a GPU); an entry that
+    # keys lie on must be in the pool.
+    short = torch.tensor([0, 7, 9], dtype=torch.int32)
+    want = reference.attention_varlen(q, k[:9], v[:9], cu_q, short, 3, 7, None, bias[:, :9],
+                                      is_causal=True)  # fmt: skip
+    unused = table.clone()
+    unused[1, 1] = 2**20
+    got = dmattn_ops.flash_attn_varlen_func(
+        q, kc, vc, cu_q, short, 3, 7, causal=True, block_table=unused, bias=bias[:, :9]
+    )
+    assert_close(got, want, F64 * want.abs().max().item(), "paged varlen, unused entries")
+    bad = table.clone()
+    bad[1, 1] = kc.shape[0]
+    with pytest.raises(ValueError, match="block_table names pages outside"):
+        dmattn_ops.flash_attn_varlen_func(
+            q, kc, vc, cu_q, cu_k, 3, 7, causal=True, block_table=bad, bias=bias
+        )
