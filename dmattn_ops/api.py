@@ -108,7 +108,7 @@ def attention(
     window_size: tuple[int, int] = (-1, -1),
     kernel_options: KernelOptions | None = None,
     _internal_lse: bool = False,
-    _trusted_values: bool = False,
+    _seqused_k_in_range: bool = False,
 ):
     r"""Dynamic Mask Attention.
 
@@ -221,12 +221,11 @@ def attention(
             # Validated above: the op's Autograd kernel's work, without a second validation.
             cap = 0.0 if softcap is None else softcap
             opts = Options(resolved, bool(is_causal), cap, bool(deterministic), window, tuned)
-            # The library's own callers skip the checks that read values (one host sync a
-            # call, which in an eager decode loop stalls the host on every layer) where they
-            # vouch for them: a seqused_k in [0, Lk] by construction (a count of a cache's used
-            # slots), sinks that are the model's own parameter (which its eager attention
-            # would apply as they are).
-            result = ops.attend(problem, opts, public=not lower, values=not _trusted_values)
+            # The library's own callers whose seqused_k lies in [0, Lk] by construction (a
+            # count of a cache's used slots), or was checked before (flash_attn_with_kvcache),
+            # skip its range check: one host sync a call, which in an eager decode loop stalls
+            # the host on every layer.
+            result = ops.attend(problem, opts, public=not lower, values=not _seqused_k_in_range)
         elif lower:
             result = torch.ops.dmattn.attention_forward(
                 query, key, value, mask, bias, resolved, is_causal, softcap, seqused_k,

@@ -305,7 +305,7 @@ def flash_attn_with_kvcache(
     return attention(
         q, key, value, mask, bias, scale=softmax_scale, is_causal=causal, softcap=softcap,
         seqused_k=filled, window_size=window_size, return_lse=return_softmax_lse,
-        _trusted_values=True,
+        _seqused_k_in_range=True,
     )  # fmt: skip
 
 

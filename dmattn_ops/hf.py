@@ -151,9 +151,8 @@ def dmattn_attention_forward(
         seqused_k=seqused_k,
         sinks=sinks,
         window_size=window,
-        # No host read checks the values: seqused_k is None or Lq < Lk, in range, and the sinks
-        # are the model's parameter, which transformers' eager attention applies unchecked.
-        _trusted_values=True,
+        # seqused_k is None or Lq < Lk: in range, no host read checks it.
+        _seqused_k_in_range=True,
     )
     return out, None
 
@@ -341,7 +340,7 @@ def _doge_forward(self, hidden_states, position_embeddings, attention_mask=None,
     # seqused_k counts the cache's used slots: in [0, Lk], so no host read checks it.
     out = attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), limits, bias,
-        scale=self.scaling, is_causal=True, seqused_k=seqused_k, _trusted_values=True,
+        scale=self.scaling, is_causal=True, seqused_k=seqused_k, _seqused_k_in_range=True,
     )  # fmt: skip
     out = self.o_proj(out.reshape(*input_shape, -1).contiguous())
     return out, None

@@ -414,10 +414,10 @@ def test_doge_native_decoding_reads_no_tensor_on_the_host(monkeypatch):
 
 
 def test_gpt_oss_decoding_reads_no_tensor_in_its_attention(monkeypatch):
-    """GPT-OSS through attn_implementation="dmattn": its sinks are the model's parameter, so
-    their finiteness check (a host read a layer) is skipped, as transformers' eager attention
-    applies them unchecked; what reads remain are the mask builder's (whether the padding
-    mask pads anything), once a step, not a layer."""
+    """GPT-OSS through attn_implementation="dmattn": its sinks are the model's parameter,
+    whose finiteness is read once (the warm-up call here) until a write changes it, not once a
+    layer a token; what reads remain are the mask builder's (whether the padding mask pads
+    anything), once a step, not a layer."""
     ours, _ = _sliding_models("gpt_oss")
     ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(4))
     reads = _host_reads(monkeypatch, lambda: _greedy(ours, ids, cache_implementation="static"))

@@ -127,6 +127,38 @@ def test_nan_and_inf_sinks_raise_on_every_backend(backend, bad):
             torch.ops.dmattn.attention(q, k, v, sinks=sinks)
 
 
+def test_the_same_sinks_are_read_once_until_written(monkeypatch):
+    """A model passes the same sinks parameter every call: after one check, a call reads no
+    value of it on the host (each read was a sync a layer a token) until an in-place write
+    moves its version counter; a NaN written then still raises. Sinks made under
+    inference_mode keep no version counter and are checked every call."""
+    q, k, v = _qkv64()
+    sinks = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    dmattn_ops.attention(q, k, v, sinks=sinks)
+    reads = []
+    for name in ("tolist", "item", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, original=original):
+            reads.append(self)
+            return original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    dmattn_ops.attention(q, k, v, sinks=sinks)
+    assert reads == []
+    with torch.no_grad():
+        sinks[2] = float("nan")
+    with pytest.raises(ValueError, match=r"sinks must be finite or -inf .* head\(s\) \[2\]"):
+        dmattn_ops.attention(q, k, v, sinks=sinks)
+    monkeypatch.undo()
+    with torch.inference_mode():
+        frozen = torch.zeros(4, dtype=torch.float64)
+        dmattn_ops.attention(q, k, v, sinks=frozen)
+        frozen[1] = float("inf")
+        with pytest.raises(ValueError, match="sinks must be finite or -inf"):
+            dmattn_ops.attention(q, k, v, sinks=frozen)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dsinks_without_keys(backend):
     """Lk = 0: every row's lse is its sink, so the gradient of sum(lse) in sinks[h] is the
