@@ -225,7 +225,7 @@ def attention(
             # count of a cache's used slots), or was checked before (flash_attn_with_kvcache),
             # skip its range check: one host sync a call, which in an eager decode loop stalls
             # the host on every layer.
-            result = ops.attend(problem, opts, public=not lower, values=not _seqused_k_in_range)
+            result = ops.attend(problem, opts, not lower, _seqused_k_in_range)
         elif lower:
             result = torch.ops.dmattn.attention_forward(
                 query, key, value, mask, bias, resolved, is_causal, softcap, seqused_k,

@@ -359,22 +359,22 @@ def _check_cache_values(fn: str, cache_seqlens, new: int, length: int, index, ta
             filled = torch.full((table.shape[0],), filled, device=table.device)
         reached = torch.arange(blocks, device=table.device) * page < (filled + new)[:, None]
         found += [(reached & ((table < 0) | (table >= k_cache.shape[0]))).any()]
-    values = torch.stack([t.to(torch.int64) for t in found]).tolist()  # the one host read
+    values = iter(torch.stack([t.to(torch.int64) for t in found]).tolist())  # the one read
     if isinstance(cache_seqlens, torch.Tensor):
-        lo, hi, values = *values[:2], values[2:]
+        lo, hi = next(values), next(values)
         if lo < 0 or hi > length - new:
             raise ValueError(
                 f"{fn}: cache_seqlens values must lie in [0, {length - new}] (a cache of {length} "
                 f"slots{f' and {new} new rows' if new else ''}); got values from {lo} to {hi}"
             )
     if index is not None:
-        lo, hi, values = *values[:2], values[2:]
+        lo, hi = next(values), next(values)
         if lo < 0 or hi >= k_cache.shape[0]:
             raise ValueError(
                 f"{fn}: cache_batch_idx values must lie in [0, {k_cache.shape[0]}) (k_cache's "
                 f"batch); got values from {lo} to {hi}"
             )
-    if table is not None and values[0]:
+    if table is not None and next(values):
         raise ValueError(
             f"{fn}: block_table names pages outside [0, {k_cache.shape[0]}) (k_cache's pages) "
             "within the filled length"

@@ -401,14 +401,16 @@ def check_problem(
     return window
 
 
-def check_values(problem: Problem, fn: str) -> None:
+def check_values(problem: Problem, fn: str, seqused_k_in_range: bool = False) -> None:
     """The checks that read tensor values: cu_seqlens' (packed calls), or seqused_k's range and
-    the sinks' (dense calls)."""
+    the sinks' (dense calls). `seqused_k_in_range`: the caller vouches for seqused_k (one of
+    the library's own, api.attention's `_seqused_k_in_range`), whose check is left out."""
     if problem.varlen:
         check_cu_seqlens_values(
             problem.cu_seqlens_q, problem.cu_seqlens_k, problem.lq, problem.lk,
             problem.max_seqlen_q, problem.max_seqlen_k, fn,
         )  # fmt: skip
     else:
-        check_seqused_k_values(problem.seqused_k, problem.lk, fn)
+        if not seqused_k_in_range:
+            check_seqused_k_values(problem.seqused_k, problem.lk, fn)
         check_sinks_values(problem.sinks, fn)

@@ -50,7 +50,7 @@ from dmattn_ops.core._compat import (
     without_autocast,
 )
 from dmattn_ops.core.problem import Options, Problem
-from dmattn_ops.core.validate import check_problem, check_sinks_values, check_values, check_window
+from dmattn_ops.core.validate import check_problem, check_values, check_window
 from dmattn_ops.dispatch import launch
 from dmattn_ops.executors import chunked
 from dmattn_ops.executors.chunked import stats_dtype
@@ -556,18 +556,14 @@ def _run(ops: Op, problem: Problem, opts: Options, public: bool, direct: bool, c
     return saved.out if public else tuple(saved)
 
 
-def attend(problem: Problem, opts: Options, public: bool, values: bool = True):
+def attend(problem: Problem, opts: Options, public: bool, seqused_k_in_range: bool = False):
     """A plain eager (plain_eager) dense or seqused_k call that api.attention has validated
     (shapes, window, sinks' shape, kernel options) as dmattn::attention (public) or
     dmattn::attention_forward would run it: their Autograd kernel's work without the
     dispatcher's hop to it and without validating the call again; the checks that read values
-    run here; with `values` False the seqused_k range check is left out (a caller of the
-    library's own whose seqused_k is in range: api.attention's `_seqused_k_in_range`). Under
-    torch.profiler the call is recorded under the op's name."""
-    if values:
-        check_values(problem, DENSE_OPS.fn)
-    else:
-        check_sinks_values(problem.sinks, DENSE_OPS.fn)
+    run here (check_values; `seqused_k_in_range` as there). Under torch.profiler the call is
+    recorded under the op's name."""
+    check_values(problem, DENSE_OPS.fn, seqused_k_in_range)
     if not torch.autograd._profiler_enabled():
         return _run(DENSE_OPS, problem, opts, public, True, checked=True)
     name = DENSE_OPS.public.name() if public else DENSE_OPS.forward.name()
