@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 import tempfile
@@ -503,41 +504,23 @@ def _capped(rank: int, cap_gib: float):
     return device
 
 
-def _fit_worker(rank, world, rendezvous, kind, cap_gib, results):
-    """Rank 0's longest whole-sequence L under the cap, then the ring's peak per rank (the
-    largest over ranks) at 32k and 64k, lengths well inside the cap."""
-    device = _capped(rank, cap_gib)
-    dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=world)  # fmt: skip
-    try:
-        row = dict(kind=kind, cap=cap_gib)
-        if rank == 0:
-            row["one"] = _search_one(kind, device)
-        dist.barrier()
-        points = []
-        for length in (32768, 65536):
-            peak = _fits(_ring, length, kind, device, world) or -1.0
-            peak = torch.tensor([peak], device=device)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            points.append((length, peak.item()))
-        row["points"] = points
-        if rank == 0:
-            results.put(row)
-    finally:
-        dist.destroy_process_group()
+def _one_fit_worker(rank, world, rendezvous, kind, cap_gib, results):
+    """The longest whole-sequence L under the cap on one GPU (one process, no group)."""
+    results.put(dict(one=_search_one(kind, _capped(rank, cap_gib))))
 
 
 def _ring_fit_worker(rank, world, rendezvous, kind, length, cap_gib, results):
-    """Whether the ring's step at `length` ran on every rank under the cap."""
+    """The ring's peak GiB per rank at `length` (the largest over ranks), or None where a rank
+    ran out of memory under the cap."""
     device = _capped(rank, cap_gib)
     dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=rank,
                             world_size=world)  # fmt: skip
     try:
-        ok = _fits(_ring, length, kind, device, world) is not None
-        flag = torch.tensor([1.0 if ok else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        peak = _fits(_ring, length, kind, device, world)
+        found = torch.tensor([math.inf if peak is None else peak], device=device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
         if rank == 0:
-            results.put(dict(ok=bool(flag.item())))
+            results.put(dict(peak=None if math.isinf(found.item()) else found.item()))
     finally:
         dist.destroy_process_group()
 
@@ -559,19 +542,25 @@ def fit(world: int, kinds, cap_gib: float) -> list[dict]:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     rows = []
     for kind in kinds:
-        (row,) = _spawn(_fit_worker, world, kind, cap_gib)
-        (l0, p0), (l1, p1) = row["points"]
+        (row,) = _spawn(_one_fit_worker, 1, kind, cap_gib)
+
+        def ring_peak(length: int, kind=kind) -> float | None:
+            found = _spawn(_ring_fit_worker, world, kind, length, cap_gib, timeout=RING_CHECK_S)
+            return found[0]["peak"] if found else None
+
+        points = [(length, ring_peak(length) or -1.0) for length in (32768, 65536)]
+        (l0, p0), (l1, p1) = points
         slope = (p1 - p0) / (l1 - l0)
         guess = int(0.98 * ((cap_gib - p0) / slope + l0)) // GRAIN * GRAIN if slope > 0 else 0
 
         @functools.partial(_logged, what=f"{kind}, {world} GPUs")
-        def fits(length: int, kind=kind) -> bool:
-            found = _spawn(_ring_fit_worker, world, kind, length, cap_gib, timeout=RING_CHECK_S)
-            return bool(found) and found[0]["ok"]
+        def fits(length: int, ring_peak=ring_peak) -> bool:
+            return ring_peak(length) is not None
 
         ok = guess > l1 and fits(guess)
         longest = guess if ok else bisect(l1, guess, fits) if guess > l1 else 0
-        row.update(ring=longest, ring_ok=longest > 0, line=guess)
+        row.update(kind=kind, cap=cap_gib, points=points, ring=longest, ring_ok=longest > 0,
+                   line=guess)  # fmt: skip
         rows.append(row)
     return rows
 

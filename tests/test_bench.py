@@ -211,6 +211,31 @@ def test_fit_bisection_finds_the_last_length_that_fits():
         assert len(asked) <= 6  # log2 of the interval's 59 grains
 
 
+def test_fit_reads_the_line_then_bisects_down_where_it_ran_out(monkeypatch):
+    """bench.cp.fit's orchestration with its processes stood in for: the one-GPU length as its
+    worker found it, the ring's peaks at 32k and 64k, the line's length checked, and below it,
+    where that ran out (a hung check gives no row: ran out too), the last length that runs."""
+    import bench.cp as cp
+
+    limit, asked = 483328, []
+
+    def spawn(worker, world, *args, timeout=None):
+        if worker is cp._one_fit_worker:
+            return [dict(one=409600)]
+        kind, length, cap = args
+        asked.append(length)
+        if length > limit:  # near the limit one rank ran out and its peer hung
+            return [] if length <= limit + 4 * cp.GRAIN else [dict(peak=None)]
+        return [dict(peak=0.12 + length * 0.0000145)]  # a line that promises too much
+
+    monkeypatch.setattr(cp, "_spawn", spawn)
+    (row,) = cp.fit(2, ["dense"], 8.0)
+    assert row["one"] == 409600 and row["ring_ok"]
+    assert row["line"] > limit and asked[:3] == [32768, 65536, row["line"]]
+    assert limit - cp.GRAIN < row["ring"] <= limit and row["ring"] % cp.GRAIN == 0
+    assert [p for p, _ in row["points"]] == [32768, 65536]
+
+
 def _answering_worker(rank, world, rendezvous, hang, results):
     """bench.cp._spawn's worker for the test below: rank 0 answers; with `hang`, rank 1 sleeps
     far past the test's timeout first and rank 0 waits for it (a peer stuck in a transfer)."""
