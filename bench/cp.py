@@ -663,6 +663,16 @@ def kernel_table(kernels) -> str:
     return markdown(["kernel", "calls", "ms"], rows, ("", "", ".2f"))
 
 
+FLAGS = (  # main's switches: (flag, help)
+    ("--overlap", "profile one ring step per row: NCCL kernel time and the share of it that "
+     "compute kernels overlap (GPUs)"),
+    ("--census", "what is alive at each process's memory peak in one step, by allocating line "
+     "(GPUs)"),
+    ("--model", "a whole training step of bench.model's DMA stack instead of one call"),
+    ("--eager", "--model without torch.compile"),
+)  # fmt: skip
+
+
 def main(argv=None) -> int:
     from bench.__main__ import header
 
@@ -678,23 +688,8 @@ def main(argv=None) -> int:
         help="packed documents of N tokens: attention_varlen on one GPU against the ring with "
         "cu_seqlens on the contiguous layout",
     )
-    p.add_argument(
-        "--overlap",
-        action="store_true",
-        help="profile one ring step per row: NCCL kernel time and the share of it "
-        "that compute kernels overlap (GPUs)",
-    )
-    p.add_argument(
-        "--census",
-        action="store_true",
-        help="what is alive at each process's memory peak in one step, by allocating line (GPUs)",
-    )
-    p.add_argument(
-        "--model",
-        action="store_true",
-        help="a whole training step of bench.model's DMA stack instead of one call",
-    )
-    p.add_argument("--eager", action="store_true", help="--model without torch.compile")
+    for flag, text in FLAGS:
+        p.add_argument(flag, action="store_true", help=text)
     p.add_argument(
         "--fit",
         type=float,

@@ -17,6 +17,7 @@ from dmattn_ops.kernels.common import (
     run_tile,
     score_tile,
     seq_extent,
+    split_index,
 )
 
 
@@ -222,8 +223,7 @@ def attention_bwd_dkdv_kernel(
     i_bg = i_row // SPLIT
     i_split = i_row % SPLIT
     G_PART = G // SPLIT
-    i_b = (i_bg // Hkv).to(tl.int64)
-    i_g = (i_bg % Hkv).to(tl.int64)
+    i_b, i_g = split_index(i_bg, Hkv)
     # cu_seqlens and seqused_k are loaded here, not in a helper (common.seq_extent says why).
     cu_q = (tl.load(CU_Q + i_b), tl.load(CU_Q + i_b + 1)) if VARLEN else (0, 0)
     cu_k = (tl.load(CU_K + i_b), tl.load(CU_K + i_b + 1)) if VARLEN else (0, 0)
@@ -435,8 +435,7 @@ def attention_bwd_dkdv_reduce_kernel(
     i_rb = tl.program_id(0)
     i_bg = tl.program_id(1)
     n_bg = tl.num_programs(1)
-    i_b = (i_bg // Hkv).to(tl.int64)
-    i_g = (i_bg % Hkv).to(tl.int64)
+    i_b, i_g = split_index(i_bg, Hkv)
     i_r = i_rb * BLOCK_R + tl.arange(0, BLOCK_R)
     i_d = tl.arange(0, BLOCK_D)
     i_dv = tl.arange(0, BLOCK_DV)

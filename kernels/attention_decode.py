@@ -18,6 +18,7 @@ from dmattn_ops.kernels.common import (
     causal_key_end,
     key_count,
     lse_split,
+    split_index,
 )
 
 
@@ -88,8 +89,7 @@ def attention_decode_kernel(
     i_s = tl.program_id(0)
     i_bg = tl.program_id(1)
     Hkv = H // G
-    i_b = (i_bg // Hkv).to(tl.int64)
-    i_g = (i_bg % Hkv).to(tl.int64)
+    i_b, i_g = split_index(i_bg, Hkv)
     n_keys = key_count(SEQUSED, i_b, Lk, HAS_SEQUSED)
 
     r = tl.arange(0, BLOCK_M)

@@ -7,6 +7,7 @@ from dmattn_ops.kernels.common import (
     band_key_tiles,
     causal_key_end,
     interior_key_end,
+    split_index,
 )
 
 
@@ -34,8 +35,7 @@ def mask_block_any_kernel(
     i_qb = tl.program_id(0)
     i_kb = tl.program_id(1)
     i_bh = tl.program_id(2)
-    i_b = (i_bh // Hm).to(tl.int64)
-    i_h = (i_bh % Hm).to(tl.int64)
+    i_b, i_h = split_index(i_bh, Hm)
     i_m = i_qb * BLOCK_M + tl.arange(0, BLOCK_M)
     i_n = i_kb * BLOCK_N + tl.arange(0, BLOCK_N)
     b_mask = tl.load(

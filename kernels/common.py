@@ -58,6 +58,13 @@ def grid_tile(TILE_MAJOR: tl.constexpr, LAST_FIRST: tl.constexpr):
 
 
 @triton.jit
+def split_index(i, n):
+    """(i // n, i % n) as int64: a grid index over (outer, inner) pairs, such as (batch, head),
+    split back into its two parts (int64: they scale strides)."""
+    return (i // n).to(tl.int64), (i % n).to(tl.int64)
+
+
+@triton.jit
 def tile_batch(i_bh, H, PACK_G: tl.constexpr):
     """The batch of grid row i_bh of the forward and dq kernels, as query_rows computes it (there
     in its own form: the hottest kernels' PTX stays as it was), for the kernels' own loads

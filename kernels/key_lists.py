@@ -4,7 +4,7 @@ the packed K, V and per-key bias rows the forward and dq kernels read through th
 import triton
 import triton.language as tl
 
-from dmattn_ops.kernels.common import key_count, seq_extent
+from dmattn_ops.kernels.common import key_count, seq_extent, split_index
 
 
 @triton.jit
@@ -130,8 +130,7 @@ def key_lists_kernel(
     TMA, and its P = 0 and dS = 0 there must not meet NaN in a product: P V, dS K)."""
     i_c = tl.program_id(0)
     i_bg = tl.program_id(1)
-    i_b = (i_bg // Hkv).to(tl.int64)
-    i_g = (i_bg % Hkv).to(tl.int64)
+    i_b, i_g = split_index(i_bg, Hkv)
     i_hm = (i_g * G) // mask_hdiv
     # Which programs store the lists and the counts: 0 or 1, applied to masks by products (the
     # interpreter of Triton 3.9 rejects a load mask that is a tensor & a scalar bool).

@@ -9,6 +9,8 @@ them back), and merge the two partial results through their logsumexps.
 import triton
 import triton.language as tl
 
+from dmattn_ops.kernels.common import split_index
+
 
 @triton.jit
 def reverse_rows_kernel(
@@ -77,8 +79,7 @@ def window_merge_kernel(
     every row's logsumexp."""
     i_l = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     i_bh = tl.program_id(1)
-    i_b = (i_bh // H).to(tl.int64)
-    i_h = (i_bh % H).to(tl.int64)
+    i_b, i_h = split_index(i_bh, H)
     i_d = tl.arange(0, BLOCK_D)
     m_l = i_l < L
     t = i_l // C
