@@ -289,7 +289,7 @@ def _compiled_step(variant: str, shape: str, mode: str, dynamic: bool = False):
     def step():
         _train_step(model, compiled, x, graphs=mode == "reduce-overhead")
 
-    step.model, step.x = model, x  # for selection_work
+    step.model, step.compiled, step.x = model, compiled, x  # selection_work, bench.phases
     return step
 
 

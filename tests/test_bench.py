@@ -49,7 +49,7 @@ def test_cpu_timings_and_help_without_a_gpu(tmp_path):
         assert float(cells[timing]) > 0, row
     assert float(cells["work"]) == 1.0  # case A is dense: its work is the causal call's
     entries = ("bench", "bench.model", "bench.masks", "bench.window", "bench.tune", "bench.cp",
-               "bench.profile", "bench.glue")  # fmt: skip
+               "bench.profile", "bench.glue", "bench.phases")  # fmt: skip
     for entry in entries:
         res = subprocess.run([sys.executable, "-m", entry, "--help"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -276,6 +276,28 @@ def test_idle_gaps_names_the_kernels_around_each_stretch_the_gpu_ran_nothing():
     assert idle_gaps(spans) == idle_gaps(spans, 5)
     assert idle_gaps([(0, 5, "x"), (5, 6, "y")], 3) == []  # touching spans leave no gap
     assert idle_gaps([], 3) == []
+
+
+def test_phases_sums_allocations_per_step_and_orders_them_by_cost():
+    """bench.phases' allocation census: calls and host time a step over the steps recorded,
+    each (shape, stride, dtype) row's cost a step, count a step and best call, the bytes its
+    strides span (a broadcast stride of 0 spans one row; an empty buffer none), most costly
+    first."""
+    from bench.phases import Allocations
+
+    allocs = Allocations()
+    allocs.rows[((4, 8), (8, 1), torch.bfloat16)] = [3e-6, 5e-6, 4e-6, 4e-6]
+    allocs.rows[((2, 3), (0, 1), torch.float32)] = [30e-6, 10e-6]
+    allocs.rows[((0, 5), (5, 1), torch.int32)] = [1e-6, 1e-6]
+    calls, total, rows = allocs.summary(steps=2)
+    assert calls == 4 and total == pytest.approx(29.0)
+    assert [r[3] for r in rows] == ["float32", "bfloat16", "int32"]
+    us, count, best, _, mib, size = rows[0]
+    assert (us, count, best, size) == (pytest.approx(20.0), 1.0, pytest.approx(10.0), (2, 3))
+    assert mib * 2**20 == 3 * 4  # one row of 3 float32: the batch dim's stride is 0
+    assert rows[1][4] * 2**20 == 4 * 8 * 2 and rows[1][1] == 2.0
+    assert rows[2][4] == 0
+    assert len(allocs.summary(steps=1, top=1)[2]) == 1
 
 
 def test_peak_census_replays_allocations_to_their_highest_point():
