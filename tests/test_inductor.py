@@ -79,30 +79,57 @@ def test_traced_graphs_hold_the_launchers_not_the_ops(monkeypatch):
         torch.testing.assert_close(g, r)
 
 
-@pytest.mark.parametrize("layout", ["dense", "varlen"])
-def test_calls_that_want_no_gradient_are_traced_too(monkeypatch, layout):
+def _kernel_nodes(graphs) -> int:
+    """The user Triton kernels launched in `graphs` (torch.library.wrap_triton's nodes)."""
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    return sum("triton_kernel_wrapper" in t for t in targets)
+
+
+def test_calls_that_want_no_gradient_are_traced_too(monkeypatch):
     """An inference or decode call (no input requires grad) reaches the public op below
-    autograd; its graph traces the forward's kernels as a training call's does, instead of
-    keeping dmattn::attention whole (whose launcher would run at every call)."""
+    autograd; its graph traces the op's body as a training call's does, instead of keeping
+    dmattn::attention whole (whose launcher would run at every call). On the CPU the body is
+    the chunked path's (float64, module doc)."""
     monkeypatch.setattr(inductor, "applies", lambda first: inductor._traced())
     q, k, v, bias, mask = (t.detach() for t in _cpu_inputs())
+
+    def fn(q, k, v, mask, bias):
+        return dmattn_ops.attention(q, k, v, mask, bias, is_causal=True)
+
+    got, graphs = _graphs_of(fn, q, k, v, mask, bias)
+    assert len(graphs) == 1 and dmattn_nodes(graphs) == []
+    torch.testing.assert_close(got, fn(q, k, v, mask, bias), rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+def test_calls_that_want_no_gradient_trace_the_kernels(inductor_kernels, layout):
+    """The same on the GPU, where the traced body launches the forward's Triton kernels, for
+    packed sequences too. (On the CPU a varlen call's body is the chunked path, which reads
+    cu_seqlens on the host and cannot be traced on fake tensors: such calls keep the op whole,
+    inductor.applies. The Triton interpreter cannot run on fake tensors either.)"""
+    c = Case(2, 24, 24, 4, 2, 16, 16)
+    q, k, v = make_qkv(c, dtype=torch.float32, device="cuda")
+    bias = make_bias((c.b, c.hkv, 1, c.lk), dtype=torch.float32, device="cuda")
     if layout == "dense":
+        mask = make_mask((c.b, c.hkv, 1, c.lk), device="cuda")
         args = (q, k, v, mask, bias)
 
         def fn(q, k, v, mask, bias):
             return dmattn_ops.attention(q, k, v, mask, bias, is_causal=True)
 
     else:
-        b, lq, h, d = q.shape
-        cu = torch.tensor([0, lq, 2 * lq], dtype=torch.int32)
-        bias = bias.transpose(0, 1).reshape(bias.shape[1], -1)  # (Hkv, total keys)
+        cu = torch.tensor([0, c.lq, 2 * c.lq], dtype=torch.int32, device="cuda")
+        bias = bias.transpose(0, 1).reshape(c.hkv, -1)  # (Hkv, total keys)
         args = (*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), cu, bias)
 
         def fn(q, k, v, cu, bias):
-            return dmattn_ops.attention_varlen(q, k, v, cu, cu, lq, lq, None, bias, is_causal=True)
+            return dmattn_ops.attention_varlen(
+                q, k, v, cu, cu, c.lq, c.lq, None, bias, is_causal=True
+            )
 
     got, graphs = _graphs_of(fn, *args)  # aot_function fakes the arguments, not what fn holds
-    assert len(graphs) == 1 and dmattn_nodes(graphs) == []
+    assert len(graphs) == 1 and dmattn_nodes(graphs) == [] and _kernel_nodes(graphs) >= 1
     torch.testing.assert_close(got, fn(*args), rtol=0, atol=0)
 
 
