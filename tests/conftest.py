@@ -55,11 +55,15 @@ def fixed_seed():
 
 
 # The default run (README command 2) samples the parametrized sweeps: each test function runs
-# its first case and every SAMPLE-th after it, and tests marked `sweep` (the sm_90/sm_80
-# compile of every config, whole-program runs of the tools) wait for the full run. `--sweeps`
-# runs every case (the GPU check, .ci/gpu); `--sweeps-only` runs exactly what the default run
-# leaves out, so that the two together run each case once.
+# its first case, every SAMPLE-th after it, and any case bringing a value of a short parameter
+# list (a flag, a dtype, a layout) that no case kept before it had, so that every such value
+# runs somewhere (a 2-case test whose second case only --sweeps ran hid a broken case for weeks:
+# bench/NOTES.md 227). Tests marked `sweep` (the sm_90/sm_80 compile of every config,
+# whole-program runs of the tools) wait for the full run. `--sweeps` runs every case (the GPU
+# check, .ci/gpu); `--sweeps-only` runs exactly what the default run leaves out, so that the two
+# together run each case once.
 SAMPLE = 8
+FEW_VALUES = 3
 
 
 def pytest_addoption(parser):
@@ -75,9 +79,19 @@ def pytest_addoption(parser):
 
 
 def _sampled(items) -> set:
-    """The items of the default run: unmarked, and a parametrized function's first case and
-    every SAMPLE-th after it (in collection order, the same in every xdist worker)."""
+    """The items of the default run: unmarked, and of a parametrized function its first case,
+    every SAMPLE-th after it, and each case with a value of a parameter of at most FEW_VALUES
+    values (a flag, a dtype, a layout; by its index in the parametrize list) that no kept case
+    of the function had. Longer lists (shapes, patterns) stay sampled. In collection order, the
+    same in every xdist worker."""
+    counts: dict = {}  # (function, parameter) -> the value indices its cases take
+    for item in items:
+        if hasattr(item, "callspec"):
+            for name, i in item.callspec.indices.items():
+                counts.setdefault(((item.path, item.originalname), name), set()).add(i)
+    few = {k: len(v) <= FEW_VALUES for k, v in counts.items()}
     seen: dict = {}
+    covered: dict = {}
     kept = set()
     for item in items:
         if "sweep" in item.keywords:
@@ -87,8 +101,11 @@ def _sampled(items) -> set:
             continue
         key = (item.path, item.originalname)
         index = seen[key] = seen.get(key, -1) + 1
-        if index % SAMPLE == 0:
+        values = {(name, i) for name, i in item.callspec.indices.items() if few[key, name]}
+        done = covered.setdefault(key, set())
+        if index % SAMPLE == 0 or not values <= done:
             kept.add(item.nodeid)
+            done |= values
     return kept
 
 
