@@ -10,7 +10,9 @@ through the loss, and ``backward()``. For each phase:
 * GPU ms: the same phase timed by CUDA events without the sleep. It includes any time the
   GPU waited for the host, so a phase whose GPU ms is about its host ms is host-bound;
 * allocations: every buffer Inductor's code allocates (``empty_strided_cuda``), counted and
-  timed on the host, the largest costs listed by shape and dtype.
+  timed on the host, the largest costs listed by shape and dtype;
+* Triton launches: the kernels Inductor's code launches (its own and ours, through
+  ``CachingAutotuner.run``; cuBLAS and cuDNN calls are not counted), and their host time.
 
 A short step whose host exceeds its kernels' time runs at the host's pace in the default
 compile mode (no CUDA graphs); this shows which phase does, and how much of it is allocation
@@ -31,18 +33,20 @@ SLEEP_MS = 60.0  # longer than either phase of any shape here
 
 
 class Allocations:
-    """Inductor's `empty_strided_cuda`, timed while `recording`. Its generated code binds the
-    function when the code is loaded (after compiling), so `install` must come first."""
+    """Inductor's `empty_strided_cuda` and its Triton launches, timed while `recording`. Its
+    generated code binds the allocator when the code is loaded (after compiling), so `install`
+    must come first."""
 
     def __init__(self):
         self.rows: dict[tuple, list[float]] = defaultdict(list)
+        self.launches: list[float] = []
         self.on = False
-        self._real = None
 
     def install(self) -> None:
         import torch._C._dynamo.guards as guards
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-        real = self._real = guards._empty_strided_cuda
+        real = guards._empty_strided_cuda
 
         def timed(size, stride, dtype):
             if not self.on:
@@ -53,6 +57,21 @@ class Allocations:
             return out
 
         guards._empty_strided_cuda = timed
+        run = CachingAutotuner.run
+
+        def timed_run(tuner, *args, **kwargs):
+            if not self.on:
+                return run(tuner, *args, **kwargs)
+            t0 = time.perf_counter()
+            out = run(tuner, *args, **kwargs)
+            self.launches.append(time.perf_counter() - t0)
+            return out
+
+        CachingAutotuner.run = timed_run
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self.launches.clear()
 
     @contextlib.contextmanager
     def recording(self):
@@ -62,18 +81,20 @@ class Allocations:
         finally:
             self.on = False
 
-    def summary(self, steps: int, top: int = 12) -> tuple[float, float, list[tuple]]:
-        """(allocations a step, host us a step, [(us a step, count a step, best us, dtype,
-        MiB, shape)] largest first) since the last clear."""
+    def summary(self, steps: int, top: int = 12) -> tuple[float, float, list[tuple], tuple]:
+        """(allocations a step, their host us a step, [(us a step, count a step, best us,
+        dtype, MiB, shape)] largest first, (Triton launches a step, their host us a step))
+        since the last clear."""
         calls = sum(len(v) for v in self.rows.values()) / steps
         total = sum(sum(v) for v in self.rows.values()) / steps * 1e6
+        launches = (len(self.launches) / steps, sum(self.launches) / steps * 1e6)
         largest = []
         for (size, stride, dtype), times in sorted(self.rows.items(), key=lambda kv: -sum(kv[1])):
             span = sum((s - 1) * st for s, st in zip(size, stride)) + 1 if all(size) else 0
             largest.append((sum(times) / steps * 1e6, len(times) / steps, min(times) * 1e6,
                             str(dtype).removeprefix("torch."), span * dtype.itemsize / 2**20,
                             size))  # fmt: skip
-        return calls, total, largest[:top]
+        return calls, total, largest[:top], launches
 
 
 def measure(variant: str, shape: str, allocations: Allocations, rounds: int = ROUNDS) -> dict:
@@ -115,7 +136,7 @@ def measure(variant: str, shape: str, allocations: Allocations, rounds: int = RO
             gpu["bwd"].append(events[1].elapsed_time(events[2]))
         allocs = {}
         for phase in ("fwd", "bwd"):
-            allocations.rows.clear()
+            allocations.clear()
             for _ in range(rounds):
                 torch.cuda._sleep(bm._sleep_cycles(SLEEP_MS))
                 with allocations.recording() if phase == "fwd" else contextlib.nullcontext():
@@ -137,13 +158,14 @@ def phase_table(rows: list[dict]) -> str:
     table = []
     for r in rows:
         for phase in ("fwd", "bwd"):
-            calls, total, _ = r["allocs"][phase]
+            calls, total, _, (launches, launch_us) = r["allocs"][phase]
             host, gpu = r["host"][phase], r["gpu"][phase]
             table.append([r["shape"], r["variant"], phase, min(host), _median(host),
-                          _median(gpu), calls, total])  # fmt: skip
+                          _median(gpu), calls, total, launches, launch_us])  # fmt: skip
     headers = ["shape", "variant", "phase", "host ms (min)", "median", "GPU ms (events)",
-               "allocations", "allocation host us"]  # fmt: skip
-    return markdown(headers, table, ("", "", "", ".3f", ".3f", ".3f", ".0f", ".0f"))
+               "allocations", "allocation host us", "Triton launches",
+               "launch host us"]  # fmt: skip
+    return markdown(headers, table, ("", "", "", ".3f", ".3f", ".3f", ".0f", ".0f", ".0f", ".0f"))
 
 
 def main(argv=None) -> int:
@@ -173,9 +195,10 @@ def main(argv=None) -> int:
             r = measure(variant, shape, allocations, args.rounds)
             rows.append(r)
             for phase in ("fwd", "bwd"):
-                calls, total, largest = r["allocs"][phase]
-                print(f"== {shape} {variant} {phase}: {calls:.0f} allocations a step, "
-                      f"{total:.0f} us of host; the largest costs:", flush=True)  # fmt: skip
+                calls, total, largest, (launches, launch_us) = r["allocs"][phase]
+                print(f"== {shape} {variant} {phase}: {launches:.0f} Triton launches a step "
+                      f"({launch_us:.0f} us of host), {calls:.0f} allocations ({total:.0f} us); "
+                      "the allocations' largest costs:", flush=True)  # fmt: skip
                 for us, count, best, dtype, mib, size in largest:
                     print(f"  {us:7.1f} us x{count:<4.1f} best {best:5.1f} us  {dtype:9s} "
                           f"{mib:9.3f} MiB {size}")  # fmt: skip

@@ -289,8 +289,10 @@ def test_phases_sums_allocations_per_step_and_orders_them_by_cost():
     allocs.rows[((4, 8), (8, 1), torch.bfloat16)] = [3e-6, 5e-6, 4e-6, 4e-6]
     allocs.rows[((2, 3), (0, 1), torch.float32)] = [30e-6, 10e-6]
     allocs.rows[((0, 5), (5, 1), torch.int32)] = [1e-6, 1e-6]
-    calls, total, rows = allocs.summary(steps=2)
+    allocs.launches += [20e-6, 10e-6, 30e-6]
+    calls, total, rows, launches = allocs.summary(steps=2)
     assert calls == 4 and total == pytest.approx(29.0)
+    assert launches == (1.5, pytest.approx(30.0))
     assert [r[3] for r in rows] == ["float32", "bfloat16", "int32"]
     us, count, best, _, mib, size = rows[0]
     assert (us, count, best, size) == (pytest.approx(20.0), 1.0, pytest.approx(10.0), (2, 3))
@@ -298,6 +300,8 @@ def test_phases_sums_allocations_per_step_and_orders_them_by_cost():
     assert rows[1][4] * 2**20 == 4 * 8 * 2 and rows[1][1] == 2.0
     assert rows[2][4] == 0
     assert len(allocs.summary(steps=1, top=1)[2]) == 1
+    allocs.clear()
+    assert allocs.summary(steps=1) == (0, 0, [], (0, 0))
 
 
 def test_peak_census_replays_allocations_to_their_highest_point():
