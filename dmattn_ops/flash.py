@@ -291,7 +291,9 @@ def flash_attn_with_kvcache(
     filled = _lengths(fn, cache_seqlens, b, length - new, q.device)
     if cache_batch_idx is not None:
         _check_batch_index(fn, cache_batch_idx, b)
-    _check_cache_values(fn, cache_seqlens, new, length, cache_batch_idx, block_table, k_cache)
+    _check_cache_values(
+        fn, cache_seqlens, filled, new, length, cache_batch_idx, block_table, k_cache
+    )
     if k is not None:
         _append(k_cache, v_cache, k, v, filled, cache_batch_idx, block_table)
         filled = filled + new
@@ -334,12 +336,14 @@ def _check_batch_index(fn: str, index, b: int) -> None:
         raise ValueError(f"{fn}: cache_batch_idx must be int32 or int64 ({b},); got {index!r:.80}")
 
 
-def _check_cache_values(fn: str, cache_seqlens, new: int, length: int, index, table, k_cache):
+def _check_cache_values(
+    fn: str, cache_seqlens, filled, new: int, length: int, index, table, k_cache
+):
     """Before anything is written: cache_seqlens (a tensor) in [0, length - new], so that the
     new rows land inside each cache, cache_batch_idx in [0, B_cache), and the block table's
-    entries that the filled length reaches (with the new rows) in [0, num_blocks). One host
-    read for all of them (a sync on a GPU), where there is a tensor to read; skipped where the
-    values cannot be read (while torch.compile traces, during CUDA graph capture), as the ops'
+    entries that the filled length (`filled`, _lengths' (B,) form of cache_seqlens) reaches with
+    the new rows in [0, num_blocks). One host read for all of them (a sync on a GPU), where
+    there is a tensor to read; skipped where the values cannot be read (while torch.compile traces, during CUDA graph capture), as the ops'
     own value checks are. Out of range, flash-attn writes and reads out of bounds; index_put_
     raised IndexError (a device-side assert on a GPU) or, for a negative length, wrote at the
     cache's end and attended to nothing."""
@@ -353,10 +357,6 @@ def _check_cache_values(fn: str, cache_seqlens, new: int, length: int, index, ta
         found += [index.min(), index.max()]
     if table is not None:
         page, blocks = k_cache.shape[1], table.shape[1]
-        filled = cache_seqlens
-        if not isinstance(cache_seqlens, torch.Tensor):  # an int, or None: a full cache
-            filled = length - new if cache_seqlens is None else cache_seqlens
-            filled = torch.full((table.shape[0],), filled, device=table.device)
         reached = torch.arange(blocks, device=table.device) * page < (filled + new)[:, None]
         found += [(reached & ((table < 0) | (table >= k_cache.shape[0]))).any()]
     values = iter(torch.stack([t.to(torch.int64) for t in found]).tolist())  # the one read
