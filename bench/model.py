@@ -293,13 +293,18 @@ def _compiled_step(variant: str, shape: str, mode: str, dynamic: bool = False):
     return step
 
 
-def _train_step(model, compiled, x, graphs: bool = False) -> None:
-    """One training step: fresh gradients (as after an optimizer step), forward, backward.
+def _train_loss(model, compiled, x, graphs: bool = False) -> torch.Tensor:
+    """A training step's forward: fresh gradients (as after an optimizer step), then the loss.
     graphs: under CUDA graphs (reduce-overhead), each step reuses the graph's outputs."""
     model.zero_grad(set_to_none=True)
     if graphs:
         torch.compiler.cudagraph_mark_step_begin()
-    compiled(x).float().square().mean().backward()
+    return compiled(x).float().square().mean()
+
+
+def _train_step(model, compiled, x, graphs: bool = False) -> None:
+    """One training step: _train_loss, then backward."""
+    _train_loss(model, compiled, x, graphs).backward()
 
 
 # A variant's suffixes: kernel options its calls take (dmattn_ops.kernel_options blocks, which

@@ -107,11 +107,10 @@ def measure(variant: str, shape: str, allocations: Allocations, rounds: int = RO
         model, compiled, x = step.model, step.compiled, step.x
 
         def forward():
-            model.zero_grad(set_to_none=True)
-            return compiled(x).float().square().mean()
+            return bm._train_loss(model, compiled, x)
 
         for _ in range(5):
-            forward().backward()
+            step()
         torch.cuda.synchronize()
         host = {"fwd": [], "bwd": []}
         gpu = {"fwd": [], "bwd": []}
