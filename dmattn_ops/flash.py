@@ -343,10 +343,11 @@ def _check_cache_values(
     new rows land inside each cache, cache_batch_idx in [0, B_cache), and the block table's
     entries that the filled length (`filled`, _lengths' (B,) form of cache_seqlens) reaches with
     the new rows in [0, num_blocks). One host read for all of them (a sync on a GPU), where
-    there is a tensor to read; skipped where the values cannot be read (while torch.compile traces, during CUDA graph capture), as the ops'
-    own value checks are. Out of range, flash-attn writes and reads out of bounds; index_put_
-    raised IndexError (a device-side assert on a GPU) or, for a negative length, wrote at the
-    cache's end and attended to nothing."""
+    there is a tensor to read; skipped where the values cannot be read (while torch.compile
+    traces, during CUDA graph capture), as the ops' own value checks are. Out of range,
+    flash-attn writes and reads out of bounds; index_put_ raised IndexError (a device-side
+    assert on a GPU) or, for a negative length, wrote at the cache's end and attended to
+    nothing."""
     tensors = [t for t in (cache_seqlens, index, table) if isinstance(t, torch.Tensor)]
     if not tensors or not all(data_readable(t) for t in tensors):
         return
