@@ -42,6 +42,20 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
+@gluon.jit
+def _snake(k, n_items):
+    """The work item a persistent program takes at its index k (program_id, then + num_programs
+    each turn). Items come longest first; taking them round-robin, program 0 would get the
+    longest of every round. Full rounds of num_programs items alternate direction instead, so
+    each program's sum is about the same (the dK/dV kernel's SMs ran 12% apart without it:
+    bench/NOTES.md 230); a last partial round goes forward, which keeps this a permutation of
+    [0, n_items)."""
+    p = gl.num_programs(0)
+    r = k // p
+    back = (r % 2 == 1) & ((r + 1) * p <= n_items)
+    return gl.where(back, r * p + (p - 1) - (k - r * p), k)
+
+
 @gluon.constexpr_function
 def _mma_layout(n):
     """The register layout of a [64, n] wgmma accumulator of one warpgroup."""
@@ -87,7 +101,8 @@ def _fwd_loader(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, rings, KE
     q_bytes: gl.constexpr = q_desc.block_type.nbytes * (2 if WITH_DO else 1)
     it = 0
     i = 0
-    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    for k in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        t = _snake(k, n_items)
         b, h, hk, hm, pid_m, n_tiles = _fwd_item(
             t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N
         )
@@ -272,7 +287,8 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H
     it = 0
     i = 0
     ppk = 0  # issues made (ping-pong turns taken)
-    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    for k in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        t = _snake(k, n_items)
         b, h, _, hm, pid_m, n_tiles = _fwd_item(
             t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N
         )
@@ -568,7 +584,8 @@ def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_item
     it = 0
     i = 0
     ppk = 0
-    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    for k in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        t = _snake(k, n_items)
         b, h, _, hm, pid_m, n_tiles = _fwd_item(
             t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N
         )
@@ -827,7 +844,8 @@ def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, stats_desc, rings, KEYS, KEY_C
     q_bytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes
     it = 0
     n_kv = 0
-    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    for k in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        t = _snake(k, n_items)
         b, hk, g0, n0, _, n_heads, _, _, t_lo, n_q = _dkdv_item(
             t, n_parts, n_bg, hkv, G, SPLIT, Lq, Lk, KEYS, KEY_COUNT, keys_stride_b,
             keys_stride_h, count_stride_b, mask_hdiv, BLOCK_M, BLOCK_N, IS_CAUSAL,
@@ -889,7 +907,8 @@ def _dkdv_consumer(DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COU
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
     it = 0
     n_kv = 0
-    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    for k in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        t = _snake(k, n_items)
         b, hk, g0, n0, part, n_heads, count, keys, t_lo, n_q = _dkdv_item(
             t, n_parts, n_bg, hkv, G, SPLIT, Lq, Lk, KEYS, KEY_COUNT, keys_stride_b,
             keys_stride_h, count_stride_b, mask_hdiv, BLOCK_M, BLOCK_N, IS_CAUSAL,
