@@ -720,22 +720,22 @@ def _dkdv_step(i, hk, G, g0, t_lo, steps, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _dkdv_stats(stats_smem, slot, query_l: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Row statistics (lse, lse_rem, delta) of the query tile in ring slot `slot`, one value
-    per row, converted to the step's layout where used (_dkdv_row): the dq kernel's (B, H,
-    Lq, 4) rows [lse, lse_rem, delta, 0] (launch.RowStats), brought by the loader with Q; rows
-    past Lq hold another head's or zeros, and are masked by the caller."""
-    row4: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0])
-    st = stats_smem.index(slot).load(row4)  # [BLOCK_M, 4]
-    even, odd = gl.split(st.reshape([BLOCK_M, 2, 2]))  # columns (0, 2) and (1, 3)
-    lse, delta = gl.split(even)
-    lse_rem, _ = gl.split(odd)
-    return lse, lse_rem, delta
-
-
-@gluon.jit
-def _dkdv_row(v, query_l: gl.constexpr):
-    return gl.convert_layout(v, query_l)
+def _dkdv_stats(stats_smem, slot, first: gl.constexpr, query_l: gl.constexpr,
+                BLOCK_M: gl.constexpr):  # fmt: skip
+    """Two of the row statistics of the query tile in ring slot `slot`, columns first and
+    first + 1 of the dq kernel's (B, H, Lq, 4) rows [lse, lse_rem, delta, 0]
+    (launch.RowStats), brought by the loader with Q: (lse, lse_rem) or (delta, 0), one value
+    per row in the step's query layout. Rows past Lq hold another head's or zeros, and are
+    masked by the caller. Each thread loads the rows of the query columns it holds in a [keys,
+    queries] wgmma accumulator (2 * (lane % 4) + {0, 1} + 8 j, alike in every warp and for
+    every lane / 4), so the split columns are already in that layout: a row-per-thread load
+    converts each column through shared memory, two warpgroup barriers apiece, six a step
+    (bench/NOTES.md 231). The pairs load apart, where each is used: all three columns live
+    together cost the consumer more spills."""
+    acc_cols: gl.constexpr = gl.BlockedLayout([2, 2], [4, 8], [1, 4], [0, 1])
+    pair = stats_smem.index(slot).slice(first, 2, dim=1).load(acc_cols)  # [BLOCK_M, 2]
+    a, b = gl.split(pair)
+    return gl.convert_layout(a, query_l), gl.convert_layout(b, query_l)  # no data moves
 
 
 @gluon.jit
@@ -797,7 +797,6 @@ def _dkdv_tile(i, it, item, rings, state, scale, FIRST: gl.constexpr, IS_CAUSAL:
             p_bias = bias_base + (h % G).to(gl.int64) * (Lq + off)  # rows of Lk biases
             b_row = gl.load(p_bias + r, mask=in_list, other=0.0).to(gl.float32)
     mbarrier.wait(rings.q_ready.index(slot), phase)
-    lse, lse_rem, delta = _dkdv_stats(rings.stats_smem, slot, query_l, BLOCK_M)
     st = warpgroup_mma(kc, q2.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                        use_acc=False, is_async=True)  # fmt: skip
     mbarrier.wait(rings.do_ready.index(slot), phase)
@@ -812,16 +811,16 @@ def _dkdv_tile(i, it, item, rings, state, scale, FIRST: gl.constexpr, IS_CAUSAL:
     x = st * scale
     if HAS_BIAS:
         x = x + b_row[:, None]
-    pt = gl.exp2(
-        ((x - _dkdv_row(lse, query_l)[None, :]) - _dkdv_row(lse_rem, query_l)[None, :]) * LOG2E
-    )
+    lse, lse_rem = _dkdv_stats(rings.stats_smem, slot, 0, query_l, BLOCK_M)
+    pt = gl.exp2(((x - lse[None, :]) - lse_rem[None, :]) * LOG2E)
     if not whole:
         pt = gl.where(_dkdv_ok(in_list, m0, Lq, pos, off, query_l, IS_CAUSAL, BLOCK_M), pt, 0.0)
     pt16 = gl.convert_layout(pt.to(dtype), a_layout)
     dv = warpgroup_mma(pt16, do2, dv, is_async=True)
     dpt = warpgroup_mma_wait(1, deps=[dpt])
     # dS^T keeps its own select: 0 * (dP^T - delta) is 0 only where both are finite.
-    dst = pt * (dpt - _dkdv_row(delta, query_l)[None, :])
+    delta, _ = _dkdv_stats(rings.stats_smem, slot, 2, query_l, BLOCK_M)
+    dst = pt * (dpt - delta[None, :])
     if not whole:
         dst = gl.where(_dkdv_ok(in_list, m0, Lq, pos, off, query_l, IS_CAUSAL, BLOCK_M), dst, 0.0)
     if DBIAS_COLS:
