@@ -945,17 +945,21 @@ def _dkdv_consumer(DK, DV, DBIAS, PART_DK, PART_DV, PART_DB, BIAS, KEYS, KEY_COU
             n_kv += 1
 
         r_a = gl.convert_layout(r, acc_rows)
-        in_k = (r_a < Lk)[:, None]
         dk = dk * scale
         if PARTIAL:
             # Float32 parts at list positions: attention_bwd_dkdv_reduce_kernel sums them in
-            # split order and stores them at the keys.
+            # split order and stores them at the keys; it reads positions below the count only
+            # (the keys past it get zeros there), so the parts past it are not written: at the
+            # model's B1 L32768 call (split 4, a quarter of the keys listed) they were 400 MB a
+            # call (bench/NOTES.md 232).
+            listed = r_a < count
             o_p = (part * Lk + r_a).to(gl.int64)[:, None] * D + cols[None, :]
-            gl.store(PART_DK + o_p, dk, mask=in_k)
-            gl.store(PART_DV + o_p, dv, mask=in_k)
+            gl.store(PART_DK + o_p, dk, mask=listed[:, None])
+            gl.store(PART_DV + o_p, dv, mask=listed[:, None])
             if DBIAS_COLS:
-                gl.store(PART_DB + part * Lk + r, db, mask=r < Lk)
+                gl.store(PART_DB + part * Lk + r, db, mask=in_list)
         else:
+            in_k = (r_a < Lk)[:, None]
             pos_a = gl.convert_layout(pos, acc_rows).to(gl.int64)[:, None]
             # DK, DV (B, Lk, Hkv, D) contiguous: row (b, key, hk) starts at ((b * Lk + key) *
             # Hkv + hk) * D.
