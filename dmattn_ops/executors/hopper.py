@@ -61,12 +61,11 @@ LONG_TILES_MIN_LK = 8192
 # compiled step 1.1 ms: 9.25 against 8.11).
 FORWARD_MIN_LK = 16384
 # ... and their backward from this many (dQ and dK/dV kernels): the compiled B1 L32768 step
-# 59.47 -> 56.32 ms on the H200. At 16384 keys both win since each step's dK product overlaps
-# the next step's (M-L16384: dQ 0.737 against the Triton kernel's 0.810 ms, dK/dV 1.199 against
-# 1.284; the B1 L16384 step 19.88 against 20.89 with the backward on Triton); at 8192 keys the
-# dK/dV kernel is behind (0.387 against 0.362) by more than the dQ kernel gains (0.240 against
-# 0.254).
-BACKWARD_MIN_LK = 16384
+# 59.47 -> 56.32 ms on the H200. At 8192 keys the dK/dV kernel was behind the Triton one (0.387
+# against 0.362 ms) until its programs took their items in a snake order and its row statistics
+# stopped going through shared memory (bench/NOTES.md 230-231): now 0.279, with dQ 0.227
+# against 0.254, and the compiled B1 L8192 step 8.25 / 8.18 -> 8.10 / 7.65 ms (two rounds).
+BACKWARD_MIN_LK = 8192
 DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 64, 64, 2
 # The dQ kernel's (BLOCK_N, STAGES, PINGPONG): the forward's programs and loader with dO beside
 # Q; 64-key tiles (its S, dP, dS and dQ in registers: 128-key tiles spill 504 bytes).
