@@ -9,18 +9,19 @@ two more, dQ (which also writes the row statistics) and dK/dV. With kernel optio
 lists, the packing and the reduction of split dK/dV parts stay on the Triton kernels; the dQ
 kernel reads the forward's lists and packed rows (kept for the backward: launch.KeptLists).
 
-The kernels are persistent: one program per SM loops over work items, longest first, and its
-loader warp fetches the next item's tiles (K, V and, for the forward and dQ, the list columns:
-the keys' positions and biases) while the consumers finish the current one.
+The kernels are persistent: one program per SM loops over work items, longest first (full
+rounds of the programs in alternating directions, so that each program's sum is about equal),
+and its loader warp fetches the next item's tiles (K, V and, for the forward and dQ, the list
+columns: the keys' positions and biases) while the consumers finish the current one.
 
 Where they pay (H200, torch 2.11, Triton 3.6, kernel ms of bench.tune's cases): the forward runs
 1.15-1.34x the Triton forward's rate at long lists (M-L32768: 2.02 ms against 2.71) since its
 list columns come through shared memory (carried in registers they spilled at 128-key tiles),
 the tiles every row sees whole skip the masks, and the consumers' issues alternate. The dQ
-kernel, the forward's structure with dO beside Q, runs M-L32768 in 2.70 ms against 3.03, the
-dK/dV kernel 4.17-4.28 against 5.17; at 8192 keys the dK/dV kernel is behind (0.39 against
-0.36), and a compiled step of short calls pays each launch's host time as an extern call
-(Inductor launches a Triton kernel in ~15 us): hence the thresholds (both 16384 keys now).
+kernel, the forward's structure with dO beside Q, runs M-L32768 in 2.57 ms against 3.03, the
+dK/dV kernel 3.56-3.59 against 5.17 (M-L8192: 0.265 against 0.362); a compiled step of short
+calls pays each launch's host time as an extern call (Inductor launches a Triton kernel in ~15
+us): hence the thresholds (the forward from 16384 keys, the backward from 8192).
 
 Gluon kernels cannot go through `torch.library.wrap_triton` (Inductor re-emits a user kernel's
 source under `@triton.jit`), so each launch is an op of its own, `dmattn::_hopper_forward`,
