@@ -47,7 +47,7 @@ def _snake(k, n_items):
     """The work item a persistent program takes at its index k (program_id, then + num_programs
     each turn). Items come longest first; taking them round-robin, program 0 would get the
     longest of every round. Full rounds of num_programs items alternate direction instead, so
-    each program's sum is about the same (the dK/dV kernel's SMs ran 12% apart without it:
+    each program's sum is about the same (the dK/dV kernel's SMs ran up to 13% apart without it:
     bench/NOTES.md 230); a last partial round goes forward, which keeps this a permutation of
     [0, n_items)."""
     p = gl.num_programs(0)

@@ -49,7 +49,7 @@ def test_cpu_timings_and_help_without_a_gpu(tmp_path):
         assert float(cells[timing]) > 0, row
     assert float(cells["work"]) == 1.0  # case A is dense: its work is the causal call's
     entries = ("bench", "bench.model", "bench.masks", "bench.window", "bench.tune", "bench.cp",
-               "bench.profile", "bench.glue", "bench.phases")  # fmt: skip
+               "bench.profile", "bench.glue", "bench.phases", "bench.rates")  # fmt: skip
     for entry in entries:
         res = subprocess.run([sys.executable, "-m", entry, "--help"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -412,6 +412,35 @@ def test_stage_rates_count_each_kernels_products():
     assert stage_rates(fused, scores, d) == pytest.approx(
         {"attention forward": 256.0, "attention backward, fused (cuDNN, flash)": 256.0}
     )
+
+
+def test_rates_rate_each_calls_attention_kernels_on_its_own_scores():
+    """bench.rates (issue 51's 75% of dense): the forward at 2 products of 2 * D flops a computed
+    score, the backward at 5 whatever it ran (our dQ and dK/dV kernels, or a fused one, and
+    their small kernels), each call on its own scores; the key-list call's key lists and the
+    gradients' accumulation are listed apart, not rated; x dense is the rate over the dense
+    call's of the same case."""
+    from bench.rates import row, table
+
+    d = 128  # 2 * D * 1e9 flops per product of 1e9 scores: 0.256 TFLOP
+    ours = row("M", "key lists", {"hopper_fwd_kernel": 1.0, "key_lists_kernel": 0.25},
+               {"hopper_dq_kernel": 2.0, "hopper_dkdv_kernel": 2.5,
+                "attention_bwd_dkdv_reduce_kernel": 0.5, "vectorized_elementwise_add": 0.5},
+               1e9, d)  # fmt: skip
+    assert ours["fwd ms"] == 1.0 and ours["bwd ms"] == 5.0 and ours["other ms"] == 0.75
+    assert ours["fwd TFLOP/s"] == pytest.approx(512.0)
+    assert ours["bwd TFLOP/s"] == pytest.approx(256.0)
+    assert ours["other kernels"] == "key_lists_kernel"
+    dense = row("M", "dense",
+                {"cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16": 2.0},
+                {"cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": 3.9,
+                 "convert_dq": 0.1}, 4e9, d)  # fmt: skip
+    assert dense["fwd TFLOP/s"] == pytest.approx(1024.0)
+    assert dense["bwd TFLOP/s"] == pytest.approx(1280.0)
+    lines = table([ours, dense]).splitlines()
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:2] == ["M", "key lists"]
+    assert cells[7:9] == ["0.50", "0.20"]  # 512 / 1024, 256 / 1280
 
 
 def test_model_rounds_alternate_and_take_each_variants_median(monkeypatch):

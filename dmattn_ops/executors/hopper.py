@@ -64,7 +64,7 @@ FORWARD_MIN_LK = 16384
 # ... and their backward from this many (dQ and dK/dV kernels): the compiled B1 L32768 step
 # 59.47 -> 56.32 ms on the H200. At 8192 keys the dK/dV kernel was behind the Triton one (0.387
 # against 0.362 ms) until its programs took their items in a snake order and its row statistics
-# stopped going through shared memory (bench/NOTES.md 230-231): now 0.279, with dQ 0.227
+# stopped going through shared memory (bench/NOTES.md 230-232): now 0.265, with dQ 0.228
 # against 0.254, and the compiled B1 L8192 step 8.25 / 8.18 -> 8.10 / 7.65 ms (two rounds).
 BACKWARD_MIN_LK = 8192
 DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 64, 64, 2

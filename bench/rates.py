@@ -1,0 +1,142 @@
+"""Key-list calls against dense attention, kernel by kernel: ``python -m bench.rates [--cases
+M-L8192,M-L32768] [--rounds 2]``.
+
+Issue 51 asks the key-list calls' forward and backward for at least 75% of the dense path's
+TFLOP/s on the scores each computes, at 8192 and 32768 keys. For each of bench.tune's cases
+(the model's DMA call at one length: B1 H16 Hkv4 D128, a per-key top-L/4 mask and bias,
+causal), this times our call and SDPA's dense causal call at the same shape, the forward and
+the backward apart (the backward replayed on one retained graph), each kernel's device time
+from the profiler (bench.timeline.kernel_times). The attention kernels' time (bench.model
+is_attention_kernel) is rated on the scores each call computes (bench.__main__.allowed_entries:
+ours the listed keys at or before each query, SDPA every causal one): the forward counts 2
+products of 2 D flops a score, the backward 5, a fused backward's, whatever it ran (ours runs
+7: its dQ kernel recomputes S and dP), so both sides' backward rates count the same work. The
+key-list call's other kernels (its key lists) are listed beside, not rated. Rounds alternate
+the two calls; each figure is the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+FORWARD_PRODUCTS, BACKWARD_PRODUCTS = 2, 5
+ROUNDS = 2
+
+
+def pass_times(f, q, k, v, bias, g) -> tuple[dict, dict]:
+    """{kernel name: device ms per call} of the forward, then of the backward (replayed on one
+    retained graph; the gradients' accumulation between replays is not an attention kernel)."""
+    from bench.timeline import kernel_times
+
+    forward = {name: ms for name, ms, _ in kernel_times(lambda: f(q, k, v, bias))}
+    out = f(q, k, v, bias)
+    backward = {
+        name: ms
+        for name, ms, _ in kernel_times(lambda: out.backward(g, retain_graph=True))
+    }  # fmt: skip
+    return forward, backward
+
+
+def split_attention(times: dict) -> tuple[float, float, list[str]]:
+    """(attention kernels' ms, the others' ms, the others' names) of {kernel name: ms}."""
+    from bench.model import is_attention_kernel
+
+    attention = sum(ms for name, ms in times.items() if is_attention_kernel(name))
+    others = {name: ms for name, ms in times.items() if not is_attention_kernel(name)}
+    return attention, sum(others.values()), sorted(others, key=lambda n: -others[n])
+
+
+def rate(ms: float, scores: float, products: int, head_dim: int) -> float:
+    """TFLOP/s of `products` products of 2 * head_dim flops a score over `scores` in `ms`."""
+    return products * 2 * head_dim * scores / ms / 1e9 if ms > 0 else 0.0
+
+
+def row(case: str, call: str, forward: dict, backward: dict, scores: float, head_dim: int):
+    """One table row of a call's pass times (pass_times, medians over rounds)."""
+    fwd, fwd_other, fwd_names = split_attention(forward)
+    bwd, bwd_other, _ = split_attention(backward)
+    return {
+        "case": case, "call": call, "scores": scores, "fwd ms": fwd, "bwd ms": bwd,
+        "fwd TFLOP/s": rate(fwd, scores, FORWARD_PRODUCTS, head_dim),
+        "bwd TFLOP/s": rate(bwd, scores, BACKWARD_PRODUCTS, head_dim),
+        "other ms": fwd_other + bwd_other,
+        "other kernels": ", ".join(n[:28] for n in fwd_names[:3]),
+    }  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    """The rows (row) with each key-list call's rates over the dense call's of its case."""
+    from bench.tables import markdown
+
+    dense = {r["case"]: r for r in rows if r["call"] == "dense"}
+    out = []
+    for r in rows:
+        d = dense.get(r["case"])
+        ratio = [r[k] / d[k] if d and d[k] else 0.0 for k in ("fwd TFLOP/s", "bwd TFLOP/s")]
+        out.append([r["case"], r["call"], r["scores"] / 1e9, r["fwd ms"], r["bwd ms"],
+                    r["fwd TFLOP/s"], r["bwd TFLOP/s"], *ratio, r["other ms"],
+                    r["other kernels"]])  # fmt: skip
+    headers = ["case", "call", "G scores", "fwd ms", "bwd ms", "fwd TFLOP/s", "bwd TFLOP/s",
+               "fwd x dense", "bwd x dense", "other ms", "other kernels (forward)"]  # fmt: skip
+    return markdown(headers, out, ("", "", ".3f", ".3f", ".3f", ".0f", ".0f", ".2f", ".2f",
+                                   ".3f", ""))  # fmt: skip
+
+
+def _median_times(samples: list[dict]) -> dict:
+    names = {name for s in samples for name in s}
+    return {n: sorted(s.get(n, 0.0) for s in samples)[len(samples) // 2] for n in names}
+
+
+def measure(case_name: str, rounds: int) -> list[dict]:
+    """The key-list call's row and the dense call's of one bench.tune case."""
+    from bench.__main__ import Inputs, allowed_entries, build, impl_ours, impl_sdpa
+    from bench.tune import TUNE_CASES
+
+    x = build(TUNE_CASES[case_name], "cuda", torch.bfloat16)
+    dense_x = Inputs(x.q, x.k, x.v, None, None, x.is_causal, None)
+    calls = {"key lists": (impl_ours(x), x), "dense": (impl_sdpa(dense_x), dense_x)}
+    samples: dict[str, list] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, (f, inputs) in calls.items():
+            q, k, v = (t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+            bias = inputs.bias.detach().requires_grad_() if inputs.bias is not None else None
+            samples[name].append(pass_times(f, q, k, v, bias, torch.randn_like(q)))
+            torch.cuda.synchronize()
+    rows = []
+    for name, (_, inputs) in calls.items():
+        forward = _median_times([s[0] for s in samples[name]])
+        backward = _median_times([s[1] for s in samples[name]])
+        rows.append(row(case_name, name, forward, backward, allowed_entries(inputs),
+                        inputs.q.shape[-1]))  # fmt: skip
+    return rows
+
+
+def main(argv=None) -> int:
+    from bench.__main__ import header
+    from bench.tune import TUNE_CASES
+
+    p = argparse.ArgumentParser(prog="python -m bench.rates", description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="M-L8192,M-L32768")
+    p.add_argument("--rounds", type=int, default=ROUNDS)
+    args = p.parse_args(argv)
+    for name in args.cases.split(","):
+        if name not in TUNE_CASES:
+            p.error(f"unknown case {name!r}; the cases are {', '.join(TUNE_CASES)}")
+    if not torch.cuda.is_available():
+        print("bench.rates needs a CUDA GPU")
+        return 0
+    print(header(), flush=True)
+    rows = []
+    for name in args.cases.split(","):
+        rows += measure(name, args.rounds)
+        print(table(rows), flush=True)
+    print()
+    print(header())
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
