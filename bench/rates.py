@@ -1,5 +1,6 @@
-"""Key-list calls against dense attention, kernel by kernel: ``python -m bench.rates [--cases
-M-L8192,M-L32768] [--rounds 2]``.
+"""Key-list calls against dense attention, kernel by kernel, in TFLOP/s on computed scores.
+
+``python -m bench.rates [--cases M-L8192,M-L32768] [--rounds 2]``
 
 Issue 51 asks the key-list calls' forward and backward for at least 75% of the dense path's
 TFLOP/s on the scores each computes, at 8192 and 32768 keys. For each of bench.tune's cases
@@ -131,10 +132,8 @@ def main(argv=None) -> int:
     rows = []
     for name in args.cases.split(","):
         rows += measure(name, args.rounds)
-        print(table(rows), flush=True)
-    print()
-    print(header())
-    print(table(rows))
+        print(table(rows[-2:]), flush=True)  # the case's two calls, as they come
+    print(f"\n{header()}\n{table(rows)}")  # every case, last
     return 0
 
 
