@@ -186,6 +186,11 @@ STAGE_PRODUCTS = {"attention forward": 2, "attention dQ": 3, "attention dK/dV": 
                   "attention backward, fused (cuDNN, flash)": 5}  # fmt: skip
 
 
+def tflops(ms: float, scores: float, products: int, head_dim: int) -> float:
+    """TFLOP/s of `products` products of 2 * head_dim flops a score over `scores` in `ms`."""
+    return products * 2 * head_dim * scores / ms / 1e9 if ms > 0 else 0.0
+
+
 def stage_rates(total: dict, scores: float, head_dim: int) -> dict[str, float]:
     """TFLOP/s on the computed scores of each attention stage of {kernel name: ms per step}
     (issue 51: forward, dQ and dK/dV apart), counting the products its kernels run
@@ -196,7 +201,7 @@ def stage_rates(total: dict, scores: float, head_dim: int) -> dict[str, float]:
     skip = ("attention dQ", "attention dK/dV") if "attention backward, fused (cuDNN, flash)" in (
         by_stage) else ()  # fmt: skip
     return {
-        stage: products * 2 * head_dim * scores / by_stage[stage] / 1e9
+        stage: tflops(by_stage[stage], scores, products, head_dim)
         for stage, products in STAGE_PRODUCTS.items()
         if by_stage.get(stage, 0.0) > 0 and stage not in skip
     }

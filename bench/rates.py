@@ -49,19 +49,16 @@ def split_attention(times: dict) -> tuple[float, float, list[str]]:
     return attention, sum(others.values()), sorted(others, key=lambda n: -others[n])
 
 
-def rate(ms: float, scores: float, products: int, head_dim: int) -> float:
-    """TFLOP/s of `products` products of 2 * head_dim flops a score over `scores` in `ms`."""
-    return products * 2 * head_dim * scores / ms / 1e9 if ms > 0 else 0.0
-
-
 def row(case: str, call: str, forward: dict, backward: dict, scores: float, head_dim: int):
     """One table row of a call's pass times (pass_times, medians over rounds)."""
+    from bench.model import tflops
+
     fwd, fwd_other, fwd_names = split_attention(forward)
     bwd, bwd_other, _ = split_attention(backward)
     return {
         "case": case, "call": call, "scores": scores, "fwd ms": fwd, "bwd ms": bwd,
-        "fwd TFLOP/s": rate(fwd, scores, FORWARD_PRODUCTS, head_dim),
-        "bwd TFLOP/s": rate(bwd, scores, BACKWARD_PRODUCTS, head_dim),
+        "fwd TFLOP/s": tflops(fwd, scores, FORWARD_PRODUCTS, head_dim),
+        "bwd TFLOP/s": tflops(bwd, scores, BACKWARD_PRODUCTS, head_dim),
         "other ms": fwd_other + bwd_other,
         "other kernels": ", ".join(n[:28] for n in fwd_names[:3]),
     }  # fmt: skip
@@ -86,8 +83,11 @@ def table(rows: list[dict]) -> str:
 
 
 def _median_times(samples: list[dict]) -> dict:
+    """{kernel name: the median over samples of its ms} (0 in a sample without it)."""
+    from bench.model import _median
+
     names = {name for s in samples for name in s}
-    return {n: sorted(s.get(n, 0.0) for s in samples)[len(samples) // 2] for n in names}
+    return {n: _median([s.get(n, 0.0) for s in samples]) for n in names}
 
 
 def measure(case_name: str, rounds: int) -> list[dict]:

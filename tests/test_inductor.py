@@ -79,10 +79,14 @@ def test_traced_graphs_hold_the_launchers_not_the_ops(monkeypatch):
         torch.testing.assert_close(g, r)
 
 
+def _call_targets(graphs) -> list[str]:
+    """The targets of `graphs`' call_function nodes, as strings."""
+    return [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+
+
 def _kernel_nodes(graphs) -> int:
     """The user Triton kernels launched in `graphs` (torch.library.wrap_triton's nodes)."""
-    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
-    return sum("triton_kernel_wrapper" in t for t in targets)
+    return sum("triton_kernel_wrapper" in t for t in _call_targets(graphs))
 
 
 def test_calls_that_want_no_gradient_are_traced_too(monkeypatch):
@@ -143,7 +147,7 @@ def test_traced_topk_writes_bytes_and_compares(inductor_kernels):
     allowed = make_mask((2, 1, 1, 50), 0.8, "cuda")
     got, graphs = _graphs_of(lambda b, m: topk_mask(b, 12, m), bias, allowed)
     assert dmattn_nodes(graphs) == []
-    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    targets = _call_targets(graphs)
     assert any("triton_kernel_wrapper" in t for t in targets)
     assert "aten.ne.Scalar" in targets
     assert got.dtype == torch.bool and torch.equal(got, topk_mask(bias, 12, allowed))
@@ -180,7 +184,7 @@ def test_traced_topk_of_long_rows_reads_them_in_chunks(inductor_kernels, monkeyp
         torch._dynamo.reset()
         fn = lambda b, m, s=block_size: topk_mask(b, 12, m, block_size=s)
         got, graphs = _graphs_of(fn, bias, allowed)
-        targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+        targets = _call_targets(graphs)
         assert any("triton_kernel_wrapper" in t for t in targets)
         assert torch.equal(got, fn(bias, allowed)), block_size  # eager: tests/test_masks.py
 
@@ -196,7 +200,7 @@ def test_layer_passes_the_selection_buffer_on(inductor_kernels):
     torch.manual_seed(0)
     bias = make_bias((2, 3, 1, 50), dtype=torch.float32, device="cuda")
     got, graphs = _graphs_of(lambda b: select_topk(b, 12, direct=True), bias)
-    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    targets = _call_targets(graphs)
     assert any("triton_kernel_wrapper" in t for t in targets)
     assert "aten.ne.Scalar" not in targets
     assert got.dtype == torch.bool and torch.equal(got, topk_mask(bias, 12))
@@ -220,7 +224,7 @@ def test_layer_passes_the_selection_buffer_on(inductor_kernels):
         torch._dynamo.reset()
         compiler = aot_autograd(fw_compiler=keep)
         torch.compile(make(backend).cuda(), backend=compiler, fullgraph=True)(x)
-        targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+        targets = _call_targets(graphs)
         assert any("triton_kernel_wrapper" in t for t in targets), backend
         assert ("aten.ne.Scalar" in targets) == compares, backend
     # Through Inductor, within fp32's own error of the float64 oracle layer.
