@@ -82,7 +82,7 @@ def _fwd_item(t, n_bh, H, G, NQ, mask_hdiv, KEY_END, end_stride_b, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _fwd_loader(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, rings, KEY_END,
+def _fwd_loader(q_desc, do_desc, o_desc, k_desc, v_desc, keys_desc, bias_desc, rings, KEY_END,
                 end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items, n_bh, H,
                 G, NQ, mask_hdiv, Lk, WITH_DO: gl.constexpr, HAS_BIAS: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
@@ -98,7 +98,7 @@ def _fwd_loader(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, rings, KE
         k_desc.block_type.nbytes + keys_desc.block_type.nbytes
         + (bias_desc.block_type.nbytes if HAS_BIAS else 0)
     )  # fmt: skip
-    q_bytes: gl.constexpr = q_desc.block_type.nbytes * (2 if WITH_DO else 1)
+    q_bytes: gl.constexpr = q_desc.block_type.nbytes * (3 if WITH_DO else 1)
     it = 0
     i = 0
     for k in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -119,6 +119,12 @@ def _fwd_loader(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, rings, KE
                     [b, m0 + c * BLOCK_M, h, 0],
                     rings.q_bars.index(c),
                     rings.do_smem.index(c),
+                )
+                _tma_load(
+                    o_desc,
+                    [b, m0 + c * BLOCK_M, h, 0],
+                    rings.q_bars.index(c),
+                    rings.o_smem.index(c),
                 )
         keys0 = (b * keys_rows_b + hm) * Lk
         bias0 = ((b * (H // G) + hk) * bias_heads + (h % G) * bias_head_mul) * Lk
@@ -373,6 +379,7 @@ class _Rings:
 
     q_smem: gl.shared_memory_descriptor
     do_smem: gl.shared_memory_descriptor
+    o_smem: gl.shared_memory_descriptor
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
     kcol_smem: gl.shared_memory_descriptor
@@ -385,23 +392,26 @@ class _Rings:
     kv_empty: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, q_smem, do_smem, k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty,
-                 pp, k_ready, v_ready, kv_empty):  # fmt: skip
-        self.q_smem, self.do_smem, self.k_smem, self.v_smem = q_smem, do_smem, k_smem, v_smem
+    def __init__(self, q_smem, do_smem, o_smem, k_smem, v_smem, kcol_smem, bcol_smem, q_bars,
+                 q_empty, pp, k_ready, v_ready, kv_empty):  # fmt: skip
+        self.q_smem, self.do_smem, self.o_smem = q_smem, do_smem, o_smem
+        self.k_smem, self.v_smem = k_smem, v_smem
         self.kcol_smem, self.bcol_smem = kcol_smem, bcol_smem
         self.q_bars, self.q_empty, self.pp = q_bars, q_empty, pp
         self.k_ready, self.v_ready, self.kv_empty = k_ready, v_ready, kv_empty
 
 
 @gluon.jit
-def _rings(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, WITH_DO: gl.constexpr,
+def _rings(q_desc, do_desc, o_desc, k_desc, v_desc, keys_desc, bias_desc, WITH_DO: gl.constexpr,
            HAS_BIAS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """The forward's and dQ kernel's _Rings, allocated, the barriers initialised."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_smem = q_smem
+    o_smem = q_smem
     if WITH_DO:
         do_smem = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     kcol_smem = gl.allocate_shared_memory(
@@ -425,8 +435,8 @@ def _rings(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, WITH_DO: gl.co
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
-    return _Rings(q_smem, do_smem, k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty, pp,
-                  k_ready, v_ready, kv_empty)  # fmt: skip
+    return _Rings(q_smem, do_smem, o_smem, k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty,
+                  pp, k_ready, v_ready, kv_empty)  # fmt: skip
 
 
 @gluon.jit
@@ -461,7 +471,9 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, keys_desc, bias_desc, OUT, LSE, LS
     )
     n_bh = n_items // gl.cdiv(NQ, 2)
 
-    rings = _rings(q_desc, q_desc, k_desc, v_desc, keys_desc, bias_desc, False, HAS_BIAS, STAGES)
+    rings = _rings(
+        q_desc, q_desc, q_desc, k_desc, v_desc, keys_desc, bias_desc, False, HAS_BIAS, STAGES
+    )
     # the two consumers: the default partition (C = 0) and a worker (C = 1)
     gl.warp_specialize([
         (_fwd_consumer, (OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H, G, NQ,
@@ -472,7 +484,8 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, keys_desc, bias_desc, OUT, LSE, LS
                          mask_hdiv, Lq, Lk, scale, stride_ob, stride_om, stride_oh, end_stride_b,
                          count_stride_b, 1, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D,
                          STAGES)),
-        (_fwd_loader, (q_desc, q_desc, k_desc, v_desc, keys_desc, bias_desc, rings, KEY_END,
+        (_fwd_loader, (q_desc, q_desc, q_desc, k_desc, v_desc, keys_desc, bias_desc, rings,
+                       KEY_END,
                        end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items, n_bh, H, G,
                        NQ, mask_hdiv, Lk, False, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip
@@ -482,19 +495,20 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, keys_desc, bias_desc, OUT, LSE, LS
 
 
 @gluon.jit
-def _dq_stats(STATS, OUT, LSE, LSE_REM, do2, b, h, mr, H, Lq, stride_ob, stride_om, stride_oh,
-              row_l: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):  # fmt: skip
+def _dq_stats(STATS, o2, LSE, LSE_REM, do2, b, h, mr, H, Lq, row_l: gl.constexpr,
+              BLOCK_M: gl.constexpr, D: gl.constexpr):  # fmt: skip
     """The backward's row statistics of query rows mr... of head h (launch.RowStats): delta =
-    rowsum(dO * O) from dO in shared memory and O from global, lse (0 where the forward stored
-    -inf) and lse_rem; stored as float32 rows [lse, lse_rem, delta, 0] of STATS for the dK/dV
-    kernel launched after this one, and returned in layout row_l."""
-    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    rows = mr + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, tile_l))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, tile_l))
+    rowsum(dO * O) from dO and O in shared memory (the loader brings both with Q; rows past Lq
+    are zeros there), lse (0 where the forward stored -inf) and lse_rem; stored as float32 rows
+    [lse, lse_rem, delta, 0] of STATS for the dK/dV kernel launched after this one, and
+    returned in layout row_l. The tiles load in a [BLOCK_M, D] wgmma accumulator's layout,
+    whose rows are row_l's (a [BLOCK_M, BLOCK_N] accumulator's: the rows of a warpgroup's
+    wgmma do not depend on N), so no row vector goes through shared memory."""
+    acc_l: gl.constexpr = _mma_layout(D)
+    delta = gl.sum(o2.load(acc_l).to(gl.float32) * do2.load(acc_l).to(gl.float32), axis=1)
+    delta = gl.convert_layout(delta, row_l)  # no data moves
+    rows = mr + gl.arange(0, BLOCK_M, layout=row_l)
     in_q = rows < Lq
-    p_o = OUT + b.to(gl.int64) * stride_ob + h * stride_oh + rows.to(gl.int64)[:, None] * stride_om
-    o = gl.load(p_o + cols[None, :], mask=in_q[:, None], other=0.0).to(gl.float32)
-    delta = gl.sum(o * do2.load(tile_l).to(gl.float32), axis=1)
     o_row = (b * H + h).to(gl.int64) * Lq + rows
     lse = gl.load(LSE + o_row, mask=in_q, other=0.0)
     lse = gl.where(lse == float("-inf"), 0.0, lse)
@@ -503,8 +517,7 @@ def _dq_stats(STATS, OUT, LSE, LSE_REM, do2, b, h, mr, H, Lq, stride_ob, stride_
     gl.store(STATS + o_row * 4 + 1, lse_rem, mask=in_q)
     gl.store(STATS + o_row * 4 + 2, delta, mask=in_q)
     gl.store(STATS + o_row * 4 + 3, gl.zeros_like(delta), mask=in_q)
-    return (gl.convert_layout(lse, row_l), gl.convert_layout(lse_rem, row_l),
-            gl.convert_layout(delta, row_l))  # fmt: skip
+    return lse, lse_rem, delta
 
 
 @gluon.jit
@@ -562,7 +575,7 @@ def _dq_step(j, it, ppk, q2, do2, rings, dq, ds16, stats, count, rows, off, scal
 
 
 @gluon.jit
-def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H, G,
+def _dq_consumer(DQ, STATS, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H, G,
                  NQ, mask_hdiv, Lq, Lk, scale, stride_b, stride_m, stride_h, end_stride_b,
                  count_stride_b, C: gl.constexpr, IS_CAUSAL: gl.constexpr,
                  HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -570,8 +583,8 @@ def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_item
     """Rows C * BLOCK_M onwards of each work item's query pair: their row statistics
     (_dq_stats), then key tile by key tile (_dq_step; the tiles every row sees whole first,
     unmasked, as in the forward) dQ = scale * sum dS K, stored in DQ's dtype. Q's and dO's
-    slot is released once the item's last products that read them are done. DQ and OUT are
-    both (B, Lq, H, D) contiguous: one set of strides (batch, row, head) serves both."""
+    slot (and O's, which the statistics read) is released once the item's last products that
+    read them are done. DQ is (B, Lq, H, D) contiguous."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     acc_layout: gl.constexpr = _mma_layout(D)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -595,8 +608,8 @@ def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_item
         )  # fmt: skip
         dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
         mbarrier.wait(rings.q_bars.index(C), i & 1)
-        stats = _dq_stats(STATS, OUT, LSE, LSE_REM, do2, b, h, mr, H, Lq, stride_b, stride_m,
-                          stride_h, row_s, BLOCK_M, D)  # fmt: skip
+        o2 = rings.o_smem.index(C).reshape([BLOCK_M, D])
+        stats = _dq_stats(STATS, o2, LSE, LSE_REM, do2, b, h, mr, H, Lq, row_s, BLOCK_M, D)
         if n_tiles > 0:
             slot = it % STAGES
             mbarrier.wait(rings.k_ready.index(slot), (it // STAGES) & 1)
@@ -648,7 +661,7 @@ def _dq_consumer(DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_item
 
 
 @gluon.jit
-def hopper_dq_kernel(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, DQ, STATS, OUT, LSE,
+def hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, keys_desc, bias_desc, DQ, STATS, LSE,
                      LSE_REM, KEY_END, KEY_COUNT, keys_rows_b, end_stride_b, count_stride_b,
                      bias_heads, mask_hdiv, scale, IS_CAUSAL: gl.constexpr,
                      HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -656,26 +669,29 @@ def hopper_dq_kernel(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, DQ, 
                      num_warps: gl.constexpr):  # fmt: skip
     """The forward's persistent programs and work items (hopper_fwd_kernel), each computing
     dQ of its two query tiles and their row statistics: K and V (packed, both zero past each
-    list: dS = 0 there meets K) through the forward's loader, dO with Q. Reads O and writes DQ,
-    both (B, Lq, H, D) contiguous, and STATS."""
+    list: dS = 0 there meets K) through the forward's loader, dO and O with Q. Writes DQ (B, Lq,
+    H, D) contiguous and STATS."""
     gl.static_assert(num_warps == 4)
     H, G, Lq, Lk, NQ, n_items, bias_head_mul, stride_b, stride_m, stride_h = _rows_shape(
         q_desc, k_desc, bias_heads, BLOCK_M, D
     )
     n_bh = n_items // gl.cdiv(NQ, 2)
 
-    rings = _rings(q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, True, HAS_BIAS, STAGES)
+    rings = _rings(
+        q_desc, do_desc, o_desc, k_desc, v_desc, keys_desc, bias_desc, True, HAS_BIAS, STAGES
+    )
     # the two consumers, as in the forward
     gl.warp_specialize([
-        (_dq_consumer, (DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H,
+        (_dq_consumer, (DQ, STATS, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H,
                         G, NQ, mask_hdiv, Lq, Lk, scale, stride_b, stride_m, stride_h,
                         end_stride_b, count_stride_b, 0, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M,
                         BLOCK_N, D, STAGES)),
-        (_dq_consumer, (DQ, STATS, OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H,
+        (_dq_consumer, (DQ, STATS, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H,
                         G, NQ, mask_hdiv, Lq, Lk, scale, stride_b, stride_m, stride_h,
                         end_stride_b, count_stride_b, 1, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M,
                         BLOCK_N, D, STAGES)),
-        (_fwd_loader, (q_desc, do_desc, k_desc, v_desc, keys_desc, bias_desc, rings, KEY_END,
+        (_fwd_loader, (q_desc, do_desc, o_desc, k_desc, v_desc, keys_desc, bias_desc, rings,
+                       KEY_END,
                        end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items, n_bh, H, G,
                        NQ, mask_hdiv, Lk, True, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip
