@@ -62,6 +62,37 @@ def _mma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
+@gluon.constexpr_function
+def _store_layout(n):
+    """A register layout of a [64, n] tile (n a power of two, at least 32) for storing a wgmma
+    accumulator's values: the accumulator's own has each thread hold column pairs 8 apart, so a
+    warp's 4-byte store half-fills 32-byte sectors (32 such stores a thread for a [64, 128]
+    tile); here lane bit 0 and the register bit of column 8 swap places, so a thread holds 4
+    adjacent columns and a warp's 8-byte store fills whole sectors (16 a thread). Rows stay in
+    their warps, so the conversion is one shuffle a register pair, not a trip through shared
+    memory (which the forward has no room for; a second swap to 16-byte stores measured no
+    better: bench/NOTES.md 240)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]] + [[0, 1 << e] for e in range(4, n.bit_length() - 1)],
+        lane_bases=[[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, n],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _store_tile(base, x, m0, Lq, stride_m, BLOCK_M: gl.constexpr, D: gl.constexpr):
+    """Rows m0 .. m0 + BLOCK_M (those below Lq) of a (rows, D) tile at base (row stride
+    stride_m, contiguous along D) from x, a wgmma accumulator-layout [BLOCK_M, D] tile of 16-bit
+    values, through _store_layout (the forward's and dQ kernel's epilogues took ~4500
+    cycles an item with the accumulator's 4-byte stores, ~2500 with these: NOTES 239-240)."""
+    layout: gl.constexpr = _store_layout(D)
+    x = gl.convert_layout(x, layout)
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    ptr = base + rows.to(gl.int64)[:, None] * stride_m + cols[None, :]
+    gl.store(ptr, x, mask=(rows < Lq)[:, None])
+
+
 # Forward ---------------------------------------------------------------------------------------
 
 
@@ -359,11 +390,8 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H
         lse_rem = (m_r - a_virtual) + (log_sum - b_virtual)
         lse = gl.where(nonempty, lse, float("-inf"))
         lse_rem = gl.where(nonempty, lse_rem, 0.0)
-        rows_o = mr + gl.arange(0, BLOCK_M, layout=row_o)
-        cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         p_out = OUT + b.to(gl.int64) * stride_ob + h * stride_oh
-        p_out = p_out + rows_o.to(gl.int64)[:, None] * stride_om + cols_o[None, :]
-        gl.store(p_out, o.to(dtype), mask=(rows_o < Lq)[:, None])
+        _store_tile(p_out, o.to(dtype), mr, Lq, stride_om, BLOCK_M, D)
         o_row = (b * H + h).to(gl.int64) * Lq + rows
         gl.store(LSE + o_row, lse, mask=rows < Lq)
         gl.store(LSE_REM + o_row, lse_rem, mask=rows < Lq)
@@ -653,11 +681,8 @@ def _dq_consumer(DQ, STATS, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_
         it += n_tiles
         i += 1  # noqa: SIM113 (Gluon loops take no enumerate)
 
-        rows_a = mr + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        cols_a = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
         p_dq = DQ + b.to(gl.int64) * stride_b + h * stride_h
-        p_dq = p_dq + rows_a.to(gl.int64)[:, None] * stride_m + cols_a[None, :]
-        gl.store(p_dq, (dq * scale).to(dtype), mask=(rows_a < Lq)[:, None])
+        _store_tile(p_dq, (dq * scale).to(dtype), mr, Lq, stride_m, BLOCK_M, D)
 
 
 @gluon.jit
