@@ -18,8 +18,8 @@ Where they pay (H200, torch 2.11, Triton 3.6, kernel ms of bench.tune's cases): 
 1.15-1.34x the Triton forward's rate at long lists (M-L32768: 2.02 ms against 2.71) since its
 list columns come through shared memory (carried in registers they spilled at 128-key tiles),
 the tiles every row sees whole skip the masks, and the consumers' issues alternate. The dQ
-kernel, the forward's structure with dO beside Q, runs M-L32768 in 2.57 ms against 3.03, the
-dK/dV kernel 3.56-3.59 against 5.17 (M-L8192: 0.265 against 0.362); a compiled step of short
+kernel, the forward's structure with dO and O beside Q, runs M-L32768 in 2.56 ms against 3.03,
+the dK/dV kernel 3.56-3.59 against 5.17 (M-L8192: 0.265 against 0.362); a compiled step of short
 calls pays each launch's host time as an extern call (Inductor launches a Triton kernel in ~15
 us): hence the thresholds (the forward from 16384 keys, the backward from 8192).
 
@@ -65,7 +65,8 @@ FORWARD_MIN_LK = 16384
 # 59.47 -> 56.32 ms on the H200. At 8192 keys the dK/dV kernel was behind the Triton one (0.387
 # against 0.362 ms) until its programs took their items in a snake order and its row statistics
 # stopped going through shared memory (bench/NOTES.md 230-232): now 0.265, with dQ 0.228
-# against 0.254, and the compiled B1 L8192 step 8.25 / 8.18 -> 8.10 / 7.65 ms (two rounds).
+# against 0.254 (0.209 since NOTES 239-240), and the compiled B1 L8192 step 8.25 / 8.18 -> 8.10
+# / 7.65 ms (two rounds).
 BACKWARD_MIN_LK = 8192
 DKDV_BLOCK_M, DKDV_BLOCK_N, DKDV_STAGES = 64, 64, 2
 # The dQ kernel's (BLOCK_N, STAGES, PINGPONG): the forward's programs and loader with dO beside
