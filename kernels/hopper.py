@@ -118,8 +118,8 @@ def _fwd_loader(q_desc, do_desc, o_desc, k_desc, v_desc, keys_desc, bias_desc, r
                 G, NQ, mask_hdiv, Lk, WITH_DO: gl.constexpr, HAS_BIAS: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """The loader of the forward and dQ kernels. For each work item of this program: both
-    consumers' Q tiles (with WITH_DO, the dQ kernel's, their dO tiles on the same barrier; once
-    each consumer released its previous ones), then for list positions [0, n_tiles * BLOCK_N)
+    consumers' Q tiles (with WITH_DO, the dQ kernel's, their dO and O tiles on the same
+    barrier; once each consumer released its previous ones), then for list positions [0, n_tiles * BLOCK_N)
     the K tile with its list columns (the keys' positions and biases, flat 1-D boxes: a box
     running past its row reads the next row's, which only masked columns hold) and the V tile,
     into a STAGES-deep ring shared across items; a slot is reused once both consumers released
