@@ -119,12 +119,13 @@ def _fwd_loader(q_desc, do_desc, o_desc, k_desc, v_desc, keys_desc, bias_desc, r
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """The loader of the forward and dQ kernels. For each work item of this program: both
     consumers' Q tiles (with WITH_DO, the dQ kernel's, their dO and O tiles on the same
-    barrier; once each consumer released its previous ones), then for list positions [0, n_tiles * BLOCK_N)
-    the K tile with its list columns (the keys' positions and biases, flat 1-D boxes: a box
-    running past its row reads the next row's, which only masked columns hold) and the V tile,
-    into a STAGES-deep ring shared across items; a slot is reused once both consumers released
-    it. So the next item's loads run under the current item's last products and epilogue, and
-    the consumers read the columns from shared memory instead of carrying them in registers."""
+    barrier; once each consumer released its previous ones), then for list positions
+    [0, n_tiles * BLOCK_N) the K tile with its list columns (the keys' positions and biases,
+    flat 1-D boxes: a box running past its row reads the next row's, which only masked columns
+    hold) and the V tile, into a STAGES-deep ring shared across items; a slot is reused once
+    both consumers released it. So the next item's loads run under the current item's last
+    products and epilogue, and the consumers read the columns from shared memory instead of
+    carrying them in registers."""
     k_bytes: gl.constexpr = (
         k_desc.block_type.nbytes + keys_desc.block_type.nbytes
         + (bias_desc.block_type.nbytes if HAS_BIAS else 0)
