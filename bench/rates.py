@@ -1,6 +1,6 @@
 """Key-list calls against dense attention, kernel by kernel, in TFLOP/s on computed scores.
 
-``python -m bench.rates [--cases M-L8192,M-L32768] [--rounds 2]``
+``python -m bench.rates [--cases M-L8192,M-L32768] [--rounds 2] [--hopper]``
 
 Issue 51 asks the key-list calls' forward and backward for at least 75% of the dense path's
 TFLOP/s on the scores each computes, at 8192 and 32768 keys. For each of bench.tune's cases
@@ -13,7 +13,9 @@ ours the listed keys at or before each query, SDPA every causal one): the forwar
 products of 2 D flops a score, the backward 5, a fused backward's, whatever it ran (ours runs
 7: its dQ kernel recomputes S and dP), so both sides' backward rates count the same work. The
 key-list call's other kernels (its key lists) are listed beside, not rated. Rounds alternate
-the two calls; each figure is the median over rounds.
+the calls; each figure is the median over rounds. ``--hopper`` adds a third call, the key-list
+call with kernel option hopper=True: both passes on the Gluon kernels whatever the length (by
+default the forward takes them from FORWARD_MIN_LK keys, the backward from BACKWARD_MIN_LK).
 """
 
 from __future__ import annotations
@@ -90,23 +92,33 @@ def _median_times(samples: list[dict]) -> dict:
     return {n: _median([s.get(n, 0.0) for s in samples]) for n in names}
 
 
-def measure(case_name: str, rounds: int) -> list[dict]:
-    """The key-list call's row and the dense call's of one bench.tune case."""
+def measure(case_name: str, rounds: int, hopper: bool = False) -> list[dict]:
+    """The key-list call's row and the dense call's of one bench.tune case (with `hopper`, the
+    key-list call on the Gluon kernels too, a row between them)."""
+    import contextlib
+    import functools
+
+    import dmattn_ops
     from bench.__main__ import Inputs, allowed_entries, build, impl_ours, impl_sdpa
     from bench.tune import TUNE_CASES
 
     x = build(TUNE_CASES[case_name], "cuda", torch.bfloat16)
     dense_x = Inputs(x.q, x.k, x.v, None, None, x.is_causal, None)
-    calls = {"key lists": (impl_ours(x), x), "dense": (impl_sdpa(dense_x), dense_x)}
+    calls = {"key lists": (impl_ours(x), x, contextlib.nullcontext)}
+    if hopper:
+        gluon = functools.partial(dmattn_ops.kernel_options, hopper=True)
+        calls["key lists, hopper"] = (impl_ours(x), x, gluon)
+    calls["dense"] = (impl_sdpa(dense_x), dense_x, contextlib.nullcontext)
     samples: dict[str, list] = {name: [] for name in calls}
     for _ in range(rounds):
-        for name, (f, inputs) in calls.items():
+        for name, (f, inputs, options) in calls.items():
             q, k, v = (t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
             bias = inputs.bias.detach().requires_grad_() if inputs.bias is not None else None
-            samples[name].append(pass_times(f, q, k, v, bias, torch.randn_like(q)))
+            with options():
+                samples[name].append(pass_times(f, q, k, v, bias, torch.randn_like(q)))
             torch.cuda.synchronize()
     rows = []
-    for name, (_, inputs) in calls.items():
+    for name, (_, inputs, _) in calls.items():
         forward = _median_times([s[0] for s in samples[name]])
         backward = _median_times([s[1] for s in samples[name]])
         rows.append(row(case_name, name, forward, backward, allowed_entries(inputs),
@@ -121,6 +133,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.rates", description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="M-L8192,M-L32768")
     p.add_argument("--rounds", type=int, default=ROUNDS)
+    p.add_argument("--hopper", action="store_true",
+                   help="add the key-list call with kernel option hopper=True")  # fmt: skip
     args = p.parse_args(argv)
     for name in args.cases.split(","):
         if name not in TUNE_CASES:
@@ -131,8 +145,9 @@ def main(argv=None) -> int:
     print(header(), flush=True)
     rows = []
     for name in args.cases.split(","):
-        rows += measure(name, args.rounds)
-        print(table(rows[-2:]), flush=True)  # the case's two calls, as they come
+        case_rows = measure(name, args.rounds, args.hopper)
+        rows += case_rows
+        print(table(case_rows), flush=True)  # the case's calls, as they come
     print(f"\n{header()}\n{table(rows)}")  # every case, last
     return 0
 

@@ -452,6 +452,44 @@ def test_rates_rate_each_calls_attention_kernels_on_its_own_scores():
     assert cells[7:9] == ["0.50", "0.20"]  # 512 / 1024, 256 / 1280
 
 
+def test_rates_hopper_adds_the_gluon_call_under_its_option(monkeypatch):
+    """bench.rates --hopper: a third call, the key-list call timed inside kernel_options(
+    hopper=True) (its forward and its backward), rounds alternating the three calls, each rated
+    on the key-list call's scores against the dense call of its case; without --hopper, two."""
+    import bench.__main__ as bmain
+    from bench import rates
+    from dmattn_ops.core import options
+
+    seen = []
+    x = bmain.Inputs(*(torch.zeros(1, 4, 2, 8) for _ in range(3)), torch.zeros(1, 1, 1, 4),
+                     None, True, None)  # fmt: skip
+
+    def pass_times(f, q, k, v, bias, g):
+        seen.append((f, options.with_active(None).get("hopper")))
+        if f == "sdpa":
+            return (
+                {"cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16": 1.0},
+                {"cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": 2.0},
+            )
+        return {"hopper_fwd_kernel": 1.0}, {"hopper_dq_kernel": 2.0}
+
+    monkeypatch.setattr(bmain, "build", lambda case, device, dtype: x)
+    monkeypatch.setattr(bmain, "impl_ours", lambda inputs: "ours")
+    monkeypatch.setattr(bmain, "impl_sdpa", lambda inputs: "sdpa")
+    monkeypatch.setattr(bmain, "allowed_entries", lambda inputs: 1e9 if inputs is x else 4e9)
+    monkeypatch.setattr(rates, "pass_times", pass_times)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    rows = rates.measure("M", 2, hopper=True)
+    assert seen == [("ours", None), ("ours", True), ("sdpa", None)] * 2
+    assert [r["call"] for r in rows] == ["key lists", "key lists, hopper", "dense"]
+    assert [r["scores"] for r in rows] == [1e9, 1e9, 4e9]
+    cells = [line.strip("|").split("|") for line in rates.table(rows).splitlines()[2:]]
+    assert [c[7].strip() for c in cells] == ["0.25", "0.25", "1.00"]  # the same ms, 1/4 scores
+    seen.clear()
+    assert [r["call"] for r in rates.measure("M", 1)] == ["key lists", "dense"]
+    assert seen == [("ours", None), ("sdpa", None)]
+
+
 def test_model_rounds_alternate_and_take_each_variants_median(monkeypatch):
     """bench.model's run_model on a stub of the GPU: every variant is prepared before any is
     timed, rounds alternate the variants under each one's own setting (switches and kernel
