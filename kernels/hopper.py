@@ -514,9 +514,9 @@ def hopper_fwd_kernel(q_desc, k_desc, v_desc, keys_desc, bias_desc, OUT, LSE, LS
                          count_stride_b, 1, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D,
                          STAGES)),
         (_fwd_loader, (q_desc, q_desc, q_desc, k_desc, v_desc, keys_desc, bias_desc, rings,
-                       KEY_END,
-                       end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items, n_bh, H, G,
-                       NQ, mask_hdiv, Lk, False, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
+                       KEY_END, end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items,
+                       n_bh, H, G, NQ, mask_hdiv, Lk, False, HAS_BIAS, BLOCK_M, BLOCK_N,
+                       STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip
 
 
@@ -623,6 +623,7 @@ def _dq_consumer(DQ, STATS, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_
     off = Lk - Lq
     q2 = rings.q_smem.index(C).reshape([BLOCK_M, D])
     do2 = rings.do_smem.index(C).reshape([BLOCK_M, D])
+    o2 = rings.o_smem.index(C).reshape([BLOCK_M, D])
     it = 0
     i = 0
     ppk = 0
@@ -637,7 +638,6 @@ def _dq_consumer(DQ, STATS, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_
         )  # fmt: skip
         dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
         mbarrier.wait(rings.q_bars.index(C), i & 1)
-        o2 = rings.o_smem.index(C).reshape([BLOCK_M, D])
         stats = _dq_stats(STATS, o2, LSE, LSE_REM, do2, b, h, mr, H, Lq, row_s, BLOCK_M, D)
         if n_tiles > 0:
             slot = it % STAGES
@@ -717,9 +717,9 @@ def hopper_dq_kernel(q_desc, do_desc, o_desc, k_desc, v_desc, keys_desc, bias_de
                         end_stride_b, count_stride_b, 1, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M,
                         BLOCK_N, D, STAGES)),
         (_fwd_loader, (q_desc, do_desc, o_desc, k_desc, v_desc, keys_desc, bias_desc, rings,
-                       KEY_END,
-                       end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items, n_bh, H, G,
-                       NQ, mask_hdiv, Lk, True, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES)),
+                       KEY_END, end_stride_b, keys_rows_b, bias_heads, bias_head_mul, n_items,
+                       n_bh, H, G, NQ, mask_hdiv, Lk, True, HAS_BIAS, BLOCK_M, BLOCK_N,
+                       STAGES)),
     ], [4, 1], [240, 24])  # fmt: skip
 
 

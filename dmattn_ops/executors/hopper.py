@@ -442,7 +442,7 @@ def _hopper_dq(
     block_n, stages, pingpong = DQ_TILES
     _DQ_KERNEL[(min(n_items, sm_count(query.device)),)](
         _descriptor(query, BLOCK_M), _descriptor(grad_out, BLOCK_M),
-        _descriptor(out.contiguous(), BLOCK_M), *_key_tiles(key, value, keys, bias, block_n),
+        _descriptor(out, BLOCK_M), *_key_tiles(key, value, keys, bias, block_n),
         _contiguous(dq), stats, lse, lse_rem, key_end, key_count, _batch_stride(keys) // lk,
         _batch_stride(key_end), _batch_stride(key_count), bias_heads, mask_div, float(scale),
         IS_CAUSAL=is_causal, HAS_BIAS=bias is not None, PINGPONG=pingpong, BLOCK_M=BLOCK_M,
