@@ -59,8 +59,8 @@ class KernelOptions(TypedDict, total=False):
     cudnn_graphs: let causal windows take cuDNN's own graphs (default True; DMATTN_CUDNN_GRAPHS).
     hopper: run packed key-list calls on the Gluon sm_90 kernels: True both passes wherever
         they apply, False never, default: both passes of calls of at least 8192 keys
-        (executors/hopper.py FORWARD_MIN_LK,
-        BACKWARD_MIN_LK; DMATTN_HOPPER=1 / 0 set True / False).
+        (executors/hopper.py FORWARD_MIN_LK, BACKWARD_MIN_LK; DMATTN_HOPPER=1 / 0 set True /
+        False).
     pack_keys: key-list calls copy their keys' K, V and per-key bias rows in list order for
         the forward and dq kernels (default True).
     pack_heads: a packed key-list call's forward and dq programs take a KV group's query heads
