@@ -21,6 +21,8 @@ default the forward takes them from FORWARD_MIN_LK keys, the backward from BACKW
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 
 import torch
 
@@ -95,9 +97,6 @@ def _median_times(samples: list[dict]) -> dict:
 def measure(case_name: str, rounds: int, hopper: bool = False) -> list[dict]:
     """The key-list call's row and the dense call's of one bench.tune case (with `hopper`, the
     key-list call on the Gluon kernels too, a row between them)."""
-    import contextlib
-    import functools
-
     import dmattn_ops
     from bench.__main__ import Inputs, allowed_entries, build, impl_ours, impl_sdpa
     from bench.tune import TUNE_CASES
