@@ -250,23 +250,64 @@ def _item_rows(KEY_END, KEY_COUNT, b, hm, pid_m, n_tiles, end_stride_b, count_st
     return count, gl.minimum(seen // BLOCK_N, n_tiles), mr, mr + gl.arange(0, BLOCK_M, layout=row_l)
 
 
+# The ping-pong's named barriers (bar.sync / bar.arrive ids; Triton's warp specialisation takes
+# the low ones for its own partition barriers): consumer C waits on PP_BARRIER + C.
+PP_BARRIER = gl.constexpr(8)
+
+
+@gluon.constexpr_function
+def _bar_asm(op, bar_id):
+    """PTX of named barrier op ("sync" or "arrive") on bar_id for both consumers' 256 threads,
+    then a move that gives the inline assembly its one output."""
+    return f"bar.{op} {bar_id}, 256;\n\tmov.b32 $0, $1;"
+
+
 @gluon.jit
-def _fwd_turn(pp, C: gl.constexpr, k, PINGPONG: gl.constexpr):
-    """Ping-pong: before consumer C issues its k-th products it waits for the other consumer's
-    issue of its own (k - 1)-th (consumer 0 goes first), so the tensor cores alternate."""
+def _named_barrier(op: gl.constexpr, bar_id: gl.constexpr):
+    """Named barrier `op` on bar_id, executed once by each thread of the calling 4-warp
+    consumer (one element a thread). Every thread takes part, so no warpgroup barrier is
+    needed first, as it is before an mbarrier arrive, which one thread makes for all."""
+    one_each: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    gl.inline_asm_elementwise(_bar_asm(op, bar_id), "=r,r",
+                              [gl.arange(0, 128, layout=one_each)], gl.int32, False, 1)  # fmt: skip
+
+
+@gluon.jit
+def _fwd_turn(C: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: before consumer C issues its products it waits for the other consumer's
+    issue of its own previous ones (consumer 0 goes first: _pp_start), so the tensor cores
+    alternate. Named barrier PP_BARRIER + C: C's 128 threads wait, the other's 128 arrive."""
     if PINGPONG:
-        mbarrier.wait(pp.index(C), (k & 1) ^ (1 - C))
+        _named_barrier("sync", PP_BARRIER + C)
 
 
 @gluon.jit
-def _fwd_pass(pp, C: gl.constexpr, PINGPONG: gl.constexpr):
+def _fwd_pass(C: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: consumer C has issued; the other's turn."""
     if PINGPONG:
-        mbarrier.arrive(pp.index(1 - C), count=1)
+        _named_barrier("arrive", PP_BARRIER + 1 - C)
 
 
 @gluon.jit
-def _fwd_step(j, it, ppk, q2, rings, state, count, rows, off, scale, C: gl.constexpr,
+def _pp_start(C: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: consumer 1 passes once before its first issue, so that consumer 0 goes
+    first."""
+    if PINGPONG:  # noqa: SIM102 (two constexpr tests)
+        if C == 1:
+            _named_barrier("arrive", PP_BARRIER)
+
+
+@gluon.jit
+def _pp_end(C: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: consumer 0 takes the pass consumer 1 made after its last issue, so that both
+    named barriers end with no arrival pending (as many issues in both consumers)."""
+    if PINGPONG:  # noqa: SIM102 (two constexpr tests)
+        if C == 0:
+            _named_barrier("sync", PP_BARRIER)
+
+
+@gluon.jit
+def _fwd_step(j, it, q2, rings, state, count, rows, off, scale, C: gl.constexpr,
               MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_BIAS: gl.constexpr,
               PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
@@ -281,10 +322,10 @@ def _fwd_step(j, it, ppk, q2, rings, state, count, rows, off, scale, C: gl.const
     prev = (it + j - 1) % STAGES
     mbarrier.wait(rings.k_ready.index(slot), ((it + j) // STAGES) & 1)
     mbarrier.wait(rings.v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
-    _fwd_turn(rings.pp, C, ppk, PINGPONG)
+    _fwd_turn(C, PINGPONG)
     s = _product_t(q2, rings.k_smem, slot, BLOCK_M, BLOCK_N, D)
     o = warpgroup_mma(p16, rings.v_smem.index(prev).reshape([BLOCK_N, D]), o, is_async=True)
-    _fwd_pass(rings.pp, C, PINGPONG)
+    _fwd_pass(C, PINGPONG)
     s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_{j-1} V_{j-1} may still run
     x = _fwd_logits(s, slot, j, rings.kcol_smem, rings.bcol_smem, count, rows, off, scale, MASKED,
                     IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
@@ -324,7 +365,7 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H
     q2 = rings.q_smem.index(C).reshape([BLOCK_M, D])
     it = 0
     i = 0
-    ppk = 0  # issues made (ping-pong turns taken)
+    _pp_start(C, PINGPONG)
     for k in range(gl.program_id(0), n_items, gl.num_programs(0)):
         t = _snake(k, n_items)
         b, h, _, hm, pid_m, n_tiles = _fwd_item(
@@ -341,10 +382,9 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H
         if n_tiles > 0:
             slot = it % STAGES
             mbarrier.wait(rings.k_ready.index(slot), (it // STAGES) & 1)
-            _fwd_turn(rings.pp, C, ppk, PINGPONG)
+            _fwd_turn(C, PINGPONG)
             s = _product_t(q2, rings.k_smem, slot, BLOCK_M, BLOCK_N, D)
-            _fwd_pass(rings.pp, C, PINGPONG)
-            ppk += 1
+            _fwd_pass(C, PINGPONG)
             s = warpgroup_mma_wait(0, deps=[s])
             x = _fwd_logits(s, slot, 0, rings.kcol_smem, rings.bcol_smem, count, rows, off, scale,
                             True, IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
@@ -355,23 +395,20 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H
             p16 = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, n_whole):
                 o, p16, m_i, l_i = _fwd_step(
-                    j, it, ppk, q2, rings, (o, p16, m_i, l_i), count, rows, off, scale, C, False,
+                    j, it, q2, rings, (o, p16, m_i, l_i), count, rows, off, scale, C, False,
                     IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
-                ppk += 1
             for j in range(gl.maximum(n_whole, 1), n_tiles):
                 o, p16, m_i, l_i = _fwd_step(
-                    j, it, ppk, q2, rings, (o, p16, m_i, l_i), count, rows, off, scale, C, True,
+                    j, it, q2, rings, (o, p16, m_i, l_i), count, rows, off, scale, C, True,
                     IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
-                ppk += 1
             mbarrier.arrive(rings.q_empty.index(C), count=1)  # the item's last S is done
             last = (it + n_tiles - 1) % STAGES
             mbarrier.wait(rings.v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
-            _fwd_turn(rings.pp, C, ppk, PINGPONG)
+            _fwd_turn(C, PINGPONG)
             o = warpgroup_mma(p16, rings.v_smem.index(last).reshape([BLOCK_N, D]), o, is_async=True)
-            _fwd_pass(rings.pp, C, PINGPONG)
-            ppk += 1
+            _fwd_pass(C, PINGPONG)
             o, p16 = warpgroup_mma_wait(0, deps=[o, p16])
             mbarrier.arrive(rings.kv_empty.index(last), count=1)
         else:
@@ -396,6 +433,7 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H
         o_row = (b * H + h).to(gl.int64) * Lq + rows
         gl.store(LSE + o_row, lse, mask=rows < Lq)
         gl.store(LSE_REM + o_row, lse_rem, mask=rows < Lq)
+    _pp_end(C, PINGPONG)
 
 
 @_aggregate
@@ -404,7 +442,7 @@ class _Rings:
     tiles (q_smem) and, in the dQ kernel, their dO tiles (do_smem; else Q's buffer again),
     with q_bars (Q and dO land on one barrier) and q_empty per consumer; the ring's K, V and
     list columns (keys' positions, biases) with k_ready, v_ready and kv_empty (both consumers
-    release a slot) per slot; pp, the ping-pong barriers, per consumer."""
+    release a slot) per slot. (The ping-pong takes named barriers: _fwd_turn.)"""
 
     q_smem: gl.shared_memory_descriptor
     do_smem: gl.shared_memory_descriptor
@@ -415,18 +453,17 @@ class _Rings:
     bcol_smem: gl.shared_memory_descriptor
     q_bars: gl.shared_memory_descriptor
     q_empty: gl.shared_memory_descriptor
-    pp: gl.shared_memory_descriptor
     k_ready: gl.shared_memory_descriptor
     v_ready: gl.shared_memory_descriptor
     kv_empty: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
     def __init__(self, q_smem, do_smem, o_smem, k_smem, v_smem, kcol_smem, bcol_smem, q_bars,
-                 q_empty, pp, k_ready, v_ready, kv_empty):  # fmt: skip
+                 q_empty, k_ready, v_ready, kv_empty):  # fmt: skip
         self.q_smem, self.do_smem, self.o_smem = q_smem, do_smem, o_smem
         self.k_smem, self.v_smem = k_smem, v_smem
         self.kcol_smem, self.bcol_smem = kcol_smem, bcol_smem
-        self.q_bars, self.q_empty, self.pp = q_bars, q_empty, pp
+        self.q_bars, self.q_empty = q_bars, q_empty
         self.k_ready, self.v_ready, self.kv_empty = k_ready, v_ready, kv_empty
 
 
@@ -452,20 +489,18 @@ def _rings(q_desc, do_desc, o_desc, k_desc, v_desc, keys_desc, bias_desc, WITH_D
     )  # fmt: skip
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    pp = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
-        mbarrier.init(pp.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
     return _Rings(q_smem, do_smem, o_smem, k_smem, v_smem, kcol_smem, bcol_smem, q_bars, q_empty,
-                  pp, k_ready, v_ready, kv_empty)  # fmt: skip
+                  k_ready, v_ready, kv_empty)  # fmt: skip
 
 
 @gluon.jit
@@ -574,7 +609,7 @@ def _dq_scores(p, dp, slot, j, kcol_smem, stats, count, rows, off, MASKED: gl.co
 
 
 @gluon.jit
-def _dq_step(j, it, ppk, q2, do2, rings, dq, ds16, stats, count, rows, off, scale,
+def _dq_step(j, it, q2, do2, rings, dq, ds16, stats, count, rows, off, scale,
              C: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
              HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
@@ -587,11 +622,11 @@ def _dq_step(j, it, ppk, q2, do2, rings, dq, ds16, stats, count, rows, off, scal
     phase = ((it + j) // STAGES) & 1
     mbarrier.wait(rings.k_ready.index(slot), phase)
     mbarrier.wait(rings.v_ready.index(slot), phase)
-    _fwd_turn(rings.pp, C, ppk, PINGPONG)
+    _fwd_turn(C, PINGPONG)
     s = _product_t(q2, rings.k_smem, slot, BLOCK_M, BLOCK_N, D)
     dp = _product_t(do2, rings.v_smem, slot, BLOCK_M, BLOCK_N, D)
     dq = warpgroup_mma(ds16, rings.k_smem.index(prev).reshape([BLOCK_N, D]), dq, is_async=True)
-    _fwd_pass(rings.pp, C, PINGPONG)
+    _fwd_pass(C, PINGPONG)
     s = warpgroup_mma_wait(2, deps=[s])
     p = _dq_probs(s, slot, j, rings.kcol_smem, rings.bcol_smem, stats, count, rows, off, scale,
                   IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
@@ -626,7 +661,7 @@ def _dq_consumer(DQ, STATS, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_
     o2 = rings.o_smem.index(C).reshape([BLOCK_M, D])
     it = 0
     i = 0
-    ppk = 0
+    _pp_start(C, PINGPONG)
     for k in range(gl.program_id(0), n_items, gl.num_programs(0)):
         t = _snake(k, n_items)
         b, h, _, hm, pid_m, n_tiles = _fwd_item(
@@ -643,11 +678,10 @@ def _dq_consumer(DQ, STATS, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_
             slot = it % STAGES
             mbarrier.wait(rings.k_ready.index(slot), (it // STAGES) & 1)
             mbarrier.wait(rings.v_ready.index(slot), (it // STAGES) & 1)
-            _fwd_turn(rings.pp, C, ppk, PINGPONG)
+            _fwd_turn(C, PINGPONG)
             s = _product_t(q2, rings.k_smem, slot, BLOCK_M, BLOCK_N, D)
             dp = _product_t(do2, rings.v_smem, slot, BLOCK_M, BLOCK_N, D)
-            _fwd_pass(rings.pp, C, PINGPONG)
-            ppk += 1
+            _fwd_pass(C, PINGPONG)
             s = warpgroup_mma_wait(1, deps=[s])
             p = _dq_probs(s, slot, 0, rings.kcol_smem, rings.bcol_smem, stats, count, rows, off,
                           scale, IS_CAUSAL, HAS_BIAS, BLOCK_N)  # fmt: skip
@@ -657,24 +691,21 @@ def _dq_consumer(DQ, STATS, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_
             ds16 = gl.convert_layout(ds.to(dtype), ds_layout)
             for j in range(1, n_whole):
                 dq, ds16 = _dq_step(
-                    j, it, ppk, q2, do2, rings, dq, ds16, stats, count, rows, off, scale, C,
+                    j, it, q2, do2, rings, dq, ds16, stats, count, rows, off, scale, C,
                     False, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
-                ppk += 1
             for j in range(gl.maximum(n_whole, 1), n_tiles):
                 dq, ds16 = _dq_step(
-                    j, it, ppk, q2, do2, rings, dq, ds16, stats, count, rows, off, scale, C,
+                    j, it, q2, do2, rings, dq, ds16, stats, count, rows, off, scale, C,
                     True, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
-                ppk += 1
             mbarrier.arrive(rings.q_empty.index(C), count=1)  # the item's last S and dP are done
             last = (it + n_tiles - 1) % STAGES
-            _fwd_turn(rings.pp, C, ppk, PINGPONG)
+            _fwd_turn(C, PINGPONG)
             dq = warpgroup_mma(
                 ds16, rings.k_smem.index(last).reshape([BLOCK_N, D]), dq, is_async=True
             )
-            _fwd_pass(rings.pp, C, PINGPONG)
-            ppk += 1
+            _fwd_pass(C, PINGPONG)
             dq, ds16 = warpgroup_mma_wait(0, deps=[dq, ds16])
             mbarrier.arrive(rings.kv_empty.index(last), count=1)
         else:
@@ -684,6 +715,7 @@ def _dq_consumer(DQ, STATS, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_
 
         p_dq = DQ + b.to(gl.int64) * stride_b + h * stride_h
         _store_tile(p_dq, (dq * scale).to(dtype), mr, Lq, stride_m, BLOCK_M, D)
+    _pp_end(C, PINGPONG)
 
 
 @gluon.jit
