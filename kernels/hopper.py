@@ -313,8 +313,11 @@ def _fwd_step(j, it, q2, rings, state, count, rows, off, scale, C: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """Key tile j >= 1 of an item: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued back to back,
     the softmax of S_j while the second product runs, then slot j - 1 released. rings: the
-    shared buffers and barriers (_Rings); state: (o, p16, m_i, l_i), returned updated."""
-    o, p16, m_i, l_i = state
+    shared buffers and barriers (_Rings); state: (o, p, m_i, l_i), returned updated: p, the
+    previous tile's probabilities, crosses the loop in float32 and is converted here, next to
+    the product that reads it (a 16-bit P carried through the loop comes back as halves that
+    ptxas repacks, one PRMT a register pair)."""
+    o, p, m_i, l_i = state
     o_layout: gl.constexpr = _mma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -322,6 +325,7 @@ def _fwd_step(j, it, q2, rings, state, count, rows, off, scale, C: gl.constexpr,
     prev = (it + j - 1) % STAGES
     mbarrier.wait(rings.k_ready.index(slot), ((it + j) // STAGES) & 1)
     mbarrier.wait(rings.v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+    p16 = gl.convert_layout(p.to(q2.dtype), p_layout)
     _fwd_turn(C, PINGPONG)
     s = _product_t(q2, rings.k_smem, slot, BLOCK_M, BLOCK_N, D)
     o = warpgroup_mma(p16, rings.v_smem.index(prev).reshape([BLOCK_N, D]), o, is_async=True)
@@ -339,8 +343,7 @@ def _fwd_step(j, it, q2, rings, state, count, rows, off, scale, C: gl.constexpr,
     o, p16 = warpgroup_mma_wait(0, deps=[o, p16])
     mbarrier.arrive(rings.kv_empty.index(prev), count=1)
     o = o * gl.convert_layout(alpha, row_o)[:, None]
-    p16 = gl.convert_layout(p.to(p16.dtype), p_layout)
-    return o, p16, m_new, l_i
+    return o, p, m_new, l_i
 
 
 @gluon.jit
@@ -392,20 +395,20 @@ def _fwd_consumer(OUT, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_bh, H
             m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
             p = gl.exp2((x - m_safe[:, None]) * LOG2E)
             l_i = gl.sum(p, axis=1)
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, n_whole):
-                o, p16, m_i, l_i = _fwd_step(
-                    j, it, q2, rings, (o, p16, m_i, l_i), count, rows, off, scale, C, False,
+                o, p, m_i, l_i = _fwd_step(
+                    j, it, q2, rings, (o, p, m_i, l_i), count, rows, off, scale, C, False,
                     IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
             for j in range(gl.maximum(n_whole, 1), n_tiles):
-                o, p16, m_i, l_i = _fwd_step(
-                    j, it, q2, rings, (o, p16, m_i, l_i), count, rows, off, scale, C, True,
+                o, p, m_i, l_i = _fwd_step(
+                    j, it, q2, rings, (o, p, m_i, l_i), count, rows, off, scale, C, True,
                     IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
             mbarrier.arrive(rings.q_empty.index(C), count=1)  # the item's last S is done
             last = (it + n_tiles - 1) % STAGES
             mbarrier.wait(rings.v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
             _fwd_turn(C, PINGPONG)
             o = warpgroup_mma(p16, rings.v_smem.index(last).reshape([BLOCK_N, D]), o, is_async=True)
             _fwd_pass(C, PINGPONG)
@@ -609,12 +612,13 @@ def _dq_scores(p, dp, slot, j, kcol_smem, stats, count, rows, off, MASKED: gl.co
 
 
 @gluon.jit
-def _dq_step(j, it, q2, do2, rings, dq, ds16, stats, count, rows, off, scale,
+def _dq_step(j, it, q2, do2, rings, dq, ds, stats, count, rows, off, scale,
              C: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
              HAS_BIAS: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """Key tile j >= 1 of an item: S_j = Q K_j^T, dP_j = dO V_j^T and dQ += dS_{j-1} K_{j-1}
-    issued back to back, dS_j computed while the last two run, then slot j - 1 released."""
+    issued back to back, dS_j computed while the last two run, then slot j - 1 released. dS
+    crosses the loop in float32, as the forward's P (_fwd_step)."""
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(D),
                                                   k_width=2)  # fmt: skip
     slot = (it + j) % STAGES
@@ -622,6 +626,7 @@ def _dq_step(j, it, q2, do2, rings, dq, ds16, stats, count, rows, off, scale,
     phase = ((it + j) // STAGES) & 1
     mbarrier.wait(rings.k_ready.index(slot), phase)
     mbarrier.wait(rings.v_ready.index(slot), phase)
+    ds16 = gl.convert_layout(ds.to(q2.dtype), ds_layout)
     _fwd_turn(C, PINGPONG)
     s = _product_t(q2, rings.k_smem, slot, BLOCK_M, BLOCK_N, D)
     dp = _product_t(do2, rings.v_smem, slot, BLOCK_M, BLOCK_N, D)
@@ -635,7 +640,7 @@ def _dq_step(j, it, q2, do2, rings, dq, ds16, stats, count, rows, off, scale,
                     BLOCK_N)  # fmt: skip
     dq, ds16 = warpgroup_mma_wait(0, deps=[dq, ds16])
     mbarrier.arrive(rings.kv_empty.index(prev), count=1)
-    return dq, gl.convert_layout(ds.to(ds16.dtype), ds_layout)
+    return dq, ds
 
 
 @gluon.jit
@@ -688,19 +693,19 @@ def _dq_consumer(DQ, STATS, LSE, LSE_REM, KEY_END, KEY_COUNT, rings, n_items, n_
             dp = warpgroup_mma_wait(0, deps=[dp])
             ds = _dq_scores(p, dp, slot, 0, rings.kcol_smem, stats, count, rows, off, True,
                             IS_CAUSAL, BLOCK_N)  # fmt: skip
-            ds16 = gl.convert_layout(ds.to(dtype), ds_layout)
             for j in range(1, n_whole):
-                dq, ds16 = _dq_step(
-                    j, it, q2, do2, rings, dq, ds16, stats, count, rows, off, scale, C,
+                dq, ds = _dq_step(
+                    j, it, q2, do2, rings, dq, ds, stats, count, rows, off, scale, C,
                     False, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
             for j in range(gl.maximum(n_whole, 1), n_tiles):
-                dq, ds16 = _dq_step(
-                    j, it, q2, do2, rings, dq, ds16, stats, count, rows, off, scale, C,
+                dq, ds = _dq_step(
+                    j, it, q2, do2, rings, dq, ds, stats, count, rows, off, scale, C,
                     True, IS_CAUSAL, HAS_BIAS, PINGPONG, BLOCK_M, BLOCK_N, D, STAGES,
                 )  # fmt: skip
             mbarrier.arrive(rings.q_empty.index(C), count=1)  # the item's last S and dP are done
             last = (it + n_tiles - 1) % STAGES
+            ds16 = gl.convert_layout(ds.to(dtype), ds_layout)
             _fwd_turn(C, PINGPONG)
             dq = warpgroup_mma(
                 ds16, rings.k_smem.index(last).reshape([BLOCK_N, D]), dq, is_async=True
