@@ -8,6 +8,13 @@ async_load), and nothing but a compile with the newer Triton shows such a break 
 long key-list call on an H100 fail under the newest torch). The compile runs in a subprocess
 without TRITON_INTERPRET (tests/conftest.py turns the interpreter on in this process, and
 interpreted kernels cannot be compiled).
+
+The compile also checks what Triton's frontend carries through each loop. It carries a name only
+where the IR value the loop body leaves in it differs from the one it held before the loop
+(`CodeGenerator._find_carries`), so a name the body rebinds to that same value, as in
+`b = nxt` inside a loop where `b = nxt` also held before it, keeps its first value in every
+iteration: a silent miscompile, found as a hang on the GPU (bench/NOTES.md 261). Every name a
+loop body assigns that is live into the loop must be carried.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ CASES = {
     "bf16-f32bias-dbias": ("bfloat16", "float32", True, 16384, 1, True),
 }
 
+# The case compiled even where Triton's cache holds its kernels, for the loop-carry check (the
+# others check what they compile; their loops are the same code under other constants).
+CARRY_CHECKED = "bf16-bias-causal"
+
 COMPILE = r"""
 import json, sys
 import torch, triton
@@ -45,6 +56,31 @@ from dmattn_ops.executors import hopper as hx
 
 TARGET = GPUTarget("cuda", 90, 128)
 compiled = []
+uncarried = []  # (function, line in it, name): assigned in a loop body, live into it, not carried
+
+try:
+    from triton.compiler import code_generator as cg
+    find_carries = cg.CodeGenerator._find_carries  # Triton 3.4 onwards
+except (ImportError, AttributeError):
+    cg = None
+if cg is not None:
+    visit_body = cg.CodeGenerator.visit_compound_statement
+    defined = {}  # id(statements) -> the names their last visit defined
+
+    def visit_and_note(self, stmts):
+        result = visit_body(self, stmts)
+        defined[id(stmts)] = set(self.local_defs)
+        return result
+
+    def find_and_check(self, node, liveins, ignore=frozenset()):
+        names, handles, tys = find_carries(self, node, liveins, ignore)
+        for name in defined.get(id(node.body), ()):
+            if name in liveins and name not in ignore and name not in names:
+                uncarried.append([self.jit_fn.__name__, node.lineno, name])
+        return names, handles, tys
+
+    cg.CodeGenerator.visit_compound_statement = visit_and_note
+    cg.CodeGenerator._find_carries = find_and_check
 
 
 class CompileInstead:
@@ -90,19 +126,23 @@ part_db = torch.zeros(split, b * hkv, lk) if split > 1 and dbias else None
 hx._hopper_dkdv(q, k, k, q, stats, bias, keys, key_count, torch.zeros_like(k), torch.zeros_like(k),
                 torch.zeros(b, hkv, 1, lk, dtype=dtype) if dbias else None, *parts, part_db, 0.1,
                 causal, 2, split)
-print(json.dumps(compiled))
+print(json.dumps({"compiled": compiled, "uncarried": uncarried}))
 """
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_gluon_kernels_compile_for_sm90(case):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if case == CARRY_CHECKED:  # a cached kernel would skip the frontend and its check
+        env["TRITON_ALWAYS_COMPILE"] = "1"
     res = subprocess.run(
         [sys.executable, "-c", COMPILE, json.dumps(CASES[case])], capture_output=True, text=True,
         env=env, cwd=os.path.dirname(__file__), timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
-    compiled = json.loads(res.stdout.strip().splitlines()[-1])
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    compiled = result["compiled"]
+    assert not result["uncarried"], f"loop-carried names Triton dropped: {result['uncarried']}"
     assert [name for name, _ in compiled] == ["hopper_fwd_kernel", "hopper_dq_kernel",
                                               "hopper_dkdv_kernel"]  # fmt: skip
     for name, shared in compiled:
