@@ -74,7 +74,7 @@ if cg is not None:
 
     def find_and_check(self, node, liveins, ignore=frozenset()):
         names, handles, tys = find_carries(self, node, liveins, ignore)
-        for name in defined.get(id(node.body), ()):
+        for name in defined.pop(id(node.body), ()):  # set by the dry visit just made
             if name in liveins and name not in ignore and name not in names:
                 uncarried.append([self.jit_fn.__name__, node.lineno, name])
         return names, handles, tys
