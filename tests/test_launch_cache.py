@@ -336,3 +336,70 @@ def test_empties_carves_aligned_disjoint_buffers_one_allocation_a_dtype():
         if t is not None:
             t.fill_(i)
     assert all((t == i).all() for i, t in enumerate(got) if t is not None)
+
+
+class _GluonJit(_Jit):
+    """A stand-in for a Gluon kernel of (x_desc, y, n, scale, BLOCK: constexpr, FLAG=True)."""
+
+    def __init__(self):
+        super().__init__()
+
+        def kernel(x_desc, y, n, scale, BLOCK, FLAG=True):
+            pass
+
+        self.signature = inspect.signature(kernel)
+        self.compiled = _Compiled(6)
+        self.fn = self
+
+
+def test_gluon_launches_are_kept_per_operand_layout(monkeypatch):
+    """executors/hopper.py _launched: the first launch of an operand layout goes through the
+    kernel's own launch and is kept; a later one with other tensors of that layout calls the
+    kept kernel with exactly the arguments a fresh build makes (its descriptor rebased on the
+    new tensor), and with DMATTN_CHECK_PREPARED (the tests' setting) a launcher reading
+    anything the key leaves out raises. A launch whose descriptor reads a copy, or whose
+    operands alias, is never kept."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from dmattn_ops.executors import hopper
+
+    monkeypatch.setattr(hopper, "launch_cache_on", lambda: True)  # off under the interpreter
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(hopper, "_READY", {})
+    jit, outside = _GluonJit(), {"n": 7}
+
+    @hopper._launched
+    def launch(x, y, scale):
+        args = (hopper._descriptor(x, 16), y, outside["n"], float(scale))
+        return jit, (3,), args, dict(BLOCK=64)
+
+    def operands():
+        return torch.randn(2, 40, 4, 64).bfloat16(), torch.zeros(8, dtype=torch.int32)
+
+    x1, y1 = operands()
+    launch(x1, y1, 0.5)
+    assert len(jit.compiles) == 1 and len(hopper._READY) == 1
+    x2, y2 = operands()
+    launch(x2, y2, 0.5)
+    assert len(jit.compiles) == 1, "a kept layout goes straight to the compiled kernel"
+    grid, (desc, y, n, scale, block, flag) = jit.compiled.launched[-1]
+    fresh = hopper._descriptor(x2, 16)
+    assert grid == (3, 1, 1) and desc.base is x2 and vars(desc) == vars(fresh)
+    assert y is y2 and (n, scale, block, flag) == (7, 0.5, 64, True)
+    monkeypatch.delenv("DMATTN_CHECK_PREPARED")
+    launch(x2, y2, 0.25)  # another scale: another key
+    assert len(jit.compiles) == 2 and len(hopper._READY) == 2
+    outside["n"] = 8  # read by the launcher, not in the key: unchecked, the kept 7 goes
+    launch(x1, y1, 0.5)
+    assert jit.compiled.launched[-1][1][2] == 7
+    monkeypatch.setenv("DMATTN_CHECK_PREPARED", "1")
+    with pytest.raises(AssertionError, match="kept launch arguments"):
+        launch(x1, y1, 0.5)
+    outside["n"] = 7
+    # A descriptor of a copy (a last dim of stride 2 is no TMA layout) and aliased operands.
+    strided = torch.randn(2, 40, 4, 128).bfloat16()[..., ::2]
+    for x, y in ((strided, y1), (x1, x1)):
+        compiles = len(jit.compiles)
+        launch(x, y, 0.5)
+        launch(x, y, 0.5)
+        assert len(jit.compiles) == compiles + 2
+    assert list(hopper._READY.values()).count(hopper._UNKEPT) == 2
