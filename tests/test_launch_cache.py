@@ -363,7 +363,7 @@ def test_gluon_launches_are_kept_per_operand_layout(monkeypatch):
     from dmattn_ops.executors import hopper
 
     monkeypatch.setattr(hopper, "launch_cache_on", lambda: True)  # off under the interpreter
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(hopper, "_cuda_device", lambda t: 0)  # CPU tensors stand in
     monkeypatch.setattr(hopper, "_READY", {})
     jit, outside = _GluonJit(), {"n": 7}
 

@@ -369,7 +369,7 @@ def _launched(build):
     @functools.wraps(build)
     def launch(*operands) -> None:
         key = _launch_key(build, operands) if launch_cache_on() else None
-        ready = _READY.get(key) if key is not None else None
+        ready = None if key is None else _READY.get(key)
         if ready is not None and ready is not _UNKEPT:
             if switch("DMATTN_CHECK_PREPARED", False):
                 ready.check(operands, *build(*operands))
@@ -385,19 +385,29 @@ def _launched(build):
     return launch
 
 
-def _launch_key(build, operands: tuple) -> tuple:
+def _launch_key(build, operands: tuple) -> tuple | None:
     """What a Gluon launch's arguments follow from (_launched): the launcher, the current
     device, each tensor operand's shape, strides, dtype and 16-byte alignment, and the other
-    operands (None, scale, flags, sizes) by value."""
+    operands (None, scale, flags, sizes) by value; None (nothing kept) off CUDA."""
+    device = _cuda_device(operands[0])
+    if device is None:
+        return None
     return (
         build,
-        torch.cuda.current_device(),
+        device,
         *[
             (o.shape, o.stride(), o.dtype, o.data_ptr() & 15 == 0)
             if isinstance(o, torch.Tensor) else o
             for o in operands
         ],
     )  # fmt: skip
+
+
+def _cuda_device(t: torch.Tensor) -> int | None:
+    """The current CUDA device, where the launch of CUDA tensor t runs and its compiled kernel
+    is loaded; None for a tensor elsewhere (tests/test_hopper_compile.py compiles the launches
+    from CPU tensors)."""
+    return torch.cuda.current_device() if t.is_cuda else None
 
 
 class _Ready:
