@@ -403,3 +403,13 @@ def test_gluon_launches_are_kept_per_operand_layout(monkeypatch):
         launch(x, y, 0.5)
         assert len(jit.compiles) == compiles + 2
     assert list(hopper._READY.values()).count(hopper._UNKEPT) == 2
+    # DMATTN_LAUNCH_CACHE=0 keeps nothing and reads nothing kept; the store is bounded.
+    monkeypatch.setattr(hopper, "launch_cache_on", lambda: False)
+    kept, compiles = dict(hopper._READY), len(jit.compiles)
+    launch(x2, y2, 0.5)
+    assert len(jit.compiles) == compiles + 1
+    assert hopper._READY.keys() == kept.keys()
+    monkeypatch.setattr(hopper, "launch_cache_on", lambda: True)
+    monkeypatch.setattr(hopper, "_READY_SIZE", len(hopper._READY))
+    launch(x2, y2, 0.125)  # a new key in a full store: the store starts over
+    assert list(hopper._READY) == [hopper._launch_key(launch.__wrapped__, (x2, y2, 0.125))]
