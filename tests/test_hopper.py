@@ -12,6 +12,7 @@ import dmattn_ops
 from dmattn_ops import reference
 from dmattn_ops.core.problem import Options, Problem
 from dmattn_ops.dispatch import plan
+from dmattn_ops.executors import _gluon
 from dmattn_ops.executors import hopper as hopper_exec
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -131,14 +132,14 @@ def test_descriptors_made_once_per_shape_equal_fresh_ones(monkeypatch):
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    monkeypatch.setattr(hopper_exec, "_DESCRIPTORS", {})
+    monkeypatch.setattr(_gluon, "_DESCRIPTORS", {})
     buf = torch.zeros(2 * 40 * 4 * 64 + 8, dtype=torch.bfloat16)
     a, b = (buf[:-8].view(2, 40, 4, 64).clone() for _ in range(2))
     first, second = hopper_exec._descriptor(a, 16), hopper_exec._descriptor(b, 16)
-    assert len(hopper_exec._DESCRIPTORS) == 1
-    assert all(kept.base is None for kept in hopper_exec._DESCRIPTORS.values())
+    assert len(_gluon._DESCRIPTORS) == 1
+    assert all(kept.base is None for kept in _gluon._DESCRIPTORS.values())
     fresh = TensorDescriptor(b, [2, 40, 4, 64], [10240, 256, 64, 1], [1, 16, 1, 64],
-                             hopper_exec._layout(torch.bfloat16, (1, 16, 1, 64)))  # fmt: skip
+                             _gluon.shared_layout(torch.bfloat16, (1, 16, 1, 64)))  # fmt: skip
     assert type(second) is TensorDescriptor and second.base is b and first.base is a
     assert vars(second) == vars(fresh)
     # A transposed copy (other strides) and a float16 one get their own; a base 8 bytes off,
@@ -147,9 +148,9 @@ def test_descriptors_made_once_per_shape_equal_fresh_ones(monkeypatch):
     made = [hopper_exec._descriptor(t, 16) for t in (heads_outer, a.half())]
     assert made[0].strides == [10240, 64, 2560, 1] and made[0].base is heads_outer
     assert made[1].base.dtype == torch.float16 and made[1].strides == [10240, 256, 64, 1]
-    assert len(hopper_exec._DESCRIPTORS) == 3
+    assert len(_gluon._DESCRIPTORS) == 3
     off = buf[4:].view(-1)[: a.numel()].view(2, 40, 4, 64)
-    assert off.data_ptr() % 16 != 0 and hopper_exec._kept(off, (1, 16, 1, 64)) is None
+    assert off.data_ptr() % 16 != 0 and _gluon.kept(off, (1, 16, 1, 64)) is None
 
 
 CASES = [

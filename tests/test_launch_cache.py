@@ -353,21 +353,21 @@ class _GluonJit(_Jit):
 
 
 def test_gluon_launches_are_kept_per_operand_layout(monkeypatch):
-    """executors/hopper.py _launched: the first launch of an operand layout goes through the
+    """executors/_gluon.py launched: the first launch of an operand layout goes through the
     kernel's own launch and is kept; a later one with other tensors of that layout calls the
     kept kernel with exactly the arguments a fresh build makes (its descriptor rebased on the
     new tensor), and with DMATTN_CHECK_PREPARED (the tests' setting) a launcher reading
     anything the key leaves out raises. A launch whose descriptor reads a copy, or whose
     operands alias, is never kept."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
-    from dmattn_ops.executors import hopper
+    from dmattn_ops.executors import _gluon, hopper
 
-    monkeypatch.setattr(hopper, "launch_cache_on", lambda: True)  # off under the interpreter
-    monkeypatch.setattr(hopper, "_cuda_device", lambda t: 0)  # CPU tensors stand in
-    monkeypatch.setattr(hopper, "_READY", {})
+    monkeypatch.setattr(_gluon, "launch_cache_on", lambda: True)  # off under the interpreter
+    monkeypatch.setattr(_gluon, "_cuda_device", lambda t: 0)  # CPU tensors stand in
+    monkeypatch.setattr(_gluon, "_READY", {})
     jit, outside = _GluonJit(), {"n": 7}
 
-    @hopper._launched
+    @_gluon.launched
     def launch(x, y, scale):
         args = (hopper._descriptor(x, 16), y, outside["n"], float(scale))
         return jit, (3,), args, dict(BLOCK=64)
@@ -377,7 +377,7 @@ def test_gluon_launches_are_kept_per_operand_layout(monkeypatch):
 
     x1, y1 = operands()
     launch(x1, y1, 0.5)
-    assert len(jit.compiles) == 1 and len(hopper._READY) == 1
+    assert len(jit.compiles) == 1 and len(_gluon._READY) == 1
     x2, y2 = operands()
     launch(x2, y2, 0.5)
     assert len(jit.compiles) == 1, "a kept layout goes straight to the compiled kernel"
@@ -387,7 +387,7 @@ def test_gluon_launches_are_kept_per_operand_layout(monkeypatch):
     assert y is y2 and (n, scale, block, flag) == (7, 0.5, 64, True)
     monkeypatch.delenv("DMATTN_CHECK_PREPARED")
     launch(x2, y2, 0.25)  # another scale: another key
-    assert len(jit.compiles) == 2 and len(hopper._READY) == 2
+    assert len(jit.compiles) == 2 and len(_gluon._READY) == 2
     outside["n"] = 8  # read by the launcher, not in the key: unchecked, the kept 7 goes
     launch(x1, y1, 0.5)
     assert jit.compiled.launched[-1][1][2] == 7
@@ -402,14 +402,14 @@ def test_gluon_launches_are_kept_per_operand_layout(monkeypatch):
         launch(x, y, 0.5)
         launch(x, y, 0.5)
         assert len(jit.compiles) == compiles + 2
-    assert list(hopper._READY.values()).count(hopper._UNKEPT) == 2
+    assert list(_gluon._READY.values()).count(_gluon._UNKEPT) == 2
     # DMATTN_LAUNCH_CACHE=0 keeps nothing and reads nothing kept; the store is bounded.
-    monkeypatch.setattr(hopper, "launch_cache_on", lambda: False)
-    kept, compiles = dict(hopper._READY), len(jit.compiles)
+    monkeypatch.setattr(_gluon, "launch_cache_on", lambda: False)
+    kept, compiles = dict(_gluon._READY), len(jit.compiles)
     launch(x2, y2, 0.5)
     assert len(jit.compiles) == compiles + 1
-    assert hopper._READY.keys() == kept.keys()
-    monkeypatch.setattr(hopper, "launch_cache_on", lambda: True)
-    monkeypatch.setattr(hopper, "_READY_SIZE", len(hopper._READY))
+    assert _gluon._READY.keys() == kept.keys()
+    monkeypatch.setattr(_gluon, "launch_cache_on", lambda: True)
+    monkeypatch.setattr(_gluon, "_READY_SIZE", len(_gluon._READY))
     launch(x2, y2, 0.125)  # a new key in a full store: the store starts over
-    assert list(hopper._READY) == [hopper._launch_key(launch.__wrapped__, (x2, y2, 0.125))]
+    assert list(_gluon._READY) == [_gluon._launch_key(launch.__wrapped__, (x2, y2, 0.125))]

@@ -31,23 +31,14 @@ eagerly a direct call, and in a compiled graph one extern node each.
 
 from __future__ import annotations
 
-import copy
-import functools
 import importlib.util
 
 import torch
 
 from dmattn_ops.core.device import cdiv, sm_count
-from dmattn_ops.core.switches import switch
+from dmattn_ops.executors._gluon import kept, launched, tma
 from dmattn_ops.executors._library import define_launch
-from dmattn_ops.executors._triton import (
-    LaunchCache,
-    LazyKernel,
-    _grid3,
-    _is_descriptor,
-    interpreter_on,
-    launch_cache_on,
-)
+from dmattn_ops.executors._triton import LazyKernel, interpreter_on
 
 # Tiles: a consumer warpgroup takes BLOCK_M query rows (forward; a program has two) or
 # DKDV_BLOCK_N keys (dK/dV); the ring of K/V (forward) or Q/dO (dK/dV) tiles has STAGES slots.
@@ -101,7 +92,7 @@ RAN_ON_TRITON = ("3.6",)
 
 # A layout's first launch goes through LazyKernel's launch cache, which skips Triton's binder
 # (~100 us a launch for these kernels' descriptors and ~30 arguments); later ones go straight to
-# the compiled kernel (_launched).
+# the compiled kernel (executors/_gluon.py launched).
 def _kernels() -> tuple:
     """The Gluon kernels' module, imported (with Triton) at the first launch."""
     from dmattn_ops.kernels import hopper
@@ -217,84 +208,13 @@ def reasons(
     return found
 
 
-_LAYOUTS: dict = {}  # (dtype, box) -> the shared-memory layout of a TMA box
-
-
-def _layout(dtype: torch.dtype, block: tuple):
-    """Gluon's default shared-memory layout of a box of this dtype, made once per box (its
-    get_default_for takes ~10 us a call)."""
-    layout = _LAYOUTS.get((dtype, block))
-    if layout is None:
-        from triton.experimental.gluon import language as gl
-
-        gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
-               torch.int32: gl.int32}[dtype]  # fmt: skip
-        layout = _LAYOUTS[(dtype, block)] = gl.NVMMASharedLayout.get_default_for(list(block), gdt)
-    return layout
-
-
-_DESCRIPTORS: dict = {}  # (shape, strides, dtype, box, 16-byte aligned) -> a baseless descriptor
-
-
-def _kept(t: torch.Tensor, block: tuple):
-    """A descriptor of t with `block` boxes made from the one kept for its shape, strides, dtype,
-    box and base alignment (_tma), or None.
-
-    Triton's TensorDescriptor checks its fields when made (~8 us a descriptor on the CI's host,
-    and a forward launch takes five); what it checks of the base is its dtype and 16-byte
-    alignment, so a descriptor made and checked once serves every later tensor of that key,
-    copied with its base. Only TMA-ready tensors are kept (_descriptor makes the others
-    contiguous first), and the key decides readiness: the strides are in it and the storage
-    offset's alignment is the base's (allocations start 16-byte aligned)."""
-    kept = _DESCRIPTORS.get(_descriptor_key(t, block))
-    return None if kept is None else _rebased(kept, t)
-
-
-def _descriptor_key(t: torch.Tensor, block: tuple) -> tuple:
-    """_DESCRIPTORS' key of t with `block` boxes (_kept)."""
-    return t.shape, t.stride(), t.dtype, block, t.data_ptr() % 16 == 0
-
-
-def _rebased(desc, base):
-    """A copy of descriptor `desc` on `base`, its fields otherwise as they are (not checked
-    again): through its __dict__ (0.5 us; copy.copy takes 2.4) where it has one, and set past a
-    frozen dataclass's guard."""
-    if hasattr(desc, "__dict__"):
-        new = object.__new__(type(desc))
-        new.__dict__.update(desc.__dict__)
-    else:
-        new = copy.copy(desc)
-    object.__setattr__(new, "base", base)
-    return new
-
-
-def _tma(t: torch.Tensor, block: tuple):
-    """Gluon's TMA descriptor of t (its own shape and strides) with `block` boxes; made and
-    checked once per key (_kept), the cache holding no tensor."""
-    desc = _kept(t, block)
-    return _made(t, block) if desc is None else desc
-
-
-def _made(t: torch.Tensor, block: tuple):
-    """A TMA descriptor of t made (and checked) by Triton, and kept for its key (_kept)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    desc = TensorDescriptor(
-        t, list(t.shape), list(t.stride()), list(block), _layout(t.dtype, block)
-    )
-    if len(_DESCRIPTORS) >= 256:  # shapes seen: a bound, not a working set
-        _DESCRIPTORS.clear()
-    _DESCRIPTORS[_descriptor_key(t, block)] = _rebased(desc, None)
-    return desc
-
-
 def _descriptor(t: torch.Tensor, rows: int):
     """A TMA descriptor of 4-D t (B, L, heads, D) with [1, rows, 1, D] boxes."""
     block = (1, rows, 1, t.shape[3])
-    desc = _kept(t, block)
-    if desc is not None:  # a kept key is a TMA-ready layout (_kept)
+    desc = kept(t, block)
+    if desc is not None:  # a kept key is a TMA-ready layout (_gluon.kept)
         return desc
-    return _made(t, block) if _tma_ready(t) else _tma(t.contiguous(), block)
+    return tma(t if _tma_ready(t) else t.contiguous(), block)
 
 
 def _flat_descriptor(t: torch.Tensor, block: int):
@@ -302,13 +222,13 @@ def _flat_descriptor(t: torch.Tensor, block: int):
     (Bm, Hm, Lk) and the packed bias (B, Hkv * heads, 1, Lk). A box may run into the next row
     (the kernel masks those columns); each must start 16-byte aligned, which Lk a multiple of
     LK_MULTIPLE gives (reasons)."""
-    return _tma(t.view(-1), (block,))
+    return tma(t.view(-1), (block,))
 
 
 def _rows_descriptor(stats: torch.Tensor, block: int):
     """A TMA descriptor of the backward's row statistics (B, H, Lq, 4) float32 (launch.RowStats)
     as rows of 16 bytes, with [block, 4] boxes."""
-    return _tma(stats.view(-1, 4), (block, 4))
+    return tma(stats.view(-1, 4), (block, 4))
 
 
 def _key_tiles(key, value, keys, bias, block_n: int) -> tuple:
@@ -346,156 +266,7 @@ def _bias_heads(bias, hkv: int) -> int:
     return 1 if bias is None else bias.shape[1] // hkv
 
 
-# Launches made ready once per operand layout (_launched): _Ready entries by launch key, or
-# _UNKEPT where a launch cannot be kept (an operand copied to make it TMA-ready, aliased
-# operands, a kernel LaunchCache does not keep). A bound, not a working set: a model's calls
-# take a handful of layouts.
-_READY: dict = {}
-_READY_SIZE = 64
-_UNKEPT = object()
-
-
-def _launched(build):
-    """The launcher of a Gluon kernel whose arguments `build(*operands)` makes, returning
-    (kernel, grid, args, meta): every scalar and constexpr follows from the operands' shapes,
-    strides, dtypes and 16-byte alignment, the current device and the scalar operands, so the
-    first launch of each such layout keeps them (_Ready), and later ones only put the call's
-    tensors in place and call the compiled kernel's runner: ~45 us of host time a launch
-    against ~90 (descriptors, Triton's LaunchCache key and binder; H200, Triton 3.6, NOTES
-    263), which a compiled step pays for each of its Gluon extern calls. With
-    DMATTN_CHECK_PREPARED=1 (the tests) every kept launch is made again and compared
-    (_Ready.check). DMATTN_LAUNCH_CACHE=0 keeps nothing."""
-
-    @functools.wraps(build)
-    def launch(*operands) -> None:
-        key = _launch_key(build, operands) if launch_cache_on() else None
-        ready = None if key is None else _READY.get(key)
-        if ready is not None and ready is not _UNKEPT:
-            if switch("DMATTN_CHECK_PREPARED", False):
-                ready.check(operands, *build(*operands))
-            ready(operands)
-            return
-        kernel, grid, args, meta = build(*operands)
-        compiled = kernel[grid](*args, **meta)
-        if key is not None and ready is None:
-            if len(_READY) >= _READY_SIZE:
-                _READY.clear()
-            _READY[key] = _Ready.made(compiled, kernel.fn, grid, operands, args, meta)
-
-    return launch
-
-
-def _launch_key(build, operands: tuple) -> tuple | None:
-    """What a Gluon launch's arguments follow from (_launched): the launcher, the current
-    device, each tensor operand's shape, strides, dtype and 16-byte alignment, and the other
-    operands (None, scale, flags, sizes) by value; None (nothing kept) off CUDA."""
-    device = _cuda_device(operands[0])
-    if device is None:
-        return None
-    return (
-        build,
-        device,
-        *[
-            (o.shape, o.stride(), o.dtype, o.data_ptr() & 15 == 0)
-            if isinstance(o, torch.Tensor) else o
-            for o in operands
-        ],
-    )  # fmt: skip
-
-
-def _cuda_device(t: torch.Tensor) -> int | None:
-    """The current CUDA device, where the launch of CUDA tensor t runs and its compiled kernel
-    is loaded; None for a tensor elsewhere (tests/test_hopper_compile.py compiles the launches
-    from CPU tensors)."""
-    return torch.cuda.current_device() if t.is_cuda else None
-
-
-class _Ready:
-    """A Gluon launch fixed but for its tensors (_launched): the compiled kernel's runner for
-    the grid, the positional arguments with every scalar in place, which operand each tensor
-    argument is and which each TMA descriptor reads (kept baseless, rebased per call:
-    _rebased), and the values of the constexpr parameters (LaunchCache._tail). It holds no
-    tensor."""
-
-    __slots__ = ("args", "descriptors", "grid", "meta", "runner", "tail", "tensors")
-
-    def __call__(self, operands: tuple) -> None:
-        self.runner(*self.arguments(operands), *self.tail)
-
-    def arguments(self, operands: tuple) -> list:
-        """The launch's positional arguments with this call's operands."""
-        args = list(self.args)
-        for slot, i in self.tensors:
-            args[slot] = operands[i]
-        for slot, i, desc in self.descriptors:
-            args[slot] = _rebased(desc, operands[i])
-        return args
-
-    @classmethod
-    def made(cls, compiled, fn, grid, operands: tuple, args: tuple, meta: dict):
-        """The _Ready of a launch just made, or _UNKEPT where an argument is no operand (a
-        copy) or more than one (aliased operands), or LaunchCache would not keep the kernel."""
-        tail = LaunchCache._tail(fn, compiled, args, meta)
-        if tail is None:
-            return _UNKEPT
-        tensors, descriptors, fixed = [], [], list(args)
-        for slot, arg in enumerate(args):
-            descriptor = _is_descriptor(type(arg))
-            if not (descriptor or isinstance(arg, torch.Tensor)):
-                continue
-            found = [i for i, o in enumerate(operands)
-                     if (_reads(arg.base, o) if descriptor else o is arg)]  # fmt: skip
-            if len(found) != 1:
-                return _UNKEPT
-            if descriptor:
-                descriptors.append((slot, found[0], _rebased(arg, None)))
-            else:
-                tensors.append((slot, found[0]))
-            fixed[slot] = None
-        ready = cls()
-        ready.runner, ready.grid, ready.args = compiled[_grid3(grid)], _grid3(grid), tuple(fixed)
-        ready.tensors, ready.descriptors = tuple(tensors), tuple(descriptors)
-        ready.tail, ready.meta = tail, dict(meta)
-        return ready
-
-    def check(self, operands: tuple, kernel, grid, args: tuple, meta: dict) -> None:
-        """Raises where the arguments made afresh (`build`'s) differ from the kept ones with
-        these operands: the launch key then left out something the arguments follow from."""
-        kept = self.arguments(operands)
-        same = (
-            _grid3(grid) == self.grid and meta == self.meta and len(kept) == len(args)
-            and all(_same_argument(a, b) for a, b in zip(kept, args))
-        )  # fmt: skip
-        if not same:
-            raise AssertionError(f"{kernel}: kept launch arguments {kept} {self.meta} differ "
-                                 f"from those made now: {list(args)} {meta}")  # fmt: skip
-
-
-def _reads(base: torch.Tensor, operand) -> bool:
-    """Whether a descriptor's base is (a view of the whole of) this operand: its memory, dtype
-    and size."""
-    return (
-        isinstance(operand, torch.Tensor) and operand.data_ptr() == base.data_ptr()
-        and operand.dtype == base.dtype and operand.numel() == base.numel()
-    )  # fmt: skip
-
-
-def _fields(desc) -> dict:
-    """A TMA descriptor's fields but its base."""
-    return {name: value for name, value in vars(desc).items() if name != "base"}
-
-
-def _same_argument(a, b) -> bool:
-    """Whether two launch arguments are the same: a tensor by identity, a TMA descriptor by
-    its base's memory and dtype and its other fields, a scalar by type and value."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return a is b
-    if _is_descriptor(type(a)) and type(a) is type(b):
-        return _reads(a.base, b.base) and _fields(a) == _fields(b)
-    return type(a) is type(b) and a == b
-
-
-@_launched
+@launched
 def _hopper_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -514,7 +285,8 @@ def _hopper_forward(
     """kernels/hopper.py hopper_fwd_kernel: query (B, Lq, H, D); key, value the packed rows
     (B, Lk, Hkv, D) with V zero past each list; bias the packed (B, Hkv * heads, 1, Lk) or None;
     the key lists (tiles.KeyLists, key_end per BLOCK_M-row tile); out (B, Lq, H, D) contiguous,
-    lse and lse_rem (B, H, Lq) float32. The launch, as (kernel, grid, args, meta): _launched."""
+    lse and lse_rem (B, H, Lq) float32. The launch, as (kernel, grid, args, meta):
+    _gluon.launched."""
     b, lq, h, d = query.shape
     lk, hkv = key.shape[1], key.shape[2]
     bias_heads = _bias_heads(bias, hkv)
@@ -534,7 +306,7 @@ def _hopper_forward(
     return _FORWARD_KERNEL, (min(n_items, sm_count(query.device)),), args, meta
 
 
-@_launched
+@launched
 def _hopper_dkdv(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -559,7 +331,7 @@ def _hopper_dkdv(
     kernel's (B, H, Lq, 4) row statistics; dk, dv (B, Lk, Hkv, D) and dbias (B, Hkv, 1, Lk)
     written at the keys (zeros at keys no list holds), or with split > 1 the float32 parts
     (split, B * Hkv, Lk, D) at list positions for attention_bwd_dkdv_reduce_kernel. The launch:
-    _launched."""
+    _gluon.launched."""
     b, d = query.shape[0], query.shape[3]
     lk, hkv = key.shape[1], key.shape[2]
     bias_heads = _bias_heads(bias, hkv)
@@ -584,7 +356,7 @@ def _hopper_dkdv(
     return _DKDV_KERNEL, (min(n_items, sm_count(query.device)),), args, meta
 
 
-@_launched
+@launched
 def _hopper_dq(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -606,7 +378,7 @@ def _hopper_dq(
     """kernels/hopper.py hopper_dq_kernel: the forward's operands (_hopper_forward; K and V
     packed with zero tails) with grad_out and the forward's out (B, Lq, H, D), lse and lse_rem;
     writes dq (B, Lq, H, D) and the row statistics stats (B, H, Lq, 4) (launch.RowStats). The
-    launch: _launched."""
+    launch: _gluon.launched."""
     b, lq, h, d = query.shape
     lk, hkv = key.shape[1], key.shape[2]
     bias_heads = _bias_heads(bias, hkv)
