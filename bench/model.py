@@ -25,7 +25,8 @@ Compiled graphs launch our kernels themselves (dmattn_ops/registration/inductor.
 the graph and run our Python launchers. A ``+pt`` suffix (``dma-w4+pt``) runs it with
 DMATTN_DT_BIAS=0: the layer's bias in PyTorch, not through the op dmattn::dt_bias
 (dmattn_ops/dt_bias.py). A ``+split1`` suffix runs it inside ``dmattn_ops.kernel_options(
-dkdv_split=1)``: the dK/dV kernel unsplit, without the reduce kernel a split launches;
+dkdv_split=1)``: the dK/dV kernel unsplit, without the reduce kernel a split launches
+(``+split2``: split in two);
 ``+triton`` and ``+hopper`` with kernel option hopper False (no Gluon kernel) and True (the
 Gluon forward, dQ and dK/dV kernels wherever they apply) instead of its default; ``+dense``,
 ``+tables`` and ``+lists`` force that Triton route; ``+dyn`` compiles the step with symbolic
@@ -314,13 +315,15 @@ def _train_step(model, compiled, x, graphs: bool = False) -> None:
 
 # A variant's suffixes: kernel options its calls take (dmattn_ops.kernel_options blocks, which
 # compiled graphs carry and Dynamo guards on). "split1": the dK/dV kernel unsplit, one
-# launch fewer a layer where the split's reduce kernel would run.
+# launch fewer a layer where the split's reduce kernel would run; "split2": split in two (half
+# the float32 parts the library's split of 4 writes at long calls, NOTES 266).
 # "triton": every kernel on Triton (kernel option hopper=False: long calls' forwards leave the
 # Gluon kernels); "hopper": both passes of every key-list call on Gluon (sm_90).
 # "dense" / "tables": every call on that Triton route (the mask read in the kernels, or through
 # tile tables) instead of the plan's; "lists": on key lists.
 SUFFIX_OPTIONS = {
     "split1": {"dkdv_split": 1},
+    "split2": {"dkdv_split": 2},
     "triton": {"hopper": False},
     "hopper": {"hopper": True},
     "dense": {"route": "dense"},
