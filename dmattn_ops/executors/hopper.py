@@ -20,8 +20,9 @@ list columns come through shared memory (carried in registers they spilled at 12
 the tiles every row sees whole skip the masks, and the consumers' issues alternate. The dQ
 kernel, the forward's structure with dO and O beside Q, runs M-L32768 in 2.56 ms against 3.03,
 the dK/dV kernel 3.56-3.59 against 5.17 (M-L8192: 0.265 against 0.362); a compiled step of short
-calls pays each launch's host time as an extern call (Inductor launches a Triton kernel in ~15
-us): hence the thresholds (both passes from 8192 keys).
+calls pays each launch's host time as an extern call (~40-48 us with the launches kept per
+operand layout, executors/_gluon.py; Inductor launches a Triton kernel in ~15 us): hence the
+thresholds (both passes from 8192 keys).
 
 Gluon kernels cannot go through `torch.library.wrap_triton` (Inductor re-emits a user kernel's
 source under `@triton.jit`), so each launch is an op of its own, `dmattn::_hopper_forward`,
@@ -59,8 +60,9 @@ LONG_TILES_MIN_LK = 8192
 # Key-list calls with at least this many keys run their forward on the Gluon kernel by default
 # (kernel option hopper unset): it is 1.15-1.34x the Triton forward there (M-L8192 0.173 ms
 # against 0.211 since its stores went 8 bytes a thread, bench/NOTES.md 241 and 245), and its
-# extern launch (~65 us of host time, the module docstring) is small beside the call: the
-# compiled B1 L8192 step 7.61 / 7.51 -> 7.37 / 7.38 ms (two rounds; at 16384 before NOTES 245).
+# extern launch (~65 us of host time then, ~40 since launches are kept per layout: NOTES 263)
+# is small beside the call: the compiled B1 L8192 step 7.61 / 7.51 -> 7.37 / 7.38 ms (two
+# rounds; at 16384 before NOTES 245).
 FORWARD_MIN_LK = 8192
 # ... and their backward from this many (dQ and dK/dV kernels): the compiled B1 L32768 step
 # 59.47 -> 56.32 ms on the H200. At 8192 keys the dK/dV kernel was behind the Triton one (0.387
