@@ -156,6 +156,31 @@ def test_fused_ties_go_to_the_lowest_key_indices(monkeypatch, chunked):
     assert got[0, 0, 2].nonzero().flatten().tolist() == [*range(20), *range(30, 40)]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_chunked_selection_splits_ties_inside_one_byte_of_the_images(monkeypatch, dtype):
+    """The chunked kernel's radix select (a byte of the keys' images a pass): rows whose values
+    share their images' high bytes (all in [1, 2), 32 distinct values, many ties), with k
+    landing inside a run of ties, across chunk ends, with and without a padding mask, and k
+    past the allowed keys: the k largest allowed keys, ties to the lowest key indices (a
+    stable descending sort), as the kernel's contract says."""
+    _chunked(monkeypatch, 32)
+    g = torch.Generator().manual_seed(5)
+    bias = (1 + torch.randint(0, 32, (1, 2, 3, 200), generator=g) / 32).to(dtype)
+    pad = torch.rand(1, 200, generator=g) < 0.8
+    if not masks._fused_applies(bias, 7):
+        pytest.skip("the fused kernel does not run here")
+    for mask in (None, pad):
+        allowed = torch.ones(200, dtype=torch.bool) if mask is None else mask[0]
+        scores = bias.float().masked_fill(~allowed, -math.inf)
+        order = scores.sort(dim=-1, descending=True, stable=True).indices
+        for window in (1, 7, 33, 100, 199, 250):
+            want = torch.zeros(bias.shape, dtype=torch.bool)
+            want.scatter_(-1, order[..., :window], True)
+            want &= allowed
+            got = masks.topk_mask(bias, window, mask)
+            assert torch.equal(got, want), (mask is None, window)
+
+
 def test_long_rows_take_the_fused_kernel_and_match_torch_topk(monkeypatch):
     """Rows past FUSED_MAX_KEYS (the model's L32768 calls) with the real chunk: float32 biases
     of distinct values (no ties), a padding mask, smoothing."""
