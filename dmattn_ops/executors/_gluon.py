@@ -104,9 +104,11 @@ def launched(build):
     first launch of each such layout keeps them (_Ready), and later ones only put the call's
     tensors in place and call the compiled kernel's runner: ~45 us of host time a launch
     against ~90 (descriptors, Triton's LaunchCache key and binder; H200, Triton 3.6, NOTES
-    263), which a compiled step pays for each of its Gluon extern calls. With
-    DMATTN_CHECK_PREPARED=1 (the tests) every kept launch is made again and compared
-    (_Ready.check). DMATTN_LAUNCH_CACHE=0 keeps nothing."""
+    263), which a compiled step pays for each of its Gluon extern calls. What `build` reads
+    besides its operands (the launcher module's tile constants) is taken as fixed: set it
+    before the first launch. With DMATTN_CHECK_PREPARED=1 (the tests) every kept launch is
+    made again and compared (_Ready.check), which catches a build that reads anything else.
+    DMATTN_LAUNCH_CACHE=0 keeps nothing."""
 
     @functools.wraps(build)
     def launch(*operands) -> None:
