@@ -158,11 +158,12 @@ def test_fused_ties_go_to_the_lowest_key_indices(monkeypatch, chunked):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_chunked_selection_splits_ties_inside_one_byte_of_the_images(monkeypatch, dtype):
-    """The chunked kernel's radix select (a byte of the keys' images a pass): rows whose values
-    share their images' high bytes (all in [1, 2), 32 distinct values, many ties), with k
-    landing inside a run of ties, across chunk ends, with and without a padding mask, and k
-    past the allowed keys: the k largest allowed keys, ties to the lowest key indices (a
-    stable descending sort), as the kernel's contract says."""
+    """The chunked kernel's threshold search on rows whose values share their images' high
+    bytes (all in [1, 2), 32 distinct values, many ties: the case a search a byte of the images
+    at a time, as a radix select, must split), with k landing inside a run of ties, across
+    chunk ends, with and without a padding mask, and k past the allowed keys: the k largest
+    allowed keys, ties to the lowest key indices (a stable descending sort), as the kernel's
+    contract says."""
     _chunked(monkeypatch, 32)
     g = torch.Generator().manual_seed(5)
     bias = (1 + torch.randint(0, 32, (1, 2, 3, 200), generator=g) / 32).to(dtype)
